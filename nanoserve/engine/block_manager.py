@@ -1,0 +1,171 @@
+"""BlockManager: the KV pool's pages, with reference counts and automatic prefix caching.
+
+A full block is named by a hash chained over every token before it (xxhash), so two requests with
+the same first k*block_size tokens share k physical blocks. Blocks whose last user finished stay in
+the hash map, parked in a free queue, and are evicted least-recently-freed first.
+"""
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from nanoserve.engine.request import Sequence
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] = ()  # kept to check a hash hit token by token
+
+
+def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
+    h = xxhash.xxh3_64()
+    h.update((prev_hash or 0).to_bytes(8, "little"))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.prefix_queries = 0  # prompt tokens looked up in the cache
+        self.prefix_hits = 0  # of which found there
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / len(self.blocks)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache ---------------------------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids holding this sequence's longest cached prefix; its last token is always left
+        out, since the forward pass must compute at least one token to sample from."""
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        num_full = (seq.num_tokens - 1) // self.block_size
+        self._extend_hashes(seq, num_full)
+        for i in range(num_full):
+            block_id = self.cached.get(seq.block_hashes[i])
+            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+        if seq.num_output_tokens == 0:
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += len(hits) * self.block_size
+        return hits
+
+    def _extend_hashes(self, seq: Sequence, num_full: int) -> None:
+        bs = self.block_size
+        while len(seq.block_hashes) < num_full:
+            i = len(seq.block_hashes)
+            prev = seq.block_hashes[-1] if i else None
+            seq.block_hashes.append(chain_hash(prev, seq.token_ids[i * bs:(i + 1) * bs]))
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Name the blocks that this step filled, so later requests can share them."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        self._extend_hashes(seq, num_full)
+        for i in range(num_full):
+            block = self.blocks[seq.block_table[i]]
+            if block.block_hash is not None:
+                continue
+            h = seq.block_hashes[i]
+            if h in self.cached:
+                continue  # an identical block is already cached; keep that one
+            block.block_hash = h
+            block.token_ids = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            self.cached[h] = block.block_id
+
+    # -- allocation -----------------------------------------------------------------------------
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: list[int] = ()) -> bool:
+        return self._num_new_blocks(seq, num_new_tokens, prefix) <= len(self.free)
+
+    def _num_new_blocks(self, seq: Sequence, num_new_tokens: int, prefix: list[int]) -> int:
+        table = seq.block_table or list(prefix)
+        computed = seq.num_computed_tokens or len(prefix) * self.block_size
+        needed = self.blocks_needed(computed + num_new_tokens) - len(table)
+        # A cached block parked in the free queue is taken out of it by a hit.
+        parked = sum(1 for b in prefix if self.blocks[b].ref_count == 0) if not seq.block_table else 0
+        # A shared block about to be written is copied first (copy-on-write).
+        first, last = computed // self.block_size, (computed + num_new_tokens - 1) // self.block_size
+        cow = sum(1 for i in range(first, min(last + 1, len(table))) if self.blocks[table[i]].ref_count > 1)
+        return max(needed, 0) + parked + cow
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, prefix: list[int] = ()) -> list[tuple[int, int]]:
+        """Give `seq` room for `num_new_tokens` more tokens; returns (src, dst) block copies to do
+        before the forward pass. The caller has checked can_allocate."""
+        if not seq.block_table and prefix:
+            for block_id in prefix:
+                self._take_hit(block_id)
+            seq.block_table = list(prefix)
+            seq.num_computed_tokens = len(prefix) * self.block_size
+        copies = []
+        computed = seq.num_computed_tokens
+        first, last = computed // self.block_size, (computed + num_new_tokens - 1) // self.block_size
+        for i in range(first, min(last + 1, len(seq.block_table))):
+            old = self.blocks[seq.block_table[i]]
+            if old.ref_count > 1:
+                new = self._take_fresh()
+                old.ref_count -= 1
+                seq.block_table[i] = new.block_id
+                copies.append((old.block_id, new.block_id))
+        while len(seq.block_table) < self.blocks_needed(computed + num_new_tokens):
+            seq.block_table.append(self._take_fresh().block_id)
+        return copies
+
+    def _take_hit(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1
+
+    def _take_fresh(self) -> Block:
+        block = self.blocks[self.free.popitem(last=False)[0]]
+        if block.block_hash is not None:  # evict: the least recently freed cached block goes first
+            if self.cached.get(block.block_hash) == block.block_id:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+            block.token_ids = ()
+        block.ref_count = 1
+        return block
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares every block of the parent; writes later copy the shared tail block."""
+        for block_id in parent.block_table:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+
+    def free_seq(self, seq: Sequence) -> None:
+        # Reversed, so a prompt's tail blocks are evicted before its head blocks, which more
+        # requests share.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0

@@ -1,0 +1,200 @@
+"""LLMEngine: add requests, step the scheduler and the model, and hand back outputs."""
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from nanoserve.config import EngineArgs, EngineConfig
+from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.detokenizer import IncrementalDetokenizer
+from nanoserve.engine.request import Request, Sequence, SeqStatus
+from nanoserve.engine.scheduler import Scheduler
+from nanoserve.outputs import CompletionOutput, Logprob, RequestOutput
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(path: str):
+    if not (Path(path) / "tokenizer.json").is_file() and not (Path(path) / "tokenizer.model").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config.tokenizer_dir)
+        if not config.model.eos_token_ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            config.model.eos_token_ids = [self.tokenizer.eos_token_id]
+        self.runner = ModelRunner(config)
+        pool_tokens = self.runner.num_kv_blocks * config.args.block_size
+        if pool_tokens < config.max_model_len:
+            if config.args.max_model_len is not None:
+                raise ValueError(f"max_model_len: {config.max_model_len} does not fit the KV pool of "
+                                 f"{pool_tokens} tokens (num_kv_blocks={self.runner.num_kv_blocks})")
+            logger.info("max_model_len lowered to %d, the size of the KV pool", pool_tokens)
+            config.max_model_len = pool_tokens
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.args.block_size,
+                                          config.args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.args.max_num_seqs,
+                                   config.args.max_num_batched_tokens, self._new_sequence)
+        self.requests: dict[str, Request] = {}
+        self.num_generation_tokens = 0
+        self.num_prompt_tokens = 0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args.create_config())
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    # -- requests ---------------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; give token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def validate_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.config.model.vocab_size
+        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt: token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(prompt_ids)} tokens leave no room to generate in the context "
+                             f"of {self.max_model_len} tokens")
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    priority: int = 0) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        prompt_ids = self.tokenize(prompt)
+        self.validate_prompt(prompt_ids)
+        vocab = self.config.model.vocab_size
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids: ids must be in [0, {vocab})")
+        room = self.max_model_len - len(prompt_ids)
+        request = Request(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params,
+                          max_tokens=min(params.max_tokens or room, room), priority=priority)
+        self.requests[request_id] = request
+        self.scheduler.add(self._new_sequence(request))
+        return request
+
+    def _new_sequence(self, request: Request) -> Sequence:
+        index = len(request.seqs)
+        params = request.params
+        generator = None
+        if params.seed is not None:
+            # Sample i of a seeded request draws from seed + i: sample 0 matches the same seed with n=1.
+            generator = torch.Generator(device=self.config.device).manual_seed(params.seed + index)
+        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens,
+                                       params.stop)
+        seq = Sequence(request, index, list(request.prompt_token_ids), len(request.prompt_token_ids), detok,
+                       generator, logprobs=[] if params.logprobs is not None else None)
+        request.seqs.append(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in self.scheduler.abort_request(request):
+            seq.finish_reason = "abort"
+        request.aborted = True
+        return self._output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- one step -----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.scheduled:
+            return []
+        now = time.monotonic()
+        sampled = self.runner.execute(batch)
+        touched: dict[str, Request] = {}
+        row = 0
+        for entry in batch.scheduled:
+            seq = entry.seq
+            request = seq.request
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+                self.num_prompt_tokens += len(request.prompt_token_ids)
+            seq.num_computed_tokens += entry.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
+            for s in entry.sample_seqs:
+                self._append_token(s, sampled.token_ids[row], sampled.logprobs[row])
+                row += 1
+                touched[request.request_id] = request
+        outputs = []
+        for request in touched.values():
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = time.monotonic()
+            outputs.append(self._output(request))
+            if request.finished:
+                request.metrics.finished_time = time.monotonic()
+                del self.requests[request.request_id]
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, logprobs) -> None:
+        if seq.is_finished:
+            return
+        seq.token_ids.append(token)
+        self.num_generation_tokens += 1
+        if logprobs is not None:
+            self._add_logprobs(seq, token, logprobs)
+        stop_string = seq.detokenizer.add_token(token)
+        params = seq.params
+        n_out = seq.num_output_tokens
+        if stop_string is not None:
+            self._finish(seq, "stop", stop_string)
+        elif n_out >= params.min_tokens and token in params.stop_token_ids:
+            self._finish(seq, "stop", token)
+        elif n_out >= params.min_tokens and not params.ignore_eos and token in self.config.model.eos_token_ids:
+            self._finish(seq, "stop", None)
+        elif n_out >= seq.request.max_tokens or seq.num_tokens >= self.max_model_len:
+            self._finish(seq, "length", None)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.scheduler.finish(seq)
+
+    def _add_logprobs(self, seq: Sequence, token: int, logprobs) -> None:
+        top_ids, top_values, chosen, rank = logprobs
+        entry = {token: Logprob(chosen, rank, self._decode_one(token))}
+        for r, (tid, value) in enumerate(zip(top_ids, top_values, strict=True), start=1):
+            entry.setdefault(tid, Logprob(value, r, self._decode_one(tid)))
+        seq.logprobs.append(entry)
+        seq.cumulative_logprob += chosen
+
+    def _decode_one(self, token: int) -> str:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else ""
+
+    def _output(self, request: Request) -> RequestOutput:
+        completions = []
+        for seq in request.seqs:
+            finished = seq.status == SeqStatus.FINISHED
+            completions.append(CompletionOutput(
+                index=seq.index,
+                text=seq.detokenizer.visible_text(finished),
+                token_ids=seq.output_token_ids,
+                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                logprobs=seq.logprobs,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            ))
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
+                             request.finished, num_cached_tokens=request.seqs[0].num_cached_tokens,
+                             metrics=request.metrics)

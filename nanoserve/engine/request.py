@@ -1,0 +1,97 @@
+"""Request (what a caller asked for) and Sequence (one sample of it, the unit the scheduler runs)."""
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from nanoserve.engine.detokenizer import IncrementalDetokenizer
+from nanoserve.outputs import RequestMetrics, TokenLogprobs
+from nanoserve.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+_seq_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: "Request"
+    index: int  # which of the request's n samples
+    token_ids: list[int]  # prompt, then generated tokens
+    num_prompt_tokens: int
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None = None
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # prefix-cache hash chain of the full blocks
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float = 0.0
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """More than one token left to compute: a prompt, or a sequence recomputing after preemption."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # params.max_tokens resolved against the context length
+    priority: int = 0  # lower runs first, as in vLLM
+    arrival_time: float = field(default_factory=time.monotonic)
+    seqs: list[Sequence] = field(default_factory=list)
+    metrics: RequestMetrics = field(init=False)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    aborted: bool = False
+
+    def __post_init__(self) -> None:
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+
+    @property
+    def sort_key(self) -> tuple[int, float]:
+        return (self.priority, self.arrival_time)
+
+    @property
+    def needs_fork(self) -> bool:
+        """n > 1 samples are forked from the first one once its prompt is prefilled."""
+        return not self.aborted and len(self.seqs) < self.params.n
+
+    @property
+    def finished(self) -> bool:
+        return not self.needs_fork and all(s.is_finished for s in self.seqs)

@@ -1,0 +1,132 @@
+"""Scheduler: continuous batching with chunked prefill and preemption by recompute.
+
+Each step spends a token budget (max_num_batched_tokens): running sequences first (one token each
+when decoding, a chunk when still prefilling), then waiting requests in (priority, arrival) order.
+When the KV pool runs out, the lowest-priority running sequence is preempted: its blocks are freed
+and it goes back to the front of the queue to be recomputed later (cheaply, if its blocks are still
+in the prefix cache).
+"""
+
+from dataclasses import dataclass, field
+
+from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.request import Request, Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    # The sequences that get a token sampled from this row's logits: empty while a prompt is only
+    # partly prefilled, [seq] normally, [seq, *forks] when the first prefill of an n > 1 request ends.
+    sample_seqs: list[Sequence] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]  # decodes first, then prefill chunks
+    block_copies: list[tuple[int, int]]
+    num_preempted: int = 0
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for s in self.scheduled if s.num_new_tokens == 1 and not s.seq.in_prefill)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 make_fork) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.make_fork = make_fork  # Request -> new Sequence (built by the engine, which owns tokenizers)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        copies: list[tuple[int, int]] = []
+        preempted = 0
+        self.running.sort(key=lambda s: s.request.sort_key)
+        for seq in list(self.running):  # a copy: forks made in this step wait for the next one
+            if budget == 0 or seq.status != SeqStatus.RUNNING:
+                break
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new == 0:
+                continue  # forked this step, its token not sampled yet
+            while not self.block_manager.can_allocate(seq, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted += 1
+                if victim is seq:
+                    break
+            else:
+                copies += self.block_manager.allocate(seq, num_new)
+                scheduled.append(self._entry(seq, num_new))
+                budget -= num_new
+        # New work is admitted only when nothing had to be preempted, or the preempted would thrash.
+        self.waiting.sort(key=lambda s: s.request.sort_key)
+        while self.waiting and budget > 0 and not preempted:
+            seq = self.waiting[0]
+            if len(self.running) + seq.request.params.n - len(seq.request.seqs) + 1 > self.max_num_seqs:
+                break
+            prefix = self.block_manager.match_prefix(seq) if seq.num_computed_tokens == 0 else []
+            computed = len(prefix) * self.block_manager.block_size
+            num_new = min(seq.num_tokens - computed, budget)
+            if not self.block_manager.can_allocate(seq, num_new, prefix):
+                break
+            if seq.num_output_tokens == 0 and seq.request.metrics.first_scheduled_time is None:
+                seq.num_cached_tokens = computed
+            copies += self.block_manager.allocate(seq, num_new, prefix)
+            self.waiting.pop(0)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(self._entry(seq, num_new))
+            budget -= num_new
+        scheduled.sort(key=lambda s: s.seq.in_prefill)  # stable: decodes first, order kept within
+        return SchedulerOutput(scheduled, copies, preempted)
+
+    def _entry(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+        entry = ScheduledSeq(seq, num_new)
+        if seq.num_computed_tokens + num_new < seq.num_tokens:
+            return entry  # a prompt chunk with more to come: nothing to sample yet
+        entry.sample_seqs = [seq]
+        request = seq.request
+        while request.needs_fork:
+            child = self.make_fork(request)
+            self.block_manager.fork(seq, child)
+            child.num_computed_tokens = seq.num_computed_tokens + num_new
+            child.status = SeqStatus.RUNNING
+            self.running.append(child)
+            entry.sample_seqs.append(child)
+        return entry
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free_seq(seq)
+        seq.status = SeqStatus.WAITING
+        self.waiting.insert(0, seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+            self.block_manager.free_seq(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def abort_request(self, request: Request) -> list[Sequence]:
+        aborted = [s for s in request.seqs if not s.is_finished]
+        for seq in aborted:
+            self.finish(seq)
+        return aborted

@@ -1,0 +1,76 @@
+"""Paged attention over a mixed batch of decode tokens and prefill chunks.
+
+The metadata says, for each sequence in the batch, which new tokens it brings (cu_seqlens_q), how
+long its context is with them (seq_lens) and where its KV pages are (block_tables). New keys and
+values are first written into the paged cache (slot_mapping); attention then reads every key from
+the cache, so a cached prefix, an earlier prefill chunk and the new tokens are all treated alike.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token, -1 = not stored
+    cu_seqlens_q: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32: context length including the new tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    max_seqlen_q: int
+    max_seqlen_k: int
+    num_decodes: int  # the first num_decodes sequences bring exactly one token each
+    seq_lens_cpu: list[int] | None = None  # for the PyTorch path, which loops over sequences
+    cu_seqlens_q_cpu: list[int] | None = None
+
+
+class TorchBackend:
+    """Plain PyTorch: correct everywhere, used on the CPU."""
+
+    @staticmethod
+    def store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep]
+        k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
+        v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+
+    @staticmethod
+    def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        block_size = k_cache.shape[1]
+        group = q.shape[1] // k_cache.shape[2]
+        cu = meta.cu_seqlens_q_cpu or meta.cu_seqlens_q.tolist()
+        lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
+        for b, seq_len in enumerate(lens):
+            start, end = cu[b], cu[b + 1]
+            pages = meta.block_tables[b, :-(-seq_len // block_size)].long()
+            k = k_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1)  # [Hkv, S, D]
+            v = v_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1)
+            qb = q[start:end].transpose(0, 1)  # [Hq, L, D]
+            q_len = end - start
+            # Query i sits at position seq_len - q_len + i and sees keys up to there.
+            mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - q_len)
+            o = F.scaled_dot_product_attention(qb, k.repeat_interleave(group, 0), v.repeat_interleave(group, 0),
+                                               attn_mask=mask, scale=scale)
+            out[start:end] = o.transpose(0, 1)
+        return out
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        # Set by the model runner once the pool is allocated.
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+        self.backend = TorchBackend
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+        self.backend.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)

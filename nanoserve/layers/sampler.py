@@ -1,0 +1,117 @@
+"""Sampler: one batched pass that applies each row's own sampling parameters.
+
+Sampling is argmax(probs / q) with q ~ Exp(1) (the exponential-race form of drawing from probs), so a
+seeded row draws its noise from its own generator and samples the same tokens whatever else is in
+the batch.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.engine.request import Sequence
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row, when logprobs were asked: (top ids, top logprobs, sampled logprob, sampled rank).
+    logprobs: list[tuple[list[int], list[float], float, int] | None]
+
+
+class Sampler:
+    def __init__(self, device: torch.device, eos_token_ids: list[int], seed: int) -> None:
+        self.device = device
+        self.eos_token_ids = eos_token_ids
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = None
+        if any(s.params.logprobs is not None for s in seqs):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = logits.clone()
+        self._mask_stop_tokens(logits, seqs)
+        self._apply_penalties(logits, seqs)
+        tokens = logits.argmax(dim=-1)
+        sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if sampled_rows:
+            rows = torch.tensor(sampled_rows, device=self.device)
+            params = [seqs[i].params for i in sampled_rows]
+            probs = self._filtered_probs(logits[rows], params)
+            q = torch.empty_like(probs).exponential_(generator=self.generator)
+            for j, i in enumerate(sampled_rows):
+                if seqs[i].generator is not None:
+                    q[j].exponential_(generator=seqs[i].generator)
+            tokens[rows] = (probs / q).argmax(dim=-1)
+        token_ids = tokens.tolist()
+        return SamplerOutput(token_ids, self._logprobs(raw_logprobs, tokens, seqs))
+
+    def _mask_stop_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        for i, s in enumerate(seqs):
+            if s.num_output_tokens < s.params.min_tokens:
+                logits[i, self.eos_token_ids + s.params.stop_token_ids] = -float("inf")
+
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        rows = [i for i, s in enumerate(seqs) if s.params.has_penalties]
+        if not rows:
+            return
+        vocab = logits.shape[1]
+        for i in rows:
+            p = seqs[i].params
+            out_ids = torch.tensor(seqs[i].output_token_ids, dtype=torch.long, device=self.device)
+            row = logits[i]
+            if p.repetition_penalty != 1:
+                # As in Hugging Face (CTRL): over prompt and output, shrink positive logits, grow negative.
+                seen = torch.tensor(seqs[i].token_ids, dtype=torch.long, device=self.device).unique()
+                picked = row[seen]
+                row[seen] = torch.where(picked > 0, picked / p.repetition_penalty,
+                                        picked * p.repetition_penalty)
+            if p.presence_penalty or p.frequency_penalty:
+                # As in OpenAI's API: over generated tokens only.
+                counts = torch.bincount(out_ids, minlength=vocab).to(row.dtype)
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+    def _filtered_probs(self, logits: torch.Tensor, params) -> torch.Tensor:
+        temps = torch.tensor([p.temperature for p in params], device=self.device)
+        logits = logits / temps[:, None]
+        need_top_k = any(p.top_k > 0 for p in params)
+        need_top_p = any(p.top_p < 1 for p in params)
+        need_min_p = any(p.min_p > 0 for p in params)
+        if not (need_top_k or need_top_p or need_min_p):
+            return torch.softmax(logits, dim=-1)
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        vocab = logits.shape[1]
+        remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if need_top_k:
+            k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=self.device)
+            remove |= torch.arange(vocab, device=self.device)[None, :] >= k[:, None]
+        probs = torch.softmax(sorted_logits.masked_fill(remove, -float("inf")), dim=-1)
+        if need_top_p:
+            top_p = torch.tensor([p.top_p for p in params], device=self.device)
+            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+            remove |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+        if need_min_p:
+            min_p = torch.tensor([p.min_p for p in params], device=self.device)
+            remove |= probs < min_p[:, None] * probs[:, :1]
+        remove[:, 0] = False
+        mask = torch.empty_like(remove).scatter_(1, order, remove)
+        return torch.softmax(logits.masked_fill(mask, -float("inf")), dim=-1)
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor | None, tokens: torch.Tensor, seqs: list[Sequence]):
+        if raw is None:
+            return [None] * len(seqs)
+        out = []
+        for i, s in enumerate(seqs):
+            n = s.params.logprobs
+            if n is None:
+                out.append(None)
+                continue
+            row = raw[i]
+            chosen = row[tokens[i]]
+            rank = int((row > chosen).sum().item()) + 1
+            top = row.topk(n) if n else None
+            out.append((top.indices.tolist() if n else [], top.values.tolist() if n else [],
+                        float(chosen.item()), rank))
+        return out

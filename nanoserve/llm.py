@@ -1,0 +1,74 @@
+"""LLM: offline batch generation, the simplest way to use nanoserve from Python."""
+
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from nanoserve.config import EngineArgs
+from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.outputs import RequestOutput
+from nanoserve.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        unknown = set(kwargs) - set(EngineArgs.field_names())
+        if unknown:
+            raise ValueError(f"{sorted(unknown)[0]}: not an engine argument")
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self._counter = 0
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Completions in the order of `prompts` (a string, token ids, or a list of either)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = sampling_params or SamplingParams()
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        ids = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+                request_id = f"offline-{self._counter}"
+                self._counter += 1
+                self.engine.add_request(request_id, prompt, p, priority[i] if priority else 0)
+                ids.append(request_id)
+        except ValueError:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generating", disable=not use_tqdm) as bar:
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        return [done[i] for i in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError("messages: this model has no chat template")
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tok.encode(text, add_special_tokens=False)

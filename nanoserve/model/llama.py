@@ -1,0 +1,111 @@
+"""The Llama family: Llama 2/3, Mistral and Qwen2 (q/k/v bias); Qwen3 adds q/k norms (qwen3.py)."""
+
+import torch
+from torch import nn
+
+from nanoserve.config import ModelConfig
+from nanoserve.layers.activation import SiluAndMul
+from nanoserve.layers.attention import Attention, AttentionMetadata
+from nanoserve.layers.embedding import LMHead
+from nanoserve.layers.linear import GateUpLinear, QKVLinear
+from nanoserve.layers.norm import RMSNorm
+from nanoserve.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVLinear(config.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
+                                  config.attention_bias)
+        # Llama puts the bias on o_proj too when attention_bias is set; Qwen2 biases only q/k/v.
+        o_bias = config.attention_bias and config.raw.get("model_type") != "qwen2"
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.rotary = rotary
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta).flatten(1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act: only 'silu' is supported, got {config.hidden_act!r}")
+        if config.raw.get("mlp_bias"):
+            raise ValueError("mlp_bias: MLP biases are not supported")
+        self.gate_up_proj = GateUpLinear(config.hidden_size, config.intermediate_size)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary, qk_norm)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, x, residual, meta: AttentionMetadata):
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, max_model_len: int, qk_norm: bool) -> None:
+        super().__init__()
+        rotary = RotaryEmbedding(config.head_dim, max_model_len, config.rope_theta, config.rope_scaling)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, qk_norm)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    qk_norm = False
+    # checkpoint name part -> (our parameter name part, shard)
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(self, config: ModelConfig, max_model_len: int) -> None:
+        super().__init__()
+        self.model = LlamaModel(config, max_model_len, self.qk_norm)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

@@ -1,0 +1,79 @@
+"""ModelRunner: turns a scheduled batch into tensors, runs one forward pass, and samples."""
+
+import torch
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine.scheduler import SchedulerOutput
+from nanoserve.layers.attention import Attention, AttentionMetadata
+from nanoserve.layers.sampler import Sampler, SamplerOutput
+from nanoserve.model.loader import load_model
+from nanoserve.worker.kv_cache import allocate_kv_cache, num_blocks_for
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.device
+        self.block_size = config.args.block_size
+        torch.manual_seed(config.args.seed)
+        self.model = load_model(config)
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.num_kv_blocks = num_blocks_for(config, self._free_memory())
+        self.kv_cache = allocate_kv_cache(config, self.num_kv_blocks)
+        for layer, (k, v) in zip(self.attn_layers, self.kv_cache, strict=True):
+            layer.k_cache, layer.v_cache = k, v
+        self.sampler = Sampler(self.device, config.model.eos_token_ids, config.args.seed)
+
+    def _free_memory(self) -> int | None:
+        if self.device.type != "cuda":
+            return None
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free
+        return int(total * self.config.args.gpu_memory_utilization) - used
+
+    def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        input_ids, positions, slots, cu, lens, tables, logit_rows = [], [], [], [0], [], [], []
+        for entry in batch.scheduled:
+            seq, start = entry.seq, entry.seq.num_computed_tokens
+            end = start + entry.num_new_tokens
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            bs, table = self.block_size, seq.block_table
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            cu.append(cu[-1] + entry.num_new_tokens)
+            lens.append(end)
+            tables.append(table)
+            logit_rows += [cu[-1] - 1] * len(entry.sample_seqs)
+        width = max(len(t) for t in tables)
+        block_tables = [t + [0] * (width - len(t)) for t in tables]
+
+        def tensor(x, dtype):
+            return torch.tensor(x, dtype=dtype, pin_memory=self.device.type == "cuda").to(
+                self.device, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor(slots, torch.int64),
+            cu_seqlens_q=tensor(cu, torch.int32),
+            seq_lens=tensor(lens, torch.int32),
+            block_tables=tensor(block_tables, torch.int32),
+            max_seqlen_q=max(e.num_new_tokens for e in batch.scheduled),
+            max_seqlen_k=max(lens),
+            num_decodes=batch.num_decodes,
+            seq_lens_cpu=lens,
+            cu_seqlens_q_cpu=cu,
+        )
+        return tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta, logit_rows
+
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput) -> SamplerOutput:
+        for src, dst in batch.block_copies:
+            for k, v in self.kv_cache:
+                k[dst].copy_(k[src])
+                v[dst].copy_(v[src])
+        input_ids, positions, meta, logit_rows = self.prepare(batch)
+        hidden = self.model(input_ids, positions, meta)
+        seqs = [s for e in batch.scheduled for s in e.sample_seqs]
+        if not seqs:
+            return SamplerOutput([], [])
+        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
+        return self.sampler(logits, seqs)
