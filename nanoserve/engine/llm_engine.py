@@ -64,6 +64,14 @@ class LLMEngine:
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation rendered by the tokenizer's chat template."""
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError("messages: this model has no chat template")
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tok.encode(text, add_special_tokens=False)
+
     def validate_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
             raise ValueError("prompt: must not be empty")
