@@ -9,7 +9,7 @@ import torch
 from nanoserve.config import EngineArgs, EngineConfig
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
-from nanoserve.engine.request import Request, Sequence, SeqStatus
+from nanoserve.engine.request import Request, SeqStatus, Sequence
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.outputs import CompletionOutput, Logprob, RequestOutput
 from nanoserve.sampling_params import SamplingParams

@@ -10,7 +10,7 @@ in the prefix cache).
 from dataclasses import dataclass, field
 
 from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.request import Request, Sequence, SeqStatus
+from nanoserve.engine.request import Request, SeqStatus, Sequence
 
 
 @dataclass
