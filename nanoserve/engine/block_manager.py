@@ -58,7 +58,8 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding this sequence's longest cached prefix; its last token is always left
         out, since the forward pass must compute at least one token to sample from."""
-        if not self.enable_prefix_caching:
+        # prompt_logprobs need every prompt position computed, so such requests skip the cache.
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         hits = []
         num_full = (seq.num_tokens - 1) // self.block_size

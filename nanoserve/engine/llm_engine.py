@@ -131,7 +131,7 @@ class LLMEngine:
         if not batch.scheduled:
             return []
         now = time.monotonic()
-        sampled = self.runner.execute(batch)
+        sampled, prompt_logprobs = self.runner.execute(batch)
         touched: dict[str, Request] = {}
         row = 0
         for entry in batch.scheduled:
@@ -142,6 +142,8 @@ class LLMEngine:
                 self.num_prompt_tokens += len(request.prompt_token_ids)
             seq.num_computed_tokens += entry.num_new_tokens
             self.block_manager.cache_full_blocks(seq)
+            if request.request_id in prompt_logprobs:
+                self._add_prompt_logprobs(request, prompt_logprobs[request.request_id])
             for s in entry.sample_seqs:
                 self._append_token(s, sampled.token_ids[row], sampled.logprobs[row])
                 row += 1
@@ -181,11 +183,21 @@ class LLMEngine:
 
     def _add_logprobs(self, seq: Sequence, token: int, logprobs) -> None:
         top_ids, top_values, chosen, rank = logprobs
-        entry = {token: Logprob(chosen, rank, self._decode_one(token))}
+        seq.logprobs.append(self._logprob_entry(token, chosen, rank, top_ids, top_values))
+        seq.cumulative_logprob += chosen
+
+    def _add_prompt_logprobs(self, request: Request, rows: list) -> None:
+        if request.prompt_logprobs is None:
+            request.prompt_logprobs = [None]  # the first prompt token has nothing before it
+        request.prompt_logprobs += [self._logprob_entry(*row) for row in rows]
+
+    def _logprob_entry(self, token: int, logprob: float, rank: int, top_ids: list[int],
+                       top_values: list[float]) -> dict[int, Logprob]:
+        """The chosen token and the top-N, each with its logprob and rank."""
+        entry = {token: Logprob(logprob, rank, self._decode_one(token))}
         for r, (tid, value) in enumerate(zip(top_ids, top_values, strict=True), start=1):
             entry.setdefault(tid, Logprob(value, r, self._decode_one(tid)))
-        seq.logprobs.append(entry)
-        seq.cumulative_logprob += chosen
+        return entry
 
     def _decode_one(self, token: int) -> str:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else ""
@@ -204,5 +216,6 @@ class LLMEngine:
                 stop_reason=seq.stop_reason,
             ))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                             request.finished, num_cached_tokens=request.seqs[0].num_cached_tokens,
+                             request.finished, prompt_logprobs=request.prompt_logprobs,
+                             num_cached_tokens=request.seqs[0].num_cached_tokens,
                              metrics=request.metrics)

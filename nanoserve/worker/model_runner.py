@@ -32,6 +32,7 @@ class ModelRunner:
         return int(total * self.config.args.gpu_memory_utilization) - used
 
     def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """input_ids, positions, attention metadata, and the hidden rows to sample from."""
         input_ids, positions, slots, cu, lens, tables, logit_rows = [], [], [], [0], [], [], []
         for entry in batch.scheduled:
             seq, start = entry.seq, entry.seq.num_computed_tokens
@@ -65,15 +66,40 @@ class ModelRunner:
         return tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta, logit_rows
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> SamplerOutput:
+    def execute(self, batch: SchedulerOutput) -> tuple[SamplerOutput, dict]:
+        """Sampled tokens (one per sample sequence, in order) and, for requests that asked for
+        prompt_logprobs, {request_id: [(target id, logprob, rank, top ids, top logprobs), ...]}."""
         for src, dst in batch.block_copies:
             for k, v in self.kv_cache:
                 k[dst].copy_(k[src])
                 v[dst].copy_(v[src])
         input_ids, positions, meta, logit_rows = self.prepare(batch)
         hidden = self.model(input_ids, positions, meta)
+        prompt_logprobs = self._prompt_logprobs(batch, hidden, meta.cu_seqlens_q_cpu)
         seqs = [s for e in batch.scheduled for s in e.sample_seqs]
         if not seqs:
-            return SamplerOutput([], [])
+            return SamplerOutput([], []), prompt_logprobs
         logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
-        return self.sampler(logits, seqs)
+        return self.sampler(logits, seqs), prompt_logprobs
+
+    def _prompt_logprobs(self, batch: SchedulerOutput, hidden: torch.Tensor, cu: list[int]) -> dict:
+        result = {}
+        for i, entry in enumerate(batch.scheduled):
+            seq, n = entry.seq, entry.seq.params.prompt_logprobs
+            if n is None or seq.num_output_tokens or seq.index:
+                continue
+            # Row j predicts token start + j + 1; the prompt's last row predicts the first output.
+            start = seq.num_computed_tokens
+            count = min(entry.num_new_tokens, seq.num_prompt_tokens - 1 - start)
+            if count <= 0:
+                continue
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[cu[i]:cu[i] + count]), dim=-1)
+            targets = torch.tensor(seq.token_ids[start + 1:start + 1 + count], device=self.device)
+            chosen = logprobs.gather(1, targets[:, None])
+            ranks = (logprobs > chosen).sum(dim=1) + 1
+            top = logprobs.topk(n, dim=1) if n else None
+            result[seq.request.request_id] = [
+                (t, lp, r, top.indices[j].tolist() if n else [], top.values[j].tolist() if n else [])
+                for j, (t, lp, r) in enumerate(zip(targets.tolist(), chosen[:, 0].tolist(), ranks.tolist(),
+                                                   strict=True))]
+        return result

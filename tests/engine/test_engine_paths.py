@@ -156,3 +156,28 @@ def test_bad_engine_args_name_the_field(llama_dir, tmp_path):
         LLM(str(llama_dir), dtype="float8")
     with pytest.raises(ValueError, match="^bogus"):
         LLM(str(llama_dir), bogus=1)
+
+
+def test_logprobs_and_prompt_logprobs_match_transformers(llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(str(llama_dir), num_kv_blocks=64, max_num_batched_tokens=16)  # the prompt comes in chunks
+    prompt = list(range(5, 45))
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2,
+                                                prompt_logprobs=1), use_tqdm=False)[0]
+    hf = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    full = prompt + out.outputs[0].token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([full])).logits[0], -1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for p in range(1, len(prompt)):
+        entry = out.prompt_logprobs[p][prompt[p]]
+        assert abs(entry.logprob - ref[p - 1, prompt[p]].item()) < 1e-4
+        assert entry.rank == int((ref[p - 1] > ref[p - 1, prompt[p]]).sum()) + 1
+    for j, (tok, entry) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs, strict=True)):
+        row = ref[len(prompt) - 1 + j]
+        assert entry[tok].rank == 1 and abs(entry[tok].logprob - row.max().item()) < 1e-4
+        assert len(entry) == 2 and set(entry) == set(row.topk(2).indices.tolist())
+    assert abs(out.outputs[0].cumulative_logprob - sum(e[t].logprob for t, e in
+                                                       zip(out.outputs[0].token_ids, out.outputs[0].logprobs,
+                                                           strict=True))) < 1e-5
