@@ -60,6 +60,37 @@ class TorchBackend:
         return out
 
 
+class TritonBackend:
+    """The Triton kernels: decodes through flash-decoding, prefill chunks through the varlen kernel."""
+
+    @staticmethod
+    def store(k, v, k_cache, v_cache, slot_mapping) -> None:
+        from nanoserve.kernels.kv_store import store_kvcache
+
+        store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+
+    @staticmethod
+    def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        from nanoserve.kernels.decode_attention import decode_attention
+        from nanoserve.kernels.prefill_attention import prefill_attention
+
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            decode_attention(q[:nd], k_cache, v_cache, meta.seq_lens[:nd], meta.block_tables[:nd], scale,
+                             out=out[:nd])
+        if nd < meta.seq_lens.shape[0]:
+            # Decodes come first with one token each, so the prefill part starts at token nd.
+            prefill_attention(q[nd:], k_cache, v_cache, meta.cu_seqlens_q[nd:] - nd, meta.seq_lens[nd:],
+                              meta.block_tables[nd:], meta.max_seqlen_q, scale, out=out[nd:])
+        return out
+
+
+def backend_for(device: torch.device):
+    return TritonBackend if device.type == "cuda" else TorchBackend
+
+
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()

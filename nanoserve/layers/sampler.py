@@ -102,16 +102,16 @@ class Sampler:
     def _logprobs(raw: torch.Tensor | None, tokens: torch.Tensor, seqs: list[Sequence]):
         if raw is None:
             return [None] * len(seqs)
+        # One batched top-k and one transfer to the host for all rows, not a sync per request.
+        max_n = max(s.params.logprobs or 0 for s in seqs)
+        chosen = raw.gather(1, tokens[:, None])
+        ranks = ((raw > chosen).sum(dim=1) + 1).tolist()
+        top = raw.topk(max_n, dim=1) if max_n else None
+        top_ids = top.indices.tolist() if max_n else [[]] * len(seqs)
+        top_values = top.values.tolist() if max_n else [[]] * len(seqs)
+        chosen = chosen[:, 0].tolist()
         out = []
         for i, s in enumerate(seqs):
             n = s.params.logprobs
-            if n is None:
-                out.append(None)
-                continue
-            row = raw[i]
-            chosen = row[tokens[i]]
-            rank = int((row > chosen).sum().item()) + 1
-            top = row.topk(n) if n else None
-            out.append((top.indices.tolist() if n else [], top.values.tolist() if n else [],
-                        float(chosen.item()), rank))
+            out.append(None if n is None else (top_ids[i][:n], top_values[i][:n], chosen[i], ranks[i]))
         return out

@@ -4,10 +4,11 @@ import torch
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.scheduler import SchedulerOutput
-from nanoserve.layers.attention import Attention, AttentionMetadata
+from nanoserve.layers.attention import Attention, AttentionMetadata, backend_for
 from nanoserve.layers.sampler import Sampler, SamplerOutput
 from nanoserve.model.loader import load_model
-from nanoserve.worker.kv_cache import allocate_kv_cache, num_blocks_for
+from nanoserve.worker.cuda_graphs import CUDAGraphRunner
+from nanoserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
 
 
 class ModelRunner:
@@ -18,18 +19,62 @@ class ModelRunner:
         torch.manual_seed(config.args.seed)
         self.model = load_model(config)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.num_kv_blocks = num_blocks_for(config, self._free_memory())
+        for layer in self.attn_layers:
+            layer.backend = backend_for(self.device)
+        fixed_pool = config.args.num_kv_blocks is not None
+        self.num_kv_blocks = num_blocks_for(config, None if fixed_pool else self._free_memory())
         self.kv_cache = allocate_kv_cache(config, self.num_kv_blocks)
-        for layer, (k, v) in zip(self.attn_layers, self.kv_cache, strict=True):
-            layer.k_cache, layer.v_cache = k, v
+        self._bind_kv_cache(self.kv_cache)
         self.sampler = Sampler(self.device, config.model.eos_token_ids, config.args.seed)
+        self.graphs = None
+        if self.device.type == "cuda" and not config.args.enforce_eager:
+            max_blocks = -(-config.max_model_len // self.block_size)
+            self.graphs = CUDAGraphRunner(self.model, min(config.args.max_num_seqs, 512), max_blocks, self.device)
+            self.graphs.capture()
+
+    def _bind_kv_cache(self, kv_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for layer, (k, v) in zip(self.attn_layers, kv_cache, strict=True):
+            layer.k_cache, layer.v_cache = k, v
 
     def _free_memory(self) -> int | None:
+        """Bytes left for the KV pool: the budget, less what weights and a worst-case step use."""
         if self.device.type != "cuda":
             return None
+        torch.cuda.synchronize()
+        weights = torch.cuda.memory_allocated()
+        peak = self._profile_peak()
         free, total = torch.cuda.mem_get_info(self.device)
-        used = total - free
-        return int(total * self.config.args.gpu_memory_utilization) - used
+        # Everything already on the device (weights, context, other processes) plus the activation
+        # peak of the largest step must fit in the budget alongside the pool.
+        return int(total * self.config.args.gpu_memory_utilization) - (total - free) - (peak - weights)
+
+    @torch.inference_mode()
+    def _profile_peak(self) -> int:
+        """Peak memory of one forward pass over max_num_batched_tokens prompt tokens."""
+        cfg, args = self.config, self.config.args
+        num_tokens = args.max_num_batched_tokens
+        seq_len = min(num_tokens, cfg.max_model_len)
+        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+        blocks_per_seq = -(-seq_len // self.block_size)
+        scratch = allocate_kv_cache(cfg, blocks_per_seq)  # every sequence writes the same pages
+        self._bind_kv_cache(scratch)
+        torch.cuda.reset_peak_memory_stats()
+        cu = torch.tensor([0] + lens, device=self.device).cumsum(0).to(torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat([torch.arange(n, device=self.device) for n in lens]),
+            cu_seqlens_q=cu, seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+            block_tables=torch.arange(blocks_per_seq, dtype=torch.int32, device=self.device).repeat(len(lens), 1),
+            max_seqlen_q=seq_len, max_seqlen_k=seq_len, num_decodes=0)
+        ids = torch.randint(0, cfg.model.vocab_size, (num_tokens,), device=self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        hidden = self.model(ids, positions, meta)
+        self.model.compute_logits(hidden[:min(args.max_num_seqs, num_tokens)])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        del scratch, hidden
+        self._bind_kv_cache([(None, None)] * len(self.attn_layers))
+        torch.cuda.empty_cache()
+        return peak - blocks_per_seq * bytes_per_block(cfg)
 
     def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """input_ids, positions, attention metadata, and the hidden rows to sample from."""
@@ -74,7 +119,10 @@ class ModelRunner:
                 k[dst].copy_(k[src])
                 v[dst].copy_(v[src])
         input_ids, positions, meta, logit_rows = self.prepare(batch)
-        hidden = self.model(input_ids, positions, meta)
+        if self.graphs is not None and self.graphs.can_run(len(batch.scheduled), meta.num_decodes):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta)
         prompt_logprobs = self._prompt_logprobs(batch, hidden, meta.cu_seqlens_q_cpu)
         seqs = [s for e in batch.scheduled for s in e.sample_seqs]
         if not seqs:

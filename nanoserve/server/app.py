@@ -1,0 +1,175 @@
+"""The OpenAI-compatible HTTP server: routes, app assembly, and run_server.
+
+build_app wires an AsyncEngine into a FastAPI app (tests build one around any engine); run_server
+builds the engine from EngineArgs and serves it with uvicorn until SIGTERM / SIGINT, draining first.
+`python -m nanoserve.server.app --model DIR --port P` runs it without the CLI.
+"""
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import types
+import typing
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+import nanoserve
+from nanoserve.config import EngineArgs
+from nanoserve.engine.async_engine import AsyncEngine
+from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.server.errors import APIError, bad_request, install_error_handlers
+from nanoserve.server.gate import GateMiddleware, GateState
+from nanoserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from nanoserve.server.serving_chat import ServingChat
+from nanoserve.server.serving_completions import ServingCompletions
+from nanoserve.server.shutdown import serve_with_drain
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 1 << 20
+BUNDLED_MODEL_NAME = "nanoserve-tiny"
+
+
+def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+              max_waiting_requests: int | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+              gate: GateState | None = None) -> FastAPI:
+    """The app around a running AsyncEngine. `gate` is shared with serve_with_drain for shutdown."""
+    gate = gate or GateState()
+    app = FastAPI(title="nanoserve", version=nanoserve.__version__, docs_url=None, redoc_url=None)
+    app.add_middleware(GateMiddleware, state=gate, api_key=api_key, max_body_bytes=max_body_bytes)
+    install_error_handlers(app)
+    metrics = ServerMetrics(async_engine)
+    completions = ServingCompletions(async_engine, served_model_name, metrics, max_waiting_requests)
+    chat = ServingChat(async_engine, served_model_name, metrics, max_waiting_requests)
+    app.state.async_engine, app.state.gate, app.state.metrics = async_engine, gate, metrics
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        return await completions.create(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        return await chat.create(body, request)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [{
+            "id": served_model_name, "object": "model", "created": 0, "owned_by": "nanoserve",
+            "root": async_engine.engine.config.model_dir, "max_model_len": async_engine.max_model_len,
+            "vocab_size": async_engine.engine.config.model.vocab_size}]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        s = async_engine.stats
+        body = {"status": "ok", "waiting": async_engine.num_waiting, "running": s.num_running,
+                "kv_blocks_used": s.num_blocks - s.num_free_blocks, "kv_blocks_total": s.num_blocks,
+                "kv_blocks_free": s.num_free_blocks, "prefix_cache_hit_rate": s.prefix_hit_rate,
+                "in_flight": gate.in_flight}
+        if async_engine.dead:
+            return JSONResponse({**body, "status": "dead", "error": async_engine.error}, status_code=503)
+        if gate.draining:
+            return JSONResponse({**body, "status": "draining"}, status_code=503)
+        return JSONResponse(body)
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": nanoserve.__version__}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        completions.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "prompt: give exactly one of prompt or messages", "prompt")
+        try:
+            if body.prompt is not None:
+                ids = await async_engine.tokenize(body.prompt)
+            else:
+                ids = await async_engine.apply_chat_template([m.model_dump() | {"content": m.text()}
+                                                              for m in body.messages])
+        except ValueError as exc:
+            raise bad_request(exc) from None
+        return {"tokens": ids, "count": len(ids), "max_model_len": async_engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        completions.check_model(body.model)
+        vocab = async_engine.engine.config.model.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"tokens: ids must be in [0, {vocab})", "tokens")
+        try:
+            return {"prompt": await async_engine.detokenize(body.tokens)}
+        except ValueError as exc:
+            raise bad_request(exc) from None
+
+    return app
+
+
+def default_model_name(engine_args: EngineArgs) -> str:
+    if engine_args.model is None:
+        return BUNDLED_MODEL_NAME
+    return os.path.basename(os.path.normpath(engine_args.model))
+
+
+def run_server(engine_args: EngineArgs, host: str, port: int, api_key: str | None, max_waiting_requests: int,
+               drain_timeout: float, served_model_name: str | None) -> None:
+    """Load the model, serve until SIGTERM / SIGINT, drain, and return (the process exits 0)."""
+    engine = LLMEngine(engine_args.create_config())
+    async_engine = AsyncEngine(engine)
+    gate = GateState()
+    name = served_model_name or default_model_name(engine_args)
+    app = build_app(async_engine, name, api_key, max_waiting_requests, gate=gate)
+    # The drain happens before uvicorn's shutdown; its own graceful timeout only bounds the last sends.
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
+                            timeout_graceful_shutdown=5)
+    logger.info("serving %r (max_model_len %d) on http://%s:%d", name, engine.max_model_len, host, port)
+    try:
+        asyncio.run(serve_with_drain(config, gate, async_engine, drain_timeout))
+    finally:
+        async_engine.shutdown()
+
+
+# -- python -m nanoserve.server.app ---------------------------------------------------------------
+def _arg_type(field: dataclasses.Field) -> type:
+    """int / float / str from an EngineArgs annotation such as `int | None`."""
+    hint = field.type
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint if hint in (int, float, str) else str
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m nanoserve.server.app", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--max-waiting-requests", type=int, default=1024)
+    p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--served-model-name", default=None)
+    for f in dataclasses.fields(EngineArgs):
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(f.default, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            p.add_argument(flag, type=_arg_type(f), default=f.default)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    engine_args = EngineArgs(**{name: getattr(args, name) for name in EngineArgs.field_names()})
+    run_server(engine_args, args.host, args.port, args.api_key, args.max_waiting_requests, args.drain_timeout,
+               args.served_model_name)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}, with the HTTP status.
+
+Every error the server returns goes through here, so clients built for OpenAI (whose SDK raises
+BadRequestError, NotFoundError, RateLimitError ... by status) see what they expect.
+"""
+
+import re
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
+
+
+@dataclass
+class APIError(Exception):
+    status: int
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+    def to_dict(self) -> dict:
+        return error_body(self.status, self.message, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.to_dict(), status_code=self.status)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "internal_server_error"),
+                      "param": param, "code": code or str(status)}}
+
+
+def bad_request(exc: ValueError) -> APIError:
+    """A ValueError raised by the engine or SamplingParams ("field: rule, got value") as a 400."""
+    message = str(exc)
+    match = re.match(r"([A-Za-z_][\w.]*): ", message)
+    return APIError(400, message, match.group(1) if match else None)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI answers 422 by default; OpenAI's API (and its clients) expect 400 naming the field.
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        # Union members add their type name to the path ("prompt.str"); the field is what matters.
+        param = ".".join(p for p in loc if not _looks_like_type(p)) or None
+        message = first.get("msg", "invalid request")
+        return APIError(400, f"{param}: {message}" if param else message, param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+
+
+def _looks_like_type(part: str) -> bool:
+    return part in ("str", "int", "float", "bool") or part.startswith(("list[", "dict[")) or part[0].isupper()

@@ -1,0 +1,150 @@
+"""What completions and chat share: checking a request against the model, turning prompts into
+engine requests, and turning the engine's cumulative outputs into per-choice deltas.
+
+The engine reports each sample's text, token ids and logprobs cumulatively; a stream sends only what
+is new since the last chunk, so `ChoiceState` remembers how much of each choice was sent.
+"""
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from nanoserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestGroup
+from nanoserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.server.errors import APIError, bad_request, error_body
+from nanoserve.server.metrics import ServerMetrics
+from nanoserve.server.streaming import SSE_DONE, sse
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ChoiceState:
+    """How much of one choice has been sent so far."""
+
+    text_len: int = 0
+    num_tokens: int = 0
+    finished: bool = False
+
+    def delta(self, c: CompletionOutput) -> tuple[str, list[int], list[TokenLogprobs] | None]:
+        text, ids = c.text[self.text_len:], c.token_ids[self.num_tokens:]
+        logprobs = c.logprobs[self.num_tokens:] if c.logprobs is not None else None
+        self.text_len, self.num_tokens = len(c.text), len(c.token_ids)
+        self.finished = c.finish_reason is not None
+        return text, ids, logprobs
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def to_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+@dataclass
+class Generation:
+    """One HTTP request's engine work in flight: its id, prompts and merged outputs."""
+
+    response_id: str
+    created: int
+    model: str
+    prompts: list[list[int]]
+    n: int
+    group: RequestGroup
+    choices: dict[int, ChoiceState] = field(default_factory=dict)
+
+    def choice_index(self, prompt_index: int, sample_index: int) -> int:
+        return prompt_index * self.n + sample_index
+
+    def usage(self, finals: dict[int, RequestOutput]) -> Usage:
+        usage = Usage(prompt_tokens=sum(len(p) for p in self.prompts))
+        for out in finals.values():
+            usage.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+            usage.cached_tokens += out.num_cached_tokens
+        return usage
+
+
+class ServingBase:
+    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics,
+                 max_waiting_requests: int | None) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+        self.max_waiting_requests = max_waiting_requests
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"model: {model!r} is not served here; this server serves "
+                                f"{self.model_name!r}", "model", "model_not_found")
+
+    def check_prompt(self, prompt_ids: list[int], max_tokens: int | None, param: str = "prompt") -> None:
+        try:
+            self.engine.engine.validate_prompt(prompt_ids)
+        except ValueError as exc:
+            raise APIError(400, str(exc).replace("prompt:", f"{param}:", 1), param) from None
+        limit = self.engine.max_model_len
+        if max_tokens is not None and len(prompt_ids) + max_tokens > limit:
+            raise APIError(400, f"max_tokens: the prompt has {len(prompt_ids)} tokens and max_tokens is "
+                                f"{max_tokens}, {len(prompt_ids) + max_tokens} in all, over the model's "
+                                f"context of {limit} tokens", "max_tokens", "context_length_exceeded")
+
+    def sampling_params(self, build) -> SamplingParams:
+        try:
+            return build()
+        except ValueError as exc:
+            raise bad_request(exc) from None
+
+    def start(self, prefix: str, prompts: list[list[int]], params: SamplingParams) -> Generation:
+        """Submit one engine request per prompt; raises 429 / 503 at once when it cannot run.
+        No await between the check and the submit, so concurrent handlers cannot both slip in."""
+        waiting, limit = self.engine.num_waiting, self.max_waiting_requests
+        if limit is not None and waiting >= limit:
+            raise APIError(429, f"{waiting} requests are waiting to run (limit {limit}); retry later",
+                           code="too_many_waiting_requests")
+        response_id = f"{prefix}-{uuid.uuid4().hex}"
+        requests = [(f"{response_id}-{i}", ids, params) for i, ids in enumerate(prompts)]
+        try:
+            group = self.engine.submit(requests)
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), code="engine_dead") from None
+        return Generation(response_id, int(time.time()), self.model_name, prompts, params.n, group)
+
+    async def outputs(self, gen: Generation) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The merged (prompt index, output) stream, observed by the metrics."""
+        tracker = self.metrics.tracker()
+        async for prompt_index, out in gen.group:
+            tracker.observe(out)
+            yield prompt_index, out
+
+    async def collect(self, gen: Generation) -> dict[int, RequestOutput]:
+        """Every prompt's final output. Engine failure becomes a 500 in OpenAI's shape."""
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for prompt_index, out in self.outputs(gen):
+                if out.finished:
+                    finals[prompt_index] = out
+        except EngineDeadError as exc:
+            raise APIError(500, str(exc), code="engine_dead") from None
+        return finals
+
+
+async def sse_with_errors(events: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """Frame chunks as SSE and end with [DONE]; an engine failure mid-stream becomes an error
+    event, so the client raises instead of waiting forever."""
+    try:
+        async for event in events:
+            yield sse(event)
+    except EngineDeadError as exc:
+        yield sse(error_body(500, str(exc), code="engine_dead"))
+    except Exception as exc:  # a bug here must still end the stream with an error, not a cut
+        logger.exception("stream failed")
+        yield sse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"))
+    yield SSE_DONE

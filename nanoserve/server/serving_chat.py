@@ -1,0 +1,99 @@
+"""POST /v1/chat/completions: a conversation rendered by the model's chat template, n choices.
+
+A stream opens each choice with a chunk carrying the assistant role (as OpenAI does), then content
+deltas, with finish_reason on the choice's last chunk.
+"""
+
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from nanoserve.outputs import TokenLogprobs
+from nanoserve.server.errors import APIError, bad_request
+from nanoserve.server.protocol import ChatCompletionRequest
+from nanoserve.server.serving_base import ChoiceState, Generation, ServingBase, sse_with_errors
+from nanoserve.server.streaming import EngineStreamResponse, run_until_disconnected
+
+
+class ServingChat(ServingBase):
+    async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        self.check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        try:
+            params = req.sampling_params(max_tokens, top)
+        except ValueError as exc:
+            err = bad_request(exc)
+            if err.param == "logprobs":  # the chat API calls the count top_logprobs
+                err = APIError(400, err.message.replace("logprobs", "top_logprobs", 1), "top_logprobs")
+            raise err from None
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            prompt_ids = await self.engine.apply_chat_template(messages, req.add_generation_prompt)
+        except ValueError as exc:
+            raise bad_request(exc) from None
+        self.check_prompt(prompt_ids, max_tokens, param="messages")
+        gen = self.start("chatcmpl", [prompt_ids], params)
+        if req.stream:
+            return EngineStreamResponse(sse_with_errors(self._chunks(gen, req)), gen.group.abort)
+        finals = await run_until_disconnected(raw, self.collect(gen), gen.group.abort)
+        return JSONResponse(self._response(gen, finals, req))
+
+    async def _chunks(self, gen: Generation, req: ChatCompletionRequest) -> AsyncIterator[dict]:
+        finals = {}
+        async for prompt_index, out in self.outputs(gen):
+            if out.finished:
+                finals[prompt_index] = out
+            for c in out.outputs:
+                index = gen.choice_index(prompt_index, c.index)
+                if index not in gen.choices:
+                    gen.choices[index] = ChoiceState()
+                    yield _chunk(gen, index, {"role": "assistant", "content": ""}, None, None)
+                state = gen.choices[index]
+                if state.finished:
+                    continue
+                text, ids, logprobs = state.delta(c)
+                if not text and not ids and c.finish_reason is None:
+                    continue
+                block = _logprobs(ids, logprobs, req.top_logprobs or 0) if logprobs is not None else None
+                yield _chunk(gen, index, {"content": text} if text else {}, block, c.finish_reason)
+        if req.include_usage:
+            yield {"id": gen.response_id, "object": "chat.completion.chunk", "created": gen.created,
+                   "model": gen.model, "choices": [], "usage": gen.usage(finals).to_dict()}
+
+    def _response(self, gen: Generation, finals: dict, req: ChatCompletionRequest) -> dict:
+        choices = []
+        for prompt_index, out in finals.items():
+            for c in out.outputs:
+                block = (_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
+                         if c.logprobs is not None else None)
+                choices.append({"index": gen.choice_index(prompt_index, c.index),
+                                "message": {"role": "assistant", "content": c.text},
+                                "logprobs": block, "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason})
+        choices.sort(key=lambda ch: ch["index"])
+        return {"id": gen.response_id, "object": "chat.completion", "created": gen.created,
+                "model": gen.model, "choices": choices, "usage": gen.usage(finals).to_dict()}
+
+
+def _chunk(gen: Generation, index: int, delta: dict, logprobs: dict | None, finish_reason) -> dict:
+    return {"id": gen.response_id, "object": "chat.completion.chunk", "created": gen.created,
+            "model": gen.model, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                             "finish_reason": finish_reason}]}
+
+
+def _logprobs(ids: list[int], entries: list[TokenLogprobs], top_n: int) -> dict:
+    """The chat API's logprobs block: one entry per token, with its top_n alternatives."""
+    content = []
+    for token_id, entry in zip(ids, entries, strict=True):
+        chosen = entry[token_id]
+        top = sorted((lp for lp in entry.values() if lp.rank <= top_n), key=lambda lp: lp.rank)
+        content.append({**_token(chosen), "top_logprobs": [_token(lp) for lp in top]})
+    return {"content": content}
+
+
+def _token(lp) -> dict:
+    return {"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode())}

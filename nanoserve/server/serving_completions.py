@@ -1,0 +1,120 @@
+"""POST /v1/completions: one or more prompts, n choices each, streamed or not.
+
+Choice i of prompt p has index p * n + i, as in OpenAI's API. With echo, a choice's text starts with
+its prompt; prompt tokens carry no logprobs (null), as the engine does not score prompts.
+"""
+
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from nanoserve.outputs import TokenLogprobs
+from nanoserve.server.errors import bad_request
+from nanoserve.server.protocol import CompletionRequest
+from nanoserve.server.serving_base import ChoiceState, Generation, ServingBase, sse_with_errors
+from nanoserve.server.streaming import EngineStreamResponse, run_until_disconnected
+
+
+class ServingCompletions(ServingBase):
+    async def create(self, req: CompletionRequest, raw: Request) -> Response:
+        self.check_model(req.model)
+        params = self.sampling_params(lambda: req.sampling_params(req.max_tokens, req.logprobs))
+        prompts = []
+        for prompt in req.prompts():
+            try:
+                ids = await self.engine.tokenize(prompt)
+            except ValueError as exc:
+                raise bad_request(exc) from None
+            self.check_prompt(ids, req.max_tokens)
+            prompts.append(ids)
+        echoes = [await self._echo(p, req) for p in prompts] if req.echo else None
+        gen = self.start("cmpl", prompts, params)
+        if req.stream:
+            return EngineStreamResponse(sse_with_errors(self._chunks(gen, req, echoes)), gen.group.abort)
+        finals = await run_until_disconnected(raw, self.collect(gen), gen.group.abort)
+        return JSONResponse(self._response(gen, finals, req, echoes))
+
+    async def _echo(self, prompt_ids: list[int], req: CompletionRequest) -> tuple[str, dict | None]:
+        """The prompt's text, and its logprobs block (tokens without scores) when logprobs are on."""
+        pieces = await self.engine.decode_each(prompt_ids)
+        text = await self.engine.detokenize(prompt_ids) if self.engine.engine.tokenizer else ""
+        if req.logprobs is None:
+            return text, None
+        offsets, pos = [], 0
+        for piece in pieces:
+            offsets.append(pos)
+            pos += len(piece)
+        return text, {"tokens": pieces, "token_logprobs": [None] * len(pieces),
+                      "top_logprobs": [None] * len(pieces), "text_offset": offsets}
+
+    async def _chunks(self, gen: Generation, req: CompletionRequest, echoes) -> AsyncIterator[dict]:
+        finals = {}
+        offsets: dict[int, int] = {}  # choice index -> text offset of its next token
+        async for prompt_index, out in self.outputs(gen):
+            if out.finished:
+                finals[prompt_index] = out
+            for c in out.outputs:
+                index = gen.choice_index(prompt_index, c.index)
+                state = gen.choices.setdefault(index, ChoiceState())
+                if state.finished:
+                    continue
+                first = state.num_tokens == 0 and state.text_len == 0
+                text, ids, logprobs = state.delta(c)
+                if not text and not ids and c.finish_reason is None:
+                    continue
+                block = None
+                if logprobs is not None:
+                    block, offsets[index] = _logprobs(ids, logprobs, offsets.get(index, 0))
+                if first and echoes is not None:
+                    echo_text, echo_block = echoes[prompt_index]
+                    text = echo_text + text
+                    block = _join(echo_block, block, len(echo_text))
+                yield _chunk(gen, index, text, block, c.finish_reason, c.stop_reason)
+        if req.include_usage:
+            yield {"id": gen.response_id, "object": "text_completion", "created": gen.created,
+                   "model": gen.model, "choices": [], "usage": gen.usage(finals).to_dict()}
+
+    def _response(self, gen: Generation, finals: dict, req: CompletionRequest, echoes) -> dict:
+        choices = []
+        for prompt_index, out in sorted(finals.items()):
+            for c in out.outputs:
+                text = c.text
+                block = _logprobs(c.token_ids, c.logprobs, 0)[0] if c.logprobs is not None else None
+                if echoes is not None:
+                    echo_text, echo_block = echoes[prompt_index]
+                    text = echo_text + text
+                    block = _join(echo_block, block, len(echo_text))
+                choices.append({"index": gen.choice_index(prompt_index, c.index), "text": text,
+                                "logprobs": block, "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason})
+        choices.sort(key=lambda ch: ch["index"])
+        return {"id": gen.response_id, "object": "text_completion", "created": gen.created,
+                "model": gen.model, "choices": choices, "usage": gen.usage(finals).to_dict()}
+
+
+def _chunk(gen: Generation, index: int, text: str, logprobs: dict | None, finish_reason, stop_reason) -> dict:
+    return {"id": gen.response_id, "object": "text_completion", "created": gen.created, "model": gen.model,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                         "stop_reason": stop_reason}]}
+
+
+def _logprobs(ids: list[int], entries: list[TokenLogprobs], offset: int) -> tuple[dict, int]:
+    """OpenAI's legacy logprobs block for these tokens, and the text offset after them."""
+    block = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token_id, entry in zip(ids, entries, strict=True):
+        chosen = entry[token_id]
+        block["tokens"].append(chosen.decoded_token)
+        block["token_logprobs"].append(chosen.logprob)
+        block["top_logprobs"].append({lp.decoded_token: lp.logprob
+                                      for lp in sorted(entry.values(), key=lambda lp: lp.rank)})
+        block["text_offset"].append(offset)
+        offset += len(chosen.decoded_token)
+    return block, offset
+
+
+def _join(echo: dict | None, generated: dict | None, echo_len: int) -> dict | None:
+    if echo is None or generated is None:
+        return generated
+    shifted = [o + echo_len for o in generated["text_offset"]]
+    return {key: echo[key] + (shifted if key == "text_offset" else generated[key]) for key in echo}
