@@ -1,10 +1,15 @@
 """Shared fixtures: small real checkpoints written by transformers, with a real tokenizer."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Triton decides between compiler and interpreter when a kernel is defined: before any test imports one.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 VOCAB = 384
 _CORPUS = [
@@ -45,7 +50,7 @@ ARCHS = {
 }
 
 
-def write_checkpoint(path: Path, arch: str, seed: int = 0) -> Path:
+def write_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
     """Random weights (initializer_range 0.2, so outputs vary) saved as safetensors by transformers."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -55,7 +60,7 @@ def write_checkpoint(path: Path, arch: str, seed: int = 0) -> Path:
     config = AutoConfig.for_model(
         model_type, vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2,
-        rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, **spec)
+        rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, **(spec | overrides))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     model.save_pretrained(path, safe_serialization=True)

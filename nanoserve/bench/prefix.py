@@ -1,0 +1,50 @@
+"""Prefix caching: time to first token with a long shared system prompt, with and without the cache.
+
+    nanoserve bench prefix --model ../shared/bench-configs/qwen3-0.6b
+Requests arrive one at a time (so TTFT is the prefill alone, not queueing); the first one warms the cache.
+"""
+
+import time
+
+import numpy as np
+import torch
+
+from nanoserve.bench.common import emit, engine_args, parser
+from nanoserve.llm import LLM
+from nanoserve.sampling_params import SamplingParams
+
+
+def ttfts(llm: LLM, prompts: list[list[int]]) -> list[float]:
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    out = []
+    for prompt in prompts:
+        start = time.perf_counter()
+        llm.generate([prompt], params, use_tqdm=False)
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser(__doc__)
+    p.add_argument("--num-requests", type=int, default=200)
+    p.add_argument("--shared-len", type=int, default=2000)
+    p.add_argument("--suffix-len", type=int, default=100)
+    ns = p.parse_args(argv)
+    result = {"bench": "prefix", "num_requests": ns.num_requests, "shared_len": ns.shared_len,
+              "suffix_len": ns.suffix_len}
+    for caching in (False, True):
+        ns.enable_prefix_caching = caching
+        llm = LLM(**vars(engine_args(ns)))
+        rng = np.random.default_rng(ns.seed)
+        vocab = llm.engine.config.model.vocab_size
+        shared = rng.integers(0, vocab, ns.shared_len).tolist()
+        prompts = [shared + rng.integers(0, vocab, ns.suffix_len).tolist() for _ in range(ns.num_requests + 1)]
+        times = ttfts(llm, prompts)[1:]  # the first request fills the cache (and warms up)
+        key = "cached" if caching else "uncached"
+        result |= {f"ttft_{key}_mean_ms": round(1e3 * float(np.mean(times)), 2),
+                   f"ttft_{key}_p50_ms": round(1e3 * float(np.median(times)), 2)}
+        del llm
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    result["ratio"] = round(result["ttft_cached_mean_ms"] / result["ttft_uncached_mean_ms"], 3)
+    emit(result)
+    return 0

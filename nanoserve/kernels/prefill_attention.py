@@ -1,0 +1,242 @@
+"""Causal attention of packed new tokens over the paged KV cache (prefill, chunked prefill, prefix hits).
+
+Query i of sequence b sits at position seq_lens[b] - q_len_b + i and attends to keys 0..that position, all
+read from the cache through the block table (the new tokens' K/V were stored there before this call).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _attend_tiles(
+    acc,
+    l_i,
+    m_i,
+    q,
+    q_pos,
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_row,
+    kv_head,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    lo,
+    hi,
+    qk_scale,
+    DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Online-softmax accumulation over key tiles [lo, hi); MASKED applies causality and the end bound."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < hi
+        # Gather each key's page through the block table, so BLOCK_N and BLOCK_SIZE need not match.
+        if MASKED:
+            block_ids = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        else:
+            block_ids = tl.load(bt_row + offs_n // BLOCK_SIZE).to(tl.int64)
+        kv_offs = block_ids * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+        if MASKED:
+            k = tl.load(k_cache_ptr + kv_offs[None, :] + offs_d[:, None], mask=n_valid[None, :], other=0.0)
+            v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=n_valid[:, None], other=0.0)
+        else:
+            k = tl.load(k_cache_ptr + kv_offs[None, :] + offs_d[:, None])
+            v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :])
+
+        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            causal = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+            qk = tl.where(causal, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    cu_seqlens_q_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    stride_bt,
+    num_queries_per_kv,
+    DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if start_m >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    kv_head = head // num_queries_per_kv
+    context_len = seq_len - q_len
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_valid = offs_m < q_len
+    q_pos = context_len + offs_m
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        mask=m_valid[:, None],
+        other=0.0,
+    )
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # Whole tiles below this query tile's first position are visible to every row: no masks there.
+    unmasked_end = (context_len + start_m) // BLOCK_N * BLOCK_N
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, stride_cb, stride_ct, stride_ch,
+        0, unmasked_end, qk_scale, DOT_PRECISION, False, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+    )  # fmt: skip
+    # Key tiles past this query tile's last position are fully masked by causality: stop before them.
+    # Key 0 is in the first tile visited and rows past q_len see every key below kv_end, so no row max
+    # stays -inf (which would give NaN from -inf - -inf).
+    kv_end = tl.minimum(seq_len, context_len + start_m + BLOCK_M)
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, stride_cb, stride_ct, stride_ch,
+        unmasked_end, kv_end, qk_scale, DOT_PRECISION, True, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+    )  # fmt: skip
+
+    acc = acc / l_i[:, None]
+    tl.store(
+        out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=m_valid[:, None],
+    )
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [T, num_q_heads, head_dim] packed by cu_seqlens_q [B+1]; returns [T, num_q_heads, head_dim].
+
+    out, if given, is written in place (contiguous last dim, q's shape) and returned.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    batch = seq_lens.shape[0]
+    assert head_dim in (64, 128), "head_dim must be 64 or 128"
+    assert block_size >= 8 and block_size & (block_size - 1) == 0, "block_size must be a power of 2 >= 8"
+    assert num_q_heads % num_kv_heads == 0
+    assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert cu_seqlens_q.shape == (batch + 1,) and block_tables.shape[0] == batch
+    out = torch.empty_like(q) if out is None else out
+    assert out.shape == q.shape and out.stride(2) == 1
+    if num_tokens == 0 or batch == 0:
+        return out
+    # Tiles are sized to the longest query run so decode-sized entries don't pay for 128-row tiles.
+    block_m = min(128, max(16, triton.next_power_of_2(max_seqlen_q)))
+    grid = (triton.cdiv(max_seqlen_q, block_m), batch, num_q_heads)
+    _prefill_attention_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        cu_seqlens_q,
+        seq_lens,
+        block_tables,
+        scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        num_q_heads // num_kv_heads,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 would lose fp32 inputs' bits
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        # Measured once on an H200 (bf16, no autotuning): 128-key tiles were 5% faster than 64 at head_dim
+        # 128 and 20% slower at head_dim 64; a third stage gained nothing over two. fp32 128x128 tiles
+        # overflow shared memory.
+        BLOCK_N=128 if head_dim == 128 and q.element_size() == 2 else 64,
+        # 8 warps give each warp 16 query rows of a 128-row tile (one mma row block).
+        num_warps=8 if block_m == 128 else 4,
+        num_stages=2,
+    )
+    return out
+
+
+def prefill_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain PyTorch version of prefill_attention, in fp32, one sequence at a time."""
+    group = q.shape[1] // k_cache.shape[2]
+    out = torch.empty_like(q) if out is None else out
+    cu = cu_seqlens_q.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        q_len = cu[b + 1] - cu[b]
+        if q_len == 0:
+            continue
+        k, v = gather_kv(k_cache, v_cache, block_tables[b], seq_len, group)
+        qb = q[cu[b] : cu[b + 1]].float().transpose(0, 1)  # [H, q_len, D]
+        scores = (qb @ k.transpose(1, 2)) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        causal = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        scores = scores.masked_fill(~causal, float("-inf"))
+        out[cu[b] : cu[b + 1]] = (scores.softmax(-1) @ v).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def gather_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, group: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's first seq_len keys and values as fp32 [num_q_heads, seq_len, head_dim]."""
+    block_size = k_cache.shape[1]
+    pos = torch.arange(seq_len, device=k_cache.device)
+    blocks = block_table[pos // block_size].long()
+    offsets = pos % block_size
+    k = k_cache[blocks, offsets].float().transpose(0, 1)  # [num_kv_heads, seq_len, D]
+    v = v_cache[blocks, offsets].float().transpose(0, 1)
+    return k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)

@@ -1,0 +1,112 @@
+"""The Triton kernels against their PyTorch references in bf16 at serving-like sizes (GPU only)."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+BF16_TOL = dict(atol=2e-2, rtol=2e-2)
+
+
+def _paged_kv(seq_lens, num_kv_heads, head_dim, block_size, gen, pad_value=-1):
+    """NaN-poisoned bf16 caches with each sequence's K/V in shuffled blocks, filled by the store reference."""
+    from nanoserve.kernels.kv_store import store_kvcache_ref
+
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 7
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.full_like(k_cache, float("nan"))
+    perm = torch.randperm(num_blocks, generator=gen)
+    block_tables = torch.full((len(seq_lens), max(blocks_per_seq) + 2), pad_value, dtype=torch.int32)
+    used = 0
+    for b, nb in enumerate(blocks_per_seq):
+        block_tables[b, :nb] = perm[used : used + nb]
+        used += nb
+    block_tables = block_tables.cuda()
+    for b, n in enumerate(seq_lens):
+        pos = torch.arange(n, device="cuda")
+        slots = block_tables[b, pos // block_size].long() * block_size + pos % block_size
+        kv = torch.randn(2, n, num_kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+        store_kvcache_ref(kv[0], kv[1], k_cache, v_cache, slots)
+    return k_cache, v_cache, block_tables
+
+
+def test_store_kvcache_gpu():
+    from nanoserve.kernels.kv_store import store_kvcache, store_kvcache_ref
+
+    num_tokens, num_q_heads, num_kv_heads, head_dim, block_size = 3000, 16, 8, 128, 16
+    qkv = torch.randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, device="cuda").bfloat16()
+    _, key, value = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+    key = key.view(num_tokens, num_kv_heads, head_dim)
+    value = value.view(num_tokens, num_kv_heads, head_dim)
+    num_blocks = 400
+    slot_mapping = torch.randperm(num_blocks * block_size, device="cuda")[:num_tokens]
+    slot_mapping[::7] = -1
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, device="cuda").bfloat16()
+    v_cache = torch.randn_like(k_cache)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+    store_kvcache_ref(key, value, k_ref, v_ref, slot_mapping)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.parametrize(
+    "num_q_heads,num_kv_heads,head_dim,block_size",
+    [(16, 8, 128, 16), (32, 8, 128, 16), (14, 2, 64, 32), (28, 4, 128, 8), (8, 8, 64, 256)],
+)
+def test_prefill_attention_gpu(num_q_heads, num_kv_heads, head_dim, block_size):
+    from nanoserve.kernels.prefill_attention import prefill_attention, prefill_attention_ref
+
+    gen = torch.Generator().manual_seed(0)
+    # Plain prefill, decode entries, cached prefixes, chunked prefill and lengths off every tile size.
+    lens = [(1000, 1000), (1, 777), (300, 2100), (513, 513), (17, 4000), (129, 129), (1, 1)]
+    q_lens, seq_lens = [q for q, _ in lens], [s for _, s in lens]
+    k_cache, v_cache, block_tables = _paged_kv(seq_lens, num_kv_heads, head_dim, block_size, gen)
+    q = torch.randn(sum(q_lens), num_q_heads, head_dim, device="cuda").bfloat16()
+    cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32).cuda()
+    seq = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    args = (q, k_cache, v_cache, cu, seq, block_tables, max(q_lens), head_dim**-0.5)
+    out = prefill_attention(*args, out=torch.full_like(q, float("nan")))
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, prefill_attention_ref(*args), **BF16_TOL)
+
+
+@pytest.mark.parametrize(
+    "num_q_heads,num_kv_heads,head_dim,block_size",
+    [(16, 8, 128, 16), (32, 8, 128, 16), (14, 2, 64, 32), (64, 8, 128, 16), (8, 8, 64, 256)],
+)
+@pytest.mark.parametrize("num_splits", [None, 1, 48])
+def test_decode_attention_gpu(num_q_heads, num_kv_heads, head_dim, block_size, num_splits):
+    from nanoserve.kernels.decode_attention import decode_attention, decode_attention_ref
+
+    gen = torch.Generator().manual_seed(0)
+    seq_lens = torch.randint(1, 3000, (40,), generator=gen).tolist() + [1, 5000, 0]
+    k_cache, v_cache, block_tables = _paged_kv(seq_lens, num_kv_heads, head_dim, block_size, gen, pad_value=0)
+    q = torch.randn(len(seq_lens), num_q_heads, head_dim, device="cuda").bfloat16()
+    seq = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    args = (q, k_cache, v_cache, seq, block_tables, head_dim**-0.5)
+    out = decode_attention(*args, num_splits=num_splits, out=torch.full_like(q, float("nan")))
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, decode_attention_ref(*args), **BF16_TOL)
+
+
+def test_decode_attention_cuda_graph():
+    from nanoserve.kernels.decode_attention import decode_attention, decode_attention_ref
+
+    gen = torch.Generator().manual_seed(0)
+    batch, num_q_heads, num_kv_heads, head_dim, block_size = 8, 16, 8, 128, 16
+    k_cache, v_cache, block_tables = _paged_kv([2048] * batch, num_kv_heads, head_dim, block_size, gen)
+    q = torch.randn(batch, num_q_heads, head_dim, device="cuda").bfloat16()
+    seq = torch.full((batch,), 2048, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    args = (q, k_cache, v_cache, seq, block_tables, head_dim**-0.5)
+    decode_attention(*args, out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention(*args, out=out)
+    # Replays with new lengths (including a padding row of length 0) and new queries, written in place.
+    seq.copy_(torch.tensor([1, 2, 17, 100, 2048, 999, 0, 64], dtype=torch.int32))
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.testing.assert_close(out, decode_attention_ref(*args), **BF16_TOL)
