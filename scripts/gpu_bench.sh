@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The GPU session in one call: kernel and engine tests on the GPU, then the benchmarks of DESIGN.md.
+# Usage (on the GPU machine, from the repo root): NANOSERVE_COMMIT=<sha> bash scripts/gpu_bench.sh [steps...]
+# Each step's log goes to $OUT (or ./gpu-out); the JSON lines are collected in results.jsonl.
+set -u
+out=${OUT:-gpu-out}; mkdir -p "$out"
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+cfg=${BENCH_CONFIGS:-shared/bench-configs}
+[ -d "$cfg" ] || cfg=../shared/bench-configs
+steps=${*:-tests throughput latency-qwen latency-llama prefix}
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader | tee "$out/gpu.txt"
+for step in $steps; do
+  echo "== $step"
+  case $step in
+    tests) timeout 240 python -m pytest -q -x tests/gpu tests/kernels 2>&1 | tail -15 ;;
+    throughput) timeout 300 python -m nanoserve.cli bench throughput --model "$cfg/qwen3-0.6b" --baseline hf ;;
+    throughput-nohf) timeout 200 python -m nanoserve.cli bench throughput --model "$cfg/qwen3-0.6b" ;;
+    latency-qwen) timeout 150 python -m nanoserve.cli bench latency --model "$cfg/qwen3-0.6b" --baseline hf ;;
+    latency-llama) timeout 200 python -m nanoserve.cli bench latency --model "$cfg/llama-3.1-8b" --max-model-len 8192 --baseline hf ;;
+    prefix) timeout 200 python -m nanoserve.cli bench prefix --model "$cfg/qwen3-0.6b" --max-model-len 4096 ;;
+  esac > "$out/$step.log" 2>&1
+  tail -3 "$out/$step.log"
+  grep -h '^{' "$out/$step.log" >> "$out/results.jsonl"
+done
