@@ -1,71 +1,15 @@
-"""Shared fixtures: small real checkpoints written by transformers, with a real tokenizer."""
+"""Shared fixtures: small real checkpoints of every architecture, written once per session."""
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
+from checkpoints import ARCHS, write_checkpoint
 
 # Triton decides between compiler and interpreter when a kernel is defined: before any test imports one.
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
-
-VOCAB = 384
-_CORPUS = [
-    "The quick brown fox jumps over the lazy dog. " * 3,
-    "Hello world! How are you today? I am fine, thank you.",
-    "nanoserve serves language models with a paged KV cache and continuous batching.",
-    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 12345",
-    "日本語のテキスト、中文文本，한국어 텍스트 😀🎉🚀 café naïve",
-]
-
-
-def write_tokenizer(path: Path, vocab_size: int = VOCAB) -> None:
-    """A byte-level BPE tokenizer (every byte is a token, so any text round-trips)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 2, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_CORPUS * 20, trainer)
-    tok.save(str(path / "tokenizer.json"))
-    template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
-                "{% if add_generation_prompt %}<s>assistant:{% endif %}")
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "chat_template": template}))
-
-
-ARCHS = {
-    "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=False,
-                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
-    "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=None),
-    "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True),
-    "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], tie_word_embeddings=True,
-                  head_dim=32),
-}
-
-
-def write_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
-    """Random weights (initializer_range 0.2, so outputs vary) saved as safetensors by transformers."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    path.mkdir(parents=True, exist_ok=True)
-    spec = dict(ARCHS[arch])
-    model_type = spec.pop("model_type")
-    config = AutoConfig.for_model(
-        model_type, vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2,
-        rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, **(spec | overrides))
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-    model.save_pretrained(path, safe_serialization=True)
-    write_tokenizer(path)
-    return path
 
 
 @pytest.fixture(scope="session")

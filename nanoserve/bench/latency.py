@@ -8,10 +8,9 @@ MBU = (weight bytes + the KV bytes a step reads) / time per step / measured copy
 import time
 
 import numpy as np
-import torch
 
 from nanoserve.bench import roofline
-from nanoserve.bench.common import emit, engine_args, parser
+from nanoserve.bench.common import emit, engine_args, free_device_memory, parser
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
 
@@ -52,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         from nanoserve.bench.hf_baseline import hf_generate_seconds, hf_model
 
         del llm, engine
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        free_device_memory()
         hf = hf_model(cfg.model_dir, cfg.dtype, cfg.device)
         hf_generate_seconds(hf, [prompt], 4)  # warm-up
         t1 = hf_generate_seconds(hf, [prompt], 1)

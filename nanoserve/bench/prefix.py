@@ -7,9 +7,8 @@ Requests arrive one at a time (so TTFT is the prefill alone, not queueing); the 
 import time
 
 import numpy as np
-import torch
 
-from nanoserve.bench.common import emit, engine_args, parser
+from nanoserve.bench.common import emit, engine_args, free_device_memory, parser
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
 
@@ -44,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         result |= {f"ttft_{key}_mean_ms": round(1e3 * float(np.mean(times)), 2),
                    f"ttft_{key}_p50_ms": round(1e3 * float(np.median(times)), 2)}
         del llm
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        free_device_memory()
     result["ratio"] = round(result["ttft_cached_mean_ms"] / result["ttft_uncached_mean_ms"], 3)
     emit(result)
     return 0

@@ -6,10 +6,9 @@
 import time
 
 import numpy as np
-import torch
 
 from nanoserve.bench import roofline
-from nanoserve.bench.common import emit, engine_args, parser
+from nanoserve.bench.common import emit, engine_args, free_device_memory, parser
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
 
@@ -55,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         from nanoserve.bench.hf_baseline import hf_generate_seconds, hf_model
 
         del llm, outs
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        free_device_memory()
         hf = hf_model(cfg.model_dir, cfg.dtype, cfg.device)
         # One batch of every prompt, run to the longest output; only the requested tokens count.
         hf_s = hf_generate_seconds(hf, prompts, max(out_lens))

@@ -87,17 +87,19 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_cached_blocks:
+            return
         self._extend_hashes(seq, num_full)
-        for i in range(num_full):
+        for i in range(seq.num_cached_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
-            if block.block_hash is not None:
-                continue
             h = seq.block_hashes[i]
-            if h in self.cached:
-                continue  # an identical block is already cached; keep that one
-            block.block_hash = h
-            block.token_ids = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            self.cached[h] = block.block_id
+            # Skip a block that is cached already, or whose twin (same tokens, filled by another
+            # request in the same step) is: the cache keeps one copy.
+            if block.block_hash is None and h not in self.cached:
+                block.block_hash = h
+                block.token_ids = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+                self.cached[h] = block.block_id
+        seq.num_cached_blocks = num_full
 
     # -- allocation -----------------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: list[int] = ()) -> bool:
@@ -158,6 +160,7 @@ class BlockManager:
             self.blocks[block_id].ref_count += 1
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
+        child.num_cached_blocks = parent.num_cached_blocks
 
     def free_seq(self, seq: Sequence) -> None:
         # Reversed, so a prompt's tail blocks are evicted before its head blocks, which more
@@ -170,3 +173,4 @@ class BlockManager:
                 self.free[block_id] = None
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.num_cached_blocks = 0

@@ -34,6 +34,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # prefix-cache hash chain of the full blocks
+    num_cached_blocks: int = 0  # leading blocks already offered to the prefix cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
     finish_reason: str | None = None
     stop_reason: int | str | None = None

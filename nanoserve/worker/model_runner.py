@@ -1,5 +1,6 @@
 """ModelRunner: turns a scheduled batch into tensors, runs one forward pass, and samples."""
 
+import numpy as np
 import torch
 
 from nanoserve.config import EngineConfig
@@ -91,11 +92,13 @@ class ModelRunner:
             tables.append(table)
             logit_rows += [cu[-1] - 1] * len(entry.sample_seqs)
         width = max(len(t) for t in tables)
-        block_tables = [t + [0] * (width - len(t)) for t in tables]
+        block_tables = np.zeros((len(tables), width), dtype=np.int32)
+        for row, table in zip(block_tables, tables, strict=True):
+            row[:len(table)] = table
 
         def tensor(x, dtype):
-            return torch.tensor(x, dtype=dtype, pin_memory=self.device.type == "cuda").to(
-                self.device, non_blocking=True)
+            # Plain (pageable) host memory: pinning a fresh buffer every step costs more than it saves.
+            return torch.as_tensor(x, dtype=dtype).to(self.device, non_blocking=True)
 
         meta = AttentionMetadata(
             slot_mapping=tensor(slots, torch.int64),

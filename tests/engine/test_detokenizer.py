@@ -1,7 +1,7 @@
 """Incremental detokenization: stop strings across token boundaries, multi-byte text never mangled."""
 
 import pytest
-from conftest import write_tokenizer
+from checkpoints import write_tokenizer
 from transformers import AutoTokenizer
 
 from nanoserve.engine.detokenizer import IncrementalDetokenizer

@@ -3,7 +3,7 @@ for 64 mixed-length prompts with prefix-cache hits and preemption."""
 
 import pytest
 import torch
-from conftest import write_checkpoint
+from checkpoints import write_checkpoint
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.layers.attention import TorchBackend, TritonBackend

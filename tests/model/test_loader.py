@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import write_checkpoint
+from checkpoints import write_checkpoint
 from safetensors.torch import load_file, save_file
 
 from nanoserve import LLM, SamplingParams

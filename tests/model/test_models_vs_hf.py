@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import ARCHS
+from checkpoints import ARCHS
 from transformers import AutoModelForCausalLM
 
 from nanoserve import LLM, SamplingParams

@@ -1,0 +1,231 @@
+"""Benchmark 3 (DESIGN.md): the OpenAI server under load from a client process.
+
+N streaming /v1/completions requests of random token-id prompts of an exact length, max_tokens with
+ignore_eos (so every request generates exactly that many tokens), sent all at once (rate inf) or as
+a seeded Poisson process. Reports request/s, output tok/s, and TTFT / TPOT / ITL mean, p50 and p99
+in ms; the last line printed is one JSON object.
+
+    python -m nanoserve.bench.serve --base-url http://127.0.0.1:8000 --num-prompts 500 --request-rate 16
+    python -m nanoserve.bench.serve --launch --num-prompts 50 --model DIR --load-format dummy
+
+With --launch, flags this benchmark does not know are passed to the server it starts.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0  # seconds from send to the first token
+    latency: float = 0.0  # seconds from send to the end of the stream
+    itl: list[float] = field(default_factory=list)  # gaps between token chunks
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(prog="nanoserve bench serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server to load (ignored with --launch)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--num-prompts", type=int, default=500)
+    p.add_argument("--input-len", type=int, default=512, help="prompt length in tokens")
+    p.add_argument("--output-len", type=int, default=128, help="max_tokens, with ignore_eos")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
+    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    p.add_argument("--vocab-size", type=int, default=None, help="default: read from /v1/models")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--launch", action="store_true", help="start a server (python -m nanoserve.server.app) with "
+                                                         "the unknown flags, and stop it afterwards")
+    p.add_argument("--launch-timeout", type=float, default=900, help="seconds to wait for a launched server")
+    p.add_argument("--no-progress", action="store_true")
+    args, rest = p.parse_known_args(argv)
+    if rest and not args.launch:
+        p.error(f"unrecognized arguments: {' '.join(rest)} (server flags need --launch)")
+    return args, rest
+
+
+def random_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Low ids are often special tokens (bos, eos, pad); random prompts stay clear of them.
+    low = min(16, vocab_size - 1)
+    return [[rng.randrange(low, vocab_size) for _ in range(length)] for _ in range(n)]
+
+
+def arrival_gaps(n: int, rate: float, seed: int) -> list[float]:
+    if rate == float("inf"):
+        return [0.0] * n
+    rng = random.Random(seed + 1)
+    return [rng.expovariate(rate) for _ in range(n)]
+
+
+async def send_one(http: httpx.AsyncClient, model: str, prompt: list[int], output_len: int) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    result = RequestResult(prompt_len=len(prompt))
+    start = last = time.perf_counter()
+    try:
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                result.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
+                return result
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result.error = chunk["error"]["message"]
+                    return result
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if not chunk["choices"]:
+                    continue
+                # The server sends one chunk per engine step that produced a token.
+                now = time.perf_counter()
+                if result.ttft == 0.0:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last = now
+        result.latency = time.perf_counter() - start
+        result.ok = result.output_tokens > 0
+        if not result.ok:
+            result.error = "no usage chunk in the stream"
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+async def run_load(args: argparse.Namespace, base_url: str) -> tuple[dict, list[RequestResult], float]:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=None, limits=limits) as http:
+        info = (await http.get("/v1/models")).json()["data"][0]
+        vocab = args.vocab_size or info.get("vocab_size")
+        if vocab is None:
+            raise SystemExit("the server does not report vocab_size; pass --vocab-size")
+        prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.seed)
+        warm = await send_one(http, info["id"], prompts[0][:16], 4)  # first-request costs stay out of the figures
+        if not warm.ok:
+            raise SystemExit(f"warm-up request failed: {warm.error}")
+        gate = asyncio.Semaphore(args.max_concurrency or len(prompts))
+        bar = tqdm(total=len(prompts), desc="requests", disable=args.no_progress, file=sys.stderr)
+
+        async def limited(prompt):
+            async with gate:
+                result = await send_one(http, info["id"], prompt, args.output_len)
+            bar.update(1)
+            return result
+
+        tasks = []
+        start = time.perf_counter()
+        for prompt, gap in zip(prompts, arrival_gaps(len(prompts), args.request_rate, args.seed), strict=True):
+            await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(limited(prompt)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        bar.close()
+    return info, results, duration
+
+
+def summarize(args: argparse.Namespace, info: dict, results: list[RequestResult], duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_len for r in ok)
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    summary = {
+        "benchmark": "serve", "model": info["id"], "num_prompts": len(results), "completed": len(ok),
+        "failed": len(results) - len(ok), "input_len": args.input_len, "output_len": args.output_len,
+        "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
+        "max_concurrency": args.max_concurrency, "duration_s": round(duration, 3),
+        "request_throughput": round(len(ok) / duration, 3), "output_throughput": round(out_tokens / duration, 2),
+        "total_token_throughput": round((in_tokens + out_tokens) / duration, 2),
+    }
+    for name, values in (("ttft", [r.ttft for r in ok]), ("tpot", tpot), ("itl", [g for r in ok for g in r.itl])):
+        ms = np.asarray(values or [float("nan")]) * 1000
+        summary[f"mean_{name}_ms"] = round(float(ms.mean()), 3)
+        summary[f"p50_{name}_ms"] = round(float(np.percentile(ms, 50)), 3)
+        summary[f"p99_{name}_ms"] = round(float(np.percentile(ms, 99)), 3)
+    errors = sorted({r.error for r in results if not r.ok})
+    if errors:
+        summary["errors"] = errors[:5]
+    summary["commit"] = _commit()
+    return summary
+
+
+def _commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=os.path.dirname(__file__), check=False)
+        return out.stdout.strip() or None
+    except OSError:
+        return None
+
+
+def launch_server(server_args: list[str], timeout: float) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "nanoserve.server.app", "--host", "127.0.0.1", "--port", str(port), *server_args]
+    print("launching:", " ".join(cmd), file=sys.stderr)
+    proc = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr)  # stdout stays for the JSON line
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit(f"the server was not ready after {timeout:.0f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; 0 when every request completed."""
+    return 0 if run(argv)["failed"] == 0 else 1
+
+
+def run(argv: list[str] | None = None) -> dict:
+    """Run the benchmark and return the summary that its last line prints."""
+    args, server_args = parse_args(argv)
+    proc, base_url = launch_server(server_args, args.launch_timeout) if args.launch else (None, args.base_url)
+    try:
+        info, results, duration = asyncio.run(run_load(args, base_url))
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    summary = summarize(args, info, results, duration)
+    print(f"{summary['completed']}/{summary['num_prompts']} requests in {summary['duration_s']} s: "
+          f"{summary['request_throughput']} req/s, {summary['output_throughput']} output tok/s; "
+          f"TTFT p50 {summary['p50_ttft_ms']} ms, TPOT p50 {summary['p50_tpot_ms']} ms, "
+          f"ITL p50 {summary['p50_itl_ms']} ms", file=sys.stderr)
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    sys.exit(main())
