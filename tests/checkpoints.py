@@ -51,12 +51,12 @@ def write_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     spec = dict(ARCHS[arch])
     model_type = spec.pop("model_type")
-    config = AutoConfig.for_model(
-        model_type, vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2,
-        rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, **(spec | overrides))
+    fields = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=0.2, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1)
+    config = AutoConfig.for_model(model_type, **(fields | spec | overrides))
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(path, safe_serialization=True)
     write_tokenizer(path)
     return path

@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         bound = roofline.decode_bound_seconds([len(p) for p in prompts], out_lens, roofline.model_bytes(model),
                                               roofline.kv_bytes_per_token(cfg), bw)
         bound += roofline.prefill_bound_seconds(n_in, roofline.model_params(model), flops)
+        del model  # it holds the KV pool through its attention layers
         result |= {"bandwidth_tb_s": round(bw / 1e12, 2), "matmul_tflop_s": round(flops / 1e12, 1),
                    "bound_output_tok_s": round(n_out / bound, 1), "fraction_of_bound": round(bound / wall, 3)}
     if ns.baseline == "hf":

@@ -118,12 +118,16 @@ class RequestGroup:
             for task in pumps:
                 task.cancel()
 
-    def abort(self) -> None:
-        """Abort every request of the group that has not finished (a no-op once all have)."""
+    def abort(self) -> int:
+        """Abort every request of the group that has not finished (a no-op once all have); returns
+        how many were aborted."""
+        aborted = 0
         for stream in self._streams:
             if not stream.finished:
                 stream.finished = True
                 self._engine.abort(stream.request_id)
+                aborted += 1
+        return aborted
 
 
 class AsyncEngine:
@@ -258,7 +262,6 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            _detach(out)
             if out.finished:
                 del self._streams[out.request_id]
             by_loop.setdefault(stream.loop, []).append((stream, out))
@@ -267,8 +270,6 @@ class AsyncEngine:
             _call_soon(loop, _put_all, items)
 
     def _send(self, stream: _RequestStream, item: RequestOutput | BaseException) -> None:
-        if isinstance(item, RequestOutput):
-            _detach(item)
         _call_soon(stream.loop, _put_all, [(stream, item)])
 
     def _fail_all(self, message: str) -> None:
@@ -292,14 +293,6 @@ class AsyncEngine:
             prefix_queries=bm.prefix_queries, prefix_hits=bm.prefix_hits,
             prompt_tokens=e.num_prompt_tokens, generation_tokens=e.num_generation_tokens,
             num_added=num_added)
-
-
-def _detach(out: RequestOutput) -> None:
-    """Copy the lists an output shares with the engine's live sequences (the engine thread keeps
-    appending to them while the event loop reads the output)."""
-    for c in out.outputs:
-        if c.logprobs is not None:
-            c.logprobs = list(c.logprobs)
 
 
 def _put_all(items: list[tuple[_RequestStream, RequestOutput | BaseException]]) -> None:

@@ -89,6 +89,8 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already running")
         prompt_ids = self.tokenize(prompt)
         self.validate_prompt(prompt_ids)
+        if params.n > self.config.args.max_num_seqs:
+            raise ValueError(f"n: {params.n} samples exceed max_num_seqs={self.config.args.max_num_seqs}")
         vocab = self.config.model.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids: ids must be in [0, {vocab})")
@@ -211,11 +213,13 @@ class LLMEngine:
                 text=seq.detokenizer.visible_text(finished),
                 token_ids=seq.output_token_ids,
                 cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                logprobs=seq.logprobs,
+                # Copies: the caller may read them on another thread while the engine appends.
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
             ))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                             request.finished, prompt_logprobs=request.prompt_logprobs,
+                             request.finished,
+                             prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs else None,
                              num_cached_tokens=request.seqs[0].num_cached_tokens,
                              metrics=request.metrics)

@@ -45,7 +45,8 @@ class SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """Raises ValueError naming the field on a bad value."""
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_k=self.top_k if self.top_k is not None else -1,
@@ -53,7 +54,7 @@ class SamplingFields(BaseModel):
             min_tokens=self.min_tokens, stop=[self.stop] if isinstance(self.stop, str) else self.stop or [],
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, logprobs=logprobs,
+            repetition_penalty=self.repetition_penalty, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens)
 
 

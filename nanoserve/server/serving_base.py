@@ -8,7 +8,7 @@ is new since the last chunk, so `ChoiceState` remembers how much of each choice 
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from nanoserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestGroup
@@ -96,11 +96,21 @@ class ServingBase:
                                 f"{max_tokens}, {len(prompt_ids) + max_tokens} in all, over the model's "
                                 f"context of {limit} tokens", "max_tokens", "context_length_exceeded")
 
-    def sampling_params(self, build) -> SamplingParams:
+    def sampling_params(self, build: Callable[[], SamplingParams]) -> SamplingParams:
+        """SamplingParams from build(), plus the limits only the engine knows; 400 naming the field."""
         try:
-            return build()
+            params = build()
         except ValueError as exc:
             raise bad_request(exc) from None
+        config = self.engine.engine.config
+        if params.n > config.args.max_num_seqs:
+            # The scheduler runs all n samples of a request together: more could never be scheduled.
+            raise APIError(400, f"n: at most {config.args.max_num_seqs} (the server's max_num_seqs), "
+                                f"got {params.n}", "n")
+        vocab = config.model.vocab_size
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise APIError(400, f"stop_token_ids: ids must be in [0, {vocab})", "stop_token_ids")
+        return params
 
     def start(self, prefix: str, prompts: list[list[int]], params: SamplingParams) -> Generation:
         """Submit one engine request per prompt; raises 429 / 503 at once when it cannot run.
@@ -116,6 +126,12 @@ class ServingBase:
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_dead") from None
         return Generation(response_id, int(time.time()), self.model_name, prompts, params.n, group)
+
+    def close(self, gen: Generation) -> None:
+        """The HTTP side is done with `gen` (finished, client gone, or failed): abort what still runs."""
+        aborted = gen.group.abort()
+        if aborted:  # their last outputs have no reader, so the tracker never sees them finish
+            self.metrics.finished.labels(finish_reason="abort").inc(aborted * gen.n)
 
     async def outputs(self, gen: Generation) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The merged (prompt index, output) stream, observed by the metrics."""
@@ -133,6 +149,8 @@ class ServingBase:
                     finals[prompt_index] = out
         except EngineDeadError as exc:
             raise APIError(500, str(exc), code="engine_dead") from None
+        except ValueError as exc:  # the engine refused the request after the edge checks passed
+            raise bad_request(exc) from None
         return finals
 
 

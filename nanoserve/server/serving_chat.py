@@ -24,12 +24,11 @@ class ServingChat(ServingBase):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
         try:
-            params = req.sampling_params(max_tokens, top)
-        except ValueError as exc:
-            err = bad_request(exc)
+            params = self.sampling_params(lambda: req.sampling_params(max_tokens, top))
+        except APIError as err:
             if err.param == "logprobs":  # the chat API calls the count top_logprobs
-                err = APIError(400, err.message.replace("logprobs", "top_logprobs", 1), "top_logprobs")
-            raise err from None
+                raise APIError(400, err.message.replace("logprobs", "top_logprobs", 1), "top_logprobs") from None
+            raise
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
             prompt_ids = await self.engine.apply_chat_template(messages, req.add_generation_prompt)
@@ -38,8 +37,8 @@ class ServingChat(ServingBase):
         self.check_prompt(prompt_ids, max_tokens, param="messages")
         gen = self.start("chatcmpl", [prompt_ids], params)
         if req.stream:
-            return EngineStreamResponse(sse_with_errors(self._chunks(gen, req)), gen.group.abort)
-        finals = await run_until_disconnected(raw, self.collect(gen), gen.group.abort)
+            return EngineStreamResponse(sse_with_errors(self._chunks(gen, req)), lambda: self.close(gen))
+        finals = await run_until_disconnected(raw, self.collect(gen), lambda: self.close(gen))
         return JSONResponse(self._response(gen, finals, req))
 
     async def _chunks(self, gen: Generation, req: ChatCompletionRequest) -> AsyncIterator[dict]:

@@ -1,10 +1,12 @@
 """POST /v1/completions: one or more prompts, n choices each, streamed or not.
 
 Choice i of prompt p has index p * n + i, as in OpenAI's API. With echo, a choice's text starts with
-its prompt; prompt tokens carry no logprobs (null), as the engine does not score prompts.
+its prompt; with echo and logprobs, the prompt's tokens are scored too (the first one has nothing
+before it, so its logprob is null), as OpenAI does.
 """
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -19,7 +21,8 @@ from nanoserve.server.streaming import EngineStreamResponse, run_until_disconnec
 class ServingCompletions(ServingBase):
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
-        params = self.sampling_params(lambda: req.sampling_params(req.max_tokens, req.logprobs))
+        scored_prompt = req.logprobs if req.echo else None
+        params = self.sampling_params(lambda: req.sampling_params(req.max_tokens, req.logprobs, scored_prompt))
         prompts = []
         for prompt in req.prompts():
             try:
@@ -28,25 +31,16 @@ class ServingCompletions(ServingBase):
                 raise bad_request(exc) from None
             self.check_prompt(ids, req.max_tokens)
             prompts.append(ids)
-        echoes = [await self._echo(p, req) for p in prompts] if req.echo else None
+        echoes = [await self._echo(p) for p in prompts] if req.echo else None
         gen = self.start("cmpl", prompts, params)
         if req.stream:
-            return EngineStreamResponse(sse_with_errors(self._chunks(gen, req, echoes)), gen.group.abort)
-        finals = await run_until_disconnected(raw, self.collect(gen), gen.group.abort)
+            return EngineStreamResponse(sse_with_errors(self._chunks(gen, req, echoes)), lambda: self.close(gen))
+        finals = await run_until_disconnected(raw, self.collect(gen), lambda: self.close(gen))
         return JSONResponse(self._response(gen, finals, req, echoes))
 
-    async def _echo(self, prompt_ids: list[int], req: CompletionRequest) -> tuple[str, dict | None]:
-        """The prompt's text, and its logprobs block (tokens without scores) when logprobs are on."""
-        pieces = await self.engine.decode_each(prompt_ids)
+    async def _echo(self, prompt_ids: list[int]) -> "Echo":
         text = await self.engine.detokenize(prompt_ids) if self.engine.engine.tokenizer else ""
-        if req.logprobs is None:
-            return text, None
-        offsets, pos = [], 0
-        for piece in pieces:
-            offsets.append(pos)
-            pos += len(piece)
-        return text, {"tokens": pieces, "token_logprobs": [None] * len(pieces),
-                      "top_logprobs": [None] * len(pieces), "text_offset": offsets}
+        return Echo(prompt_ids, text, await self.engine.decode_each(prompt_ids))
 
     async def _chunks(self, gen: Generation, req: CompletionRequest, echoes) -> AsyncIterator[dict]:
         finals = {}
@@ -67,9 +61,9 @@ class ServingCompletions(ServingBase):
                 if logprobs is not None:
                     block, offsets[index] = _logprobs(ids, logprobs, offsets.get(index, 0))
                 if first and echoes is not None:
-                    echo_text, echo_block = echoes[prompt_index]
-                    text = echo_text + text
-                    block = _join(echo_block, block, len(echo_text))
+                    echo = echoes[prompt_index]
+                    text = echo.text + text
+                    block = echo.join(block, out.prompt_logprobs)
                 yield _chunk(gen, index, text, block, c.finish_reason, c.stop_reason)
         if req.include_usage:
             yield {"id": gen.response_id, "object": "text_completion", "created": gen.created,
@@ -82,9 +76,9 @@ class ServingCompletions(ServingBase):
                 text = c.text
                 block = _logprobs(c.token_ids, c.logprobs, 0)[0] if c.logprobs is not None else None
                 if echoes is not None:
-                    echo_text, echo_block = echoes[prompt_index]
-                    text = echo_text + text
-                    block = _join(echo_block, block, len(echo_text))
+                    echo = echoes[prompt_index]
+                    text = echo.text + text
+                    block = echo.join(block, out.prompt_logprobs)
                 choices.append({"index": gen.choice_index(prompt_index, c.index), "text": text,
                                 "logprobs": block, "finish_reason": c.finish_reason,
                                 "stop_reason": c.stop_reason})
@@ -106,15 +100,35 @@ def _logprobs(ids: list[int], entries: list[TokenLogprobs], offset: int) -> tupl
         chosen = entry[token_id]
         block["tokens"].append(chosen.decoded_token)
         block["token_logprobs"].append(chosen.logprob)
-        block["top_logprobs"].append({lp.decoded_token: lp.logprob
-                                      for lp in sorted(entry.values(), key=lambda lp: lp.rank)})
+        block["top_logprobs"].append(_top(entry))
         block["text_offset"].append(offset)
         offset += len(chosen.decoded_token)
     return block, offset
 
 
-def _join(echo: dict | None, generated: dict | None, echo_len: int) -> dict | None:
-    if echo is None or generated is None:
-        return generated
-    shifted = [o + echo_len for o in generated["text_offset"]]
-    return {key: echo[key] + (shifted if key == "text_offset" else generated[key]) for key in echo}
+@dataclass
+class Echo:
+    """A prompt sent back in front of its completion."""
+
+    token_ids: list[int]
+    text: str
+    pieces: list[str]  # each token's own text
+
+    def join(self, generated: dict | None, prompt_logprobs: list[TokenLogprobs | None] | None) -> dict | None:
+        """The prompt's logprobs block followed by the generated one's (offsets shifted past the prompt)."""
+        if generated is None:
+            return None
+        entries = prompt_logprobs or [None] * len(self.token_ids)
+        block = {"tokens": list(self.pieces), "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = 0
+        for token_id, piece, entry in zip(self.token_ids, self.pieces, entries, strict=True):
+            block["token_logprobs"].append(entry[token_id].logprob if entry else None)
+            block["top_logprobs"].append(_top(entry) if entry else None)
+            block["text_offset"].append(offset)
+            offset += len(piece)
+        shifted = [o + len(self.text) for o in generated["text_offset"]]
+        return {key: block[key] + (shifted if key == "text_offset" else generated[key]) for key in block}
+
+
+def _top(entry: TokenLogprobs) -> dict[str, float]:
+    return {lp.decoded_token: lp.logprob for lp in sorted(entry.values(), key=lambda lp: lp.rank)}

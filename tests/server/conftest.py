@@ -1,0 +1,123 @@
+"""Real server processes for the server tests: a tiny random Llama, a free port on 127.0.0.1.
+
+`server` is shared by the modules that need a plain server (one process for them all keeps the suite
+fast); tests that need other flags start their own with `start_server`.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from checkpoints import write_checkpoint  # tests/checkpoints.py (tests/ is on sys.path via its conftest)
+
+REPO = Path(__file__).resolve().parents[2]
+# Sized for the tests: 64 streams of short prompts, or one long request, fit with room to spare.
+DEFAULT_FLAGS = ["--num-kv-blocks", "256", "--max-num-batched-tokens", "2048", "--seed", "0"]
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("server") / "tiny-llama", "llama")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RunningServer:
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+    api_key: str | None = None
+    model: str = "tiny-llama"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "unused", max_retries=0,
+                             timeout=60, **kwargs)
+
+    def async_client(self, **kwargs) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=self.api_key or "unused", max_retries=0,
+                                  timeout=60, **kwargs)
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def wait_idle(self, timeout: float = 10.0) -> dict:
+        """The /health body once nothing runs or waits (or the last one seen at the timeout)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            h = self.health()
+            if (h["running"] == 0 and h["waiting"] == 0) or time.monotonic() > deadline:
+                return h
+            time.sleep(0.05)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+
+def start_server(model_dir: Path, log_dir: Path, *flags: str, api_key: str | None = None) -> RunningServer:
+    port = free_port()
+    cmd = [sys.executable, "-m", "nanoserve.server.app", "--model", str(model_dir), "--port", str(port),
+           *DEFAULT_FLAGS, *flags]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    log_path = log_dir / f"server-{port}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    server = RunningServer(proc, port, log_path, api_key)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    raise RuntimeError(f"server did not come up in 120 s:\n{server.log()}")
+
+
+@pytest.fixture(scope="session")
+def launch(model_dir, tmp_path_factory):
+    """launch(*flags, api_key=None) -> RunningServer; whatever is still running is stopped at the end."""
+    started: list[RunningServer] = []
+
+    def _launch(*flags: str, api_key: str | None = None) -> RunningServer:
+        started.append(start_server(model_dir, tmp_path_factory.mktemp("logs"), *flags, api_key=api_key))
+        return started[-1]
+
+    yield _launch
+    for s in started:
+        s.stop()
+
+
+@pytest.fixture(scope="session")
+def server(launch) -> RunningServer:
+    return launch()

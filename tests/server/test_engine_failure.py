@@ -1,0 +1,92 @@
+"""In-process app (build_app + httpx's ASGI transport) around a real engine, for what a healthy server
+process cannot show: an engine that fails mid-request, an idle loop that sleeps, a model without a
+chat template."""
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from nanoserve.config import EngineArgs
+from nanoserve.engine.async_engine import AsyncEngine
+from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.server.app import build_app
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    return LLMEngine(EngineArgs(model=str(model_dir), num_kv_blocks=64).create_config())
+
+
+@pytest.fixture
+def async_engine(engine):
+    a = AsyncEngine(engine)
+    yield a
+    a.shutdown()
+
+
+def _client(async_engine) -> httpx.AsyncClient:
+    app = build_app(async_engine, "tiny-llama")
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=30)
+
+
+def test_idle_loop_does_not_step(async_engine, monkeypatch):
+    calls = []
+    real_step = async_engine.engine.step
+    monkeypatch.setattr(async_engine.engine, "step", lambda: calls.append(1) or real_step())
+
+    async def main():
+        async with _client(async_engine) as http:
+            r = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "ignore_eos": True})
+            assert r.status_code == 200
+    asyncio.run(main())
+    busy = len(calls)
+    time.sleep(0.3)
+    assert busy == 3 and len(calls) == busy  # one step per token, then nothing while idle
+
+
+def test_no_chat_template_is_400(async_engine, monkeypatch):
+    monkeypatch.setattr(async_engine.engine.tokenizer, "chat_template", None)
+
+    async def main():
+        async with _client(async_engine) as http:
+            return await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+
+    r = asyncio.run(main())
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "messages" and "chat template" in err["message"]
+
+
+def test_engine_failure_reaches_every_client(async_engine, monkeypatch):
+    real_step = async_engine.engine.step
+    steps = []
+
+    def failing_step():
+        steps.append(1)
+        if len(steps) >= 3:
+            raise RuntimeError("boom")
+        return real_step()
+
+    monkeypatch.setattr(async_engine.engine, "step", failing_step)
+    body = {"prompt": "Hi", "max_tokens": 50, "ignore_eos": True}
+
+    async def main():
+        async with _client(async_engine) as http:
+            stream, plain = await asyncio.gather(
+                http.post("/v1/completions", json={**body, "stream": True}),
+                http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                        "max_tokens": 50}))
+            health = await http.get("/health")
+            after = await http.post("/v1/completions", json=body)
+            return stream, plain, health, after
+
+    stream, plain, health, after = asyncio.run(main())
+    events = [line[6:] for line in stream.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert "boom" in json.loads(events[-2])["error"]["message"]
+    assert plain.status_code == 500 and "boom" in plain.json()["error"]["message"]
+    assert health.status_code == 503 and health.json()["status"] == "dead"
+    assert after.status_code == 503
