@@ -1,4 +1,4 @@
-"""RMSNorm, optionally adding the residual first (one pass instead of two on the GPU)."""
+"""RMSNorm, optionally adding the residual first (one fused kernel on the GPU instead of eight)."""
 
 import torch
 from torch import nn
@@ -17,6 +17,13 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Returns norm(x), or (norm(x + residual), x + residual) when a residual is given."""
+        if x.is_cuda:
+            from nanoserve.kernels.rms_norm import rms_norm
+
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps, residual), residual  # residual updated in place
         if residual is None:
             return self._norm(x)
         x = x + residual

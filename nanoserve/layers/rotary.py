@@ -35,9 +35,17 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        # The GPU kernel reads one half: the two halves of cat(freqs, freqs) are equal.
+        self.register_buffer("cos_half", freqs.cos(), persistent=False)
+        self.register_buffer("sin_half", freqs.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, Hq, D], k [T, Hkv, D] -> rotated copies."""
+        """q [T, Hq, D], k [T, Hkv, D] -> rotated (in place on the GPU, copies on the CPU)."""
+        if q.is_cuda:
+            from nanoserve.kernels.rotary import apply_rotary
+
+            apply_rotary(q, k, self.cos_half, self.sin_half, positions)
+            return q, k
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -1,0 +1,60 @@
+"""RMSNorm in one pass, optionally adding the residual first (the add, the norm and both writes fused).
+
+Rows are addressed as [N, M, D] with strides for N and M, so the per-head q/k norms of Qwen3 run on
+the strided views of the fused qkv output without a copy.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_xn, stride_xm, stride_rn, stride_on, stride_om,
+                     eps, D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    n, m = tl.program_id(0), tl.program_id(1)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    x_row = x_ptr + n.to(tl.int64) * stride_xn + m * stride_xm
+    x = tl.load(x_row + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r_row = res_ptr + n.to(tl.int64) * stride_rn
+        # The sum is rounded to the activation dtype first, as the unfused model does.
+        x = x + tl.load(r_row + offs, mask=mask, other=0.0)
+        tl.store(r_row + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * w
+    tl.store(out_ptr + n.to(tl.int64) * stride_on + m * stride_om + offs, y.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., D] (last dim contiguous; 2-D, or 3-D with any leading strides) -> a new normalized tensor.
+    With `residual` (contiguous, x's shape), x + residual is normalized and written back into residual."""
+    assert x.stride(-1) == 1 and weight.is_contiguous()
+    x3 = x if x.dim() == 3 else x.view(x.shape[0], 1, x.shape[-1]) if x.dim() == 2 else x.reshape(-1, 1, x.shape[-1])
+    n, m, d = x3.shape
+    out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
+    if residual is not None:
+        assert residual.is_contiguous() and residual.shape == x.shape and x.dim() == 2
+    block = triton.next_power_of_2(d)
+    _rms_norm_kernel[(n, m)](x3, residual if residual is not None else x3, weight, out, x3.stride(0), x3.stride(1),
+                             residual.stride(0) if residual is not None else 0, out.stride(0), out.stride(1), eps,
+                             D=d, BLOCK_D=block, HAS_RESIDUAL=residual is not None,
+                             num_warps=min(max(block // 256, 1), 8))  # one warp per 256 elements
+    return out.view(x.shape)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The Hugging Face computation; updates `residual` in place like the kernel."""
+    if residual is not None:
+        x = x + residual
+        residual.copy_(x)
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
