@@ -8,6 +8,10 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 cfg=${BENCH_CONFIGS:-shared/bench-configs}
 [ -d "$cfg" ] || cfg=../shared/bench-configs
 steps=${*:-tests throughput latency-qwen latency-llama prefix}
+# The server's dependencies travel as wheels in .whl/ (../shared/tools/gpu-wheels.sh): the machine has no registry.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader | tee "$out/gpu.txt"
 for step in $steps; do
   echo "== $step"
@@ -18,7 +22,10 @@ for step in $steps; do
     latency-qwen) timeout 150 python -m nanoserve.cli bench latency --model "$cfg/qwen3-0.6b" --baseline hf ;;
     latency-llama) timeout 200 python -m nanoserve.cli bench latency --model "$cfg/llama-3.1-8b" --max-model-len 8192 --baseline hf ;;
     prefix) timeout 200 python -m nanoserve.cli bench prefix --model "$cfg/qwen3-0.6b" --max-model-len 4096 ;;
+    serve-inf) timeout 300 python -m nanoserve.cli bench serve --launch --no-progress --model "$cfg/qwen3-0.6b" --load-format dummy --dtype bfloat16 ;;
+    serve-16) timeout 300 python -m nanoserve.cli bench serve --launch --no-progress --request-rate 16 --model "$cfg/qwen3-0.6b" --load-format dummy --dtype bfloat16 ;;
+    profile) timeout 200 python -m cProfile -s tottime -m nanoserve.cli bench throughput --model "$cfg/qwen3-0.6b" 2>&1 | grep -A40 "Ordered by" ;;
   esac > "$out/$step.log" 2>&1
-  tail -3 "$out/$step.log"
+  tail -"${TAIL:-3}" "$out/$step.log"
   grep -h '^{' "$out/$step.log" >> "$out/results.jsonl"
 done
