@@ -24,6 +24,7 @@ for step in $steps; do
     prefix) timeout 200 python -m nanoserve.cli bench prefix --model "$cfg/qwen3-0.6b" --max-model-len 4096 ;;
     serve-inf) timeout 300 python -m nanoserve.cli bench serve --launch --no-progress --model "$cfg/qwen3-0.6b" --load-format dummy --dtype bfloat16 ;;
     serve-16) timeout 300 python -m nanoserve.cli bench serve --launch --no-progress --request-rate 16 --model "$cfg/qwen3-0.6b" --load-format dummy --dtype bfloat16 ;;
+    profile-prefix) timeout 200 python -m cProfile -s tottime -m nanoserve.cli bench prefix --model "$cfg/qwen3-0.6b" --max-model-len 4096 --num-requests 40 2>&1 | grep -A30 "Ordered by" ;;
     profile) timeout 200 python -m cProfile -s tottime -m nanoserve.cli bench throughput --model "$cfg/qwen3-0.6b" 2>&1 | grep -A40 "Ordered by" ;;
   esac > "$out/$step.log" 2>&1
   tail -"${TAIL:-3}" "$out/$step.log"
