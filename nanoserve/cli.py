@@ -65,12 +65,38 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def cmd_chat(ns: argparse.Namespace) -> int:
+    """Interactive chat, streamed, with the calculator tool loop on models that have its tokens."""
+    from nanoserve.chat_engine import ToolLoop
     from nanoserve.engine.llm_engine import LLMEngine
     from nanoserve.sampling_params import SamplingParams
 
     engine = LLMEngine.from_engine_args(engine_args_from(ns))
+    tool_loop = ToolLoop.attach(engine, "chat-")
+    # With tools, special tokens stay in the text (the history must hold the tool calls) and are
+    # printed as markers: "[calculator: 123*456] 56088", then the answer on its own line.
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
-                            top_k=ns.top_k, seed=ns.sample_seed)
+                            top_k=ns.top_k, seed=ns.sample_seed, skip_special_tokens=tool_loop is None)
+    markers = {"<|python_start|>": "[calculator: ", "<|python_end|>": "] ", "<|output_start|>": "",
+               "<|output_end|>": "\n", "<|assistant_end|>": "", "<|bos|>": ""}
+
+    def reply(request_id: str) -> str:
+        """Stream one reply to the terminal; returns its text. Each special token's text arrives
+        whole within one delta (the detokenizer never splits ASCII), so replacing per delta is safe."""
+        shown = 0
+        while True:
+            for out in engine.step():
+                if out.request_id != request_id:
+                    continue
+                text = out.outputs[0].text
+                delta = text[shown:]
+                for special, marker in markers.items():
+                    delta = delta.replace(special, marker)
+                print(delta, end="", flush=True)
+                shown = len(text)
+                if out.finished:
+                    print()
+                    return text
+
     messages: list[dict] = []
     turn = 0
     print("nanoserve chat: type a message, or /quit", flush=True)
@@ -85,8 +111,10 @@ def cmd_chat(ns: argparse.Namespace) -> int:
             continue
         messages.append({"role": "user", "content": line})
         engine.add_request(f"chat-{turn}", engine.apply_chat_template(messages), params)
-        out = _stream(engine, f"chat-{turn}")
-        messages.append({"role": "assistant", "content": out.outputs[0].text})
+        text = reply(f"chat-{turn}")
+        for terminal in ("<|assistant_end|>", "<|bos|>"):  # the template closes the turn itself
+            text = text.removesuffix(terminal)
+        messages.append({"role": "assistant", "content": text})
         turn += 1
 
 

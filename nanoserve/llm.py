@@ -52,7 +52,7 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generating", disable=not use_tqdm) as bar:
             while len(done) < len(ids):
-                for out in self.engine.step():
+                for out in self.engine.step(final_only=True):
                     if out.finished:
                         done[out.request_id] = out
                         bar.update(1)

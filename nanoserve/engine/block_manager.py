@@ -106,6 +106,11 @@ class BlockManager:
         return self._num_new_blocks(seq, num_new_tokens, prefix) <= len(self.free)
 
     def _num_new_blocks(self, seq: Sequence, num_new_tokens: int, prefix: list[int]) -> int:
+        if num_new_tokens == 1 and seq.block_table:  # a decode step: the common case, kept cheap
+            computed = seq.num_computed_tokens
+            if computed % self.block_size == 0:
+                return 1
+            return int(self.blocks[seq.block_table[computed // self.block_size]].ref_count > 1)
         table = seq.block_table or list(prefix)
         computed = seq.num_computed_tokens or len(prefix) * self.block_size
         needed = self.blocks_needed(computed + num_new_tokens) - len(table)

@@ -27,13 +27,13 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add_token(self, token_id: int) -> str | None:
         """Append one token; returns the stop string it completed, if any (the text is then cut
         where the stop string starts)."""
+        if self.tokenizer is None:
+            return None  # token ids only (a checkpoint without a tokenizer)
         self.ids.append(token_id)
         before = self._decode(self.ids[self.prefix_offset:self.read_offset])
         after = self._decode(self.ids[self.prefix_offset:])

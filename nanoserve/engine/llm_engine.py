@@ -2,6 +2,7 @@
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -47,6 +48,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.num_generation_tokens = 0
         self.num_prompt_tokens = 0
+        self.step_hooks: list[Callable[[list[RequestOutput]], list[RequestOutput]]] = []  # add_step_hook
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -128,7 +130,9 @@ class LLMEngine:
         return self.scheduler.has_unfinished
 
     # -- one step -----------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """One forward pass. Returns an output for each request that got tokens (only for the ones
+        that finished with final_only: offline callers skip building the rest)."""
         batch = self.scheduler.schedule()
         if not batch.scheduled:
             return []
@@ -154,10 +158,14 @@ class LLMEngine:
         for request in touched.values():
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = time.monotonic()
-            outputs.append(self._output(request))
-            if request.finished:
+            finished = request.finished
+            if finished or not final_only:
+                outputs.append(self._output(request))
+            if finished:
                 request.metrics.finished_time = time.monotonic()
                 del self.requests[request.request_id]
+        for hook in self.step_hooks:
+            outputs = hook(outputs)
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprobs) -> None:
@@ -223,3 +231,35 @@ class LLMEngine:
                              prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs else None,
                              num_cached_tokens=request.seqs[0].num_cached_tokens,
                              metrics=request.metrics)
+
+    # -- tool use (chat_engine.py) ------------------------------------------------------------------
+    def add_step_hook(self, hook: Callable[[list[RequestOutput]], list[RequestOutput]]) -> None:
+        """Pass every step's outputs through `hook` before step() returns them. The tool loop forces a
+        tool's output into a sample there: inside the step, so no later step can sample past the call."""
+        self.step_hooks.append(hook)
+
+    def force_tokens(self, request_id: str, index: int, token_ids: list[int]) -> RequestOutput:
+        """Append `token_ids` to sample `index` of a running request as if it had generated them: the
+        detokenizer, stop checks and max_tokens see them (forcing stops early if one finishes the sample).
+        The scheduler computes them as a prefill chunk in the next step(s), and the token sampled after
+        them continues the sample; the other samples are untouched. Returns the request's output."""
+        request = self.requests.get(request_id)
+        if request is None:
+            raise ValueError(f"request_id: {request_id!r} is not running")
+        if not 0 <= index < len(request.seqs) or request.seqs[index].is_finished:
+            raise ValueError(f"index: sample {index} of {request_id!r} is not running")
+        vocab = self.config.model.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"token_ids: ids must be in [0, {vocab})")
+        seq = request.seqs[index]
+        for token in token_ids:
+            if seq.is_finished:
+                break
+            if seq.logprobs is not None:  # forced, so certain: logprob 0, rank 1, no alternatives
+                seq.logprobs.append({token: Logprob(0.0, 1, self._decode_one(token))})
+            self._append_token(seq, token, None)
+        output = self._output(request)
+        if request.finished:
+            request.metrics.finished_time = time.monotonic()
+            del self.requests[request_id]
+        return output

@@ -2,6 +2,10 @@
 
 A stream opens each choice with a chunk carrying the assistant role (as OpenAI does), then content
 deltas, with finish_reason on the choice's last chunk.
+
+On a model with the tool-use special tokens (the bundled one), chat requests run under the calculator
+tool loop (chat_engine.ToolLoop, inside the engine's step): the tool's output is forced into the
+sample and streamed like sampled text, in chunks of its own whose delta says "tool_output": true.
 """
 
 from collections.abc import AsyncIterator
@@ -9,14 +13,26 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from nanoserve.outputs import TokenLogprobs
+from nanoserve.chat_engine import ToolLoop
+from nanoserve.engine.async_engine import AsyncEngine
+from nanoserve.outputs import CompletionOutput, TokenLogprobs
 from nanoserve.server.errors import APIError, bad_request
+from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.protocol import ChatCompletionRequest
 from nanoserve.server.serving_base import ChoiceState, Generation, ServingBase, sse_with_errors
 from nanoserve.server.streaming import EngineStreamResponse, run_until_disconnected
 
+# Chat request ids start with this (ServingBase.start adds "-<hex>-<i>"); the tool loop tracks exactly these.
+ID_PREFIX = "chatcmpl"
+
 
 class ServingChat(ServingBase):
+    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics,
+                 max_waiting_requests: int | None) -> None:
+        super().__init__(engine, model_name, metrics, max_waiting_requests)
+        # Set up before any request runs; from then on only the engine thread touches the loop.
+        self.tool_loop = ToolLoop.attach(engine.engine, ID_PREFIX + "-")
+
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
@@ -35,7 +51,7 @@ class ServingChat(ServingBase):
         except ValueError as exc:
             raise bad_request(exc) from None
         self.check_prompt(prompt_ids, max_tokens, param="messages")
-        gen = self.start("chatcmpl", [prompt_ids], params)
+        gen = self.start(ID_PREFIX, [prompt_ids], params)
         if req.stream:
             return EngineStreamResponse(sse_with_errors(self._chunks(gen, req)), lambda: self.close(gen))
         finals = await run_until_disconnected(raw, self.collect(gen), lambda: self.close(gen))
@@ -54,11 +70,15 @@ class ServingChat(ServingBase):
                 state = gen.choices[index]
                 if state.finished:
                     continue
+                start = state.num_tokens
                 text, ids, logprobs = state.delta(c)
                 if not text and not ids and c.finish_reason is None:
                     continue
                 block = _logprobs(ids, logprobs, req.top_logprobs or 0) if logprobs is not None else None
-                yield _chunk(gen, index, {"content": text} if text else {}, block, c.finish_reason)
+                delta = {"content": text} if text else {}
+                if ids and _all_forced(c, start):
+                    delta["tool_output"] = True
+                yield _chunk(gen, index, delta, block, c.finish_reason)
         if req.include_usage:
             yield {"id": gen.response_id, "object": "chat.completion.chunk", "created": gen.created,
                    "model": gen.model, "choices": [], "usage": gen.usage(finals).to_dict()}
@@ -76,6 +96,13 @@ class ServingChat(ServingBase):
         choices.sort(key=lambda ch: ch["index"])
         return {"id": gen.response_id, "object": "chat.completion", "created": gen.created,
                 "model": gen.model, "choices": choices, "usage": gen.usage(finals).to_dict()}
+
+
+def _all_forced(c: CompletionOutput, start: int) -> bool:
+    """Whether the tokens of `c` from `start` on were all forced by the tool loop. The loop hands
+    forced tokens over in an output of their own, so a delta is all forced or all sampled."""
+    masks = getattr(c, "token_masks", None)  # only on ToolCompletionOutput
+    return masks is not None and not any(masks[start:])
 
 
 def _chunk(gen: Generation, index: int, delta: dict, logprobs: dict | None, finish_reason) -> dict:

@@ -1,0 +1,50 @@
+"""Chat completions on the bundled model run the calculator tool loop; forced chunks are marked."""
+
+import json
+
+import httpx
+import pytest
+
+from nanoserve.config import bundled_model_dir
+
+QUESTION = [{"role": "user", "content": "What is 12*34?"}]
+
+
+@pytest.fixture(scope="module")
+def bundled(launch):
+    server = launch("--model", bundled_model_dir(), "--served-model-name", "nanoserve-tiny")
+    yield server
+    server.stop()
+
+
+def _stream(server, **fields) -> list[dict]:
+    body = {"model": "nanoserve-tiny", "messages": QUESTION, "max_tokens": 48, "temperature": 0, "stream": True,
+            **fields}
+    chunks = []
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: "):]))
+    return chunks
+
+
+def test_chat_completion_uses_the_calculator(bundled):
+    out = bundled.client().chat.completions.create(model="nanoserve-tiny", messages=QUESTION, max_tokens=48,
+                                                   temperature=0)
+    text = out.choices[0].message.content
+    assert "408" in text and out.choices[0].finish_reason == "stop"
+    streamed = _stream(bundled)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in streamed) == text
+
+
+@pytest.mark.parametrize("skip_special_tokens,forced_text", [
+    (True, "408"), (False, "<|output_start|>408<|output_end|>")])
+def test_streamed_tool_output_is_marked(bundled, skip_special_tokens, forced_text):
+    chunks = _stream(bundled, skip_special_tokens=skip_special_tokens)
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    tool = [d for d in deltas if d.get("tool_output")]
+    assert "".join(d.get("content", "") for d in tool) == forced_text
+    assert all(d.get("tool_output") in (None, True) for d in deltas)
+    if not skip_special_tokens:  # the call comes before the forced output, in sampled chunks
+        text = "".join(d.get("content", "") for d in deltas)
+        assert text.index("<|python_end|>") < text.index(forced_text)
