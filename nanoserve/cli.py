@@ -34,15 +34,22 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sample-seed", type=int, default=None)
 
 
-def _stream(engine, request_id: str) -> "object":
-    """Print a request's text as it is generated; returns its final output."""
+def _sampling_params(ns: argparse.Namespace, **overrides):
+    from nanoserve.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
+                          seed=ns.sample_seed, **overrides)
+
+
+def _stream(engine, request_id: str, render=lambda delta: delta):
+    """Print a request's text as it is generated (each delta through `render`); returns its final output."""
     shown = 0
     while True:
         for out in engine.step():
             if out.request_id != request_id:
                 continue
             text = out.outputs[0].text
-            print(text[shown:], end="", flush=True)
+            print(render(text[shown:]), end="", flush=True)
             shown = len(text)
             if out.finished:
                 print()
@@ -51,12 +58,9 @@ def _stream(engine, request_id: str) -> "object":
 
 def cmd_generate(ns: argparse.Namespace) -> int:
     from nanoserve.engine.llm_engine import LLMEngine
-    from nanoserve.sampling_params import SamplingParams
 
     engine = LLMEngine.from_engine_args(engine_args_from(ns))
-    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
-                            top_k=ns.top_k, seed=ns.sample_seed)
-    engine.add_request("cli", ns.prompt, params)
+    engine.add_request("cli", ns.prompt, _sampling_params(ns))
     out = _stream(engine, "cli")
     c = out.outputs[0]
     print(f"[{len(out.prompt_token_ids)} prompt tokens, {len(c.token_ids)} generated, "
@@ -68,34 +72,21 @@ def cmd_chat(ns: argparse.Namespace) -> int:
     """Interactive chat, streamed, with the calculator tool loop on models that have its tokens."""
     from nanoserve.chat_engine import ToolLoop
     from nanoserve.engine.llm_engine import LLMEngine
-    from nanoserve.sampling_params import SamplingParams
 
     engine = LLMEngine.from_engine_args(engine_args_from(ns))
     tool_loop = ToolLoop.attach(engine, "chat-")
     # With tools, special tokens stay in the text (the history must hold the tool calls) and are
     # printed as markers: "[calculator: 123*456] 56088", then the answer on its own line.
-    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
-                            top_k=ns.top_k, seed=ns.sample_seed, skip_special_tokens=tool_loop is None)
+    params = _sampling_params(ns, skip_special_tokens=tool_loop is None)
     markers = {"<|python_start|>": "[calculator: ", "<|python_end|>": "] ", "<|output_start|>": "",
                "<|output_end|>": "\n", "<|assistant_end|>": "", "<|bos|>": ""}
 
-    def reply(request_id: str) -> str:
-        """Stream one reply to the terminal; returns its text. Each special token's text arrives
-        whole within one delta (the detokenizer never splits ASCII), so replacing per delta is safe."""
-        shown = 0
-        while True:
-            for out in engine.step():
-                if out.request_id != request_id:
-                    continue
-                text = out.outputs[0].text
-                delta = text[shown:]
-                for special, marker in markers.items():
-                    delta = delta.replace(special, marker)
-                print(delta, end="", flush=True)
-                shown = len(text)
-                if out.finished:
-                    print()
-                    return text
+    def render(delta: str) -> str:
+        # Each special token's text arrives whole within one delta (the detokenizer never splits
+        # ASCII), so replacing per delta is safe.
+        for special, marker in markers.items():
+            delta = delta.replace(special, marker)
+        return delta
 
     messages: list[dict] = []
     turn = 0
@@ -111,7 +102,7 @@ def cmd_chat(ns: argparse.Namespace) -> int:
             continue
         messages.append({"role": "user", "content": line})
         engine.add_request(f"chat-{turn}", engine.apply_chat_template(messages), params)
-        text = reply(f"chat-{turn}")
+        text = _stream(engine, f"chat-{turn}", render).outputs[0].text
         for terminal in ("<|assistant_end|>", "<|bos|>"):  # the template closes the turn itself
             text = text.removesuffix(terminal)
         messages.append({"role": "assistant", "content": text})
