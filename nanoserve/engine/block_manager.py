@@ -70,9 +70,6 @@ class BlockManager:
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
             hits.append(block_id)
-        if seq.num_output_tokens == 0:
-            self.prefix_queries += seq.num_tokens
-            self.prefix_hits += len(hits) * self.block_size
         return hits
 
     def _extend_hashes(self, seq: Sequence, num_full: int) -> None:
@@ -124,6 +121,10 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix: list[int] = ()) -> list[tuple[int, int]]:
         """Give `seq` room for `num_new_tokens` more tokens; returns (src, dst) block copies to do
         before the forward pass. The caller has checked can_allocate."""
+        if not seq.block_table and self.enable_prefix_caching and seq.num_output_tokens == 0:
+            # Counted when the request is admitted, not at each look-up while it waits for room.
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += len(prefix) * self.block_size
         if not seq.block_table and prefix:
             for block_id in prefix:
                 self._take_hit(block_id)

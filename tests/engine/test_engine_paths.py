@@ -181,3 +181,13 @@ def test_logprobs_and_prompt_logprobs_match_transformers(llama_dir):
     assert abs(out.outputs[0].cumulative_logprob - sum(e[t].logprob for t, e in
                                                        zip(out.outputs[0].token_ids, out.outputs[0].logprobs,
                                                            strict=True))) < 1e-5
+
+
+def test_prefix_stats_count_each_admitted_prompt_once(llama_dir):
+    # Four blocks: the second prompt waits for the first to finish, looking the cache up at each step.
+    llm = LLM(str(llama_dir), num_kv_blocks=4)
+    prompts = prompts_with_shared_prefix()[:2]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    bm = llm.engine.block_manager
+    assert bm.prefix_queries == sum(len(p) for p in prompts)
+    assert bm.prefix_hits == 32
