@@ -26,7 +26,6 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]  # decodes first, then prefill chunks
     block_copies: list[tuple[int, int]]
-    num_preempted: int = 0
 
     @property
     def num_decodes(self) -> int:
@@ -93,7 +92,7 @@ class Scheduler:
             scheduled.append(self._entry(seq, num_new))
             budget -= num_new
         scheduled.sort(key=lambda s: s.seq.in_prefill)  # stable: decodes first, order kept within
-        return SchedulerOutput(scheduled, copies, preempted)
+        return SchedulerOutput(scheduled, copies)
 
     def _entry(self, seq: Sequence, num_new: int) -> ScheduledSeq:
         entry = ScheduledSeq(seq, num_new)

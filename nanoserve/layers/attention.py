@@ -20,7 +20,6 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32: context length including the new tokens
     block_tables: torch.Tensor  # [B, max_blocks] int32
     max_seqlen_q: int
-    max_seqlen_k: int
     num_decodes: int  # the first num_decodes sequences bring exactly one token each
     seq_lens_cpu: list[int] | None = None  # for the PyTorch path, which loops over sequences
     cu_seqlens_q_cpu: list[int] | None = None

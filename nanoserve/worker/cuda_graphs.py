@@ -32,8 +32,7 @@ class CUDAGraphRunner:
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(self.slot_mapping[:bs], self.cu_seqlens_q[:bs + 1], self.seq_lens[:bs],
-                                 self.block_tables[:bs], max_seqlen_q=1,
-                                 max_seqlen_k=self.block_tables.shape[1], num_decodes=bs)
+                                 self.block_tables[:bs], max_seqlen_q=1, num_decodes=bs)
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -65,7 +65,7 @@ class ModelRunner:
             slot_mapping=torch.cat([torch.arange(n, device=self.device) for n in lens]),
             cu_seqlens_q=cu, seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
             block_tables=torch.arange(blocks_per_seq, dtype=torch.int32, device=self.device).repeat(len(lens), 1),
-            max_seqlen_q=seq_len, max_seqlen_k=seq_len, num_decodes=0)
+            max_seqlen_q=seq_len, num_decodes=0)
         ids = torch.randint(0, cfg.model.vocab_size, (num_tokens,), device=self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
         hidden = self.model(ids, positions, meta)
@@ -106,7 +106,6 @@ class ModelRunner:
             seq_lens=tensor(lens, torch.int32),
             block_tables=tensor(block_tables, torch.int32),
             max_seqlen_q=max(e.num_new_tokens for e in batch.scheduled),
-            max_seqlen_k=max(lens),
             num_decodes=batch.num_decodes,
             seq_lens_cpu=lens,
             cu_seqlens_q_cpu=cu,
