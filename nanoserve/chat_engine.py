@@ -114,7 +114,7 @@ class ToolLoop:
                 call = self._feed(state, new)
                 if call is not None and not seq.is_finished:
                     forced[request_id] = self.engine.force_tokens(request_id, seq.index, call)
-                    state.masks += [0] * (seq.num_output_tokens - len(state.masks))
+                    state.masks += [0] * (len(seq.output_token_ids) - len(state.masks))
         result = []
         for out in outputs:
             if out.request_id.startswith(self.prefix):

@@ -14,7 +14,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
-        if kind is bool:
+        if kind is bool or kind == bool | None:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         else:
             # `int | None` and the like: the flag parses the non-None member.

@@ -114,6 +114,9 @@ class EngineArgs:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    # Plan step N+1 while step N runs (LLMEngine.step). None: on for CUDA; on the CPU a step runs
+    # to its end before the host goes on, so there it would only delay each output by a step.
+    async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
     seed: int = 0
 

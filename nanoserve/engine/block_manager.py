@@ -83,7 +83,8 @@ class BlockManager:
         """Name the blocks that this step filled, so later requests can share them."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        # Pending tokens (async scheduling) are computed but not yet known, so they cannot be hashed.
+        num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
         if num_full <= seq.num_cached_blocks:
             return
         self._extend_hashes(seq, num_full)

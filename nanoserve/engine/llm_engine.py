@@ -11,10 +11,10 @@ from nanoserve.config import EngineArgs, EngineConfig
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
 from nanoserve.engine.request import Request, SeqStatus, Sequence
-from nanoserve.engine.scheduler import Scheduler
+from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.outputs import CompletionOutput, Logprob, RequestOutput
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.worker.model_runner import ModelRunner
+from nanoserve.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,9 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self.num_prompt_tokens = 0
         self.step_hooks: list[Callable[[list[RequestOutput]], list[RequestOutput]]] = []  # add_step_hook
+        asked = config.args.async_scheduling
+        self.async_scheduling = config.device.type == "cuda" if asked is None else asked
+        self.in_flight: LaunchedStep | None = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -132,28 +135,61 @@ class LLMEngine:
     # -- one step -----------------------------------------------------------------------------------
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """One forward pass. Returns an output for each request that got tokens (only for the ones
-        that finished with final_only: offline callers skip building the rest)."""
+        that finished with final_only: offline callers skip building the rest).
+
+        With async scheduling (on CUDA) the step launched here is read back by the next call: this
+        call returns the previous step's tokens, so the host's work overlaps the GPU's."""
         batch = self.scheduler.schedule()
-        if not batch.scheduled:
-            return []
+        outputs = []
+        if self.in_flight is not None and batch.needs_host_tokens:
+            outputs = self._process(self.in_flight, final_only)
+            self.in_flight = None
+        launched = self._launch(batch) if batch.scheduled else None
+        if self.in_flight is not None:
+            outputs = self._process(self.in_flight, final_only)
+        self.in_flight = launched
+        if not self.async_scheduling and self.in_flight is not None:
+            outputs = self._process(self.in_flight, final_only)
+            self.in_flight = None
+        for hook in self.step_hooks:
+            outputs = hook(outputs)
+        return outputs
+
+    def _launch(self, batch: SchedulerOutput) -> LaunchedStep:
         now = time.monotonic()
-        sampled, prompt_logprobs = self.runner.execute(batch)
+        for entry in batch.scheduled:
+            metrics = entry.seq.request.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+                self.num_prompt_tokens += len(entry.seq.request.prompt_token_ids)
+        launched = self.runner.launch(batch, self.in_flight)
+        for entry in batch.scheduled:
+            for seq in entry.sample_seqs:
+                seq.num_pending += 1
+        return launched
+
+    def _process(self, launched: LaunchedStep, final_only: bool) -> list[RequestOutput]:
+        """Read a launched step's samples and append them: stop checks, detokenizing, outputs."""
+        sampled = launched.result()
         touched: dict[str, Request] = {}
         row = 0
-        for entry in batch.scheduled:
+        for entry in launched.batch.scheduled:
             seq = entry.seq
             request = seq.request
-            if request.metrics.first_scheduled_time is None:
-                request.metrics.first_scheduled_time = now
-                self.num_prompt_tokens += len(request.prompt_token_ids)
-            seq.num_computed_tokens += entry.num_new_tokens
-            self.block_manager.cache_full_blocks(seq)
-            if request.request_id in prompt_logprobs:
-                self._add_prompt_logprobs(request, prompt_logprobs[request.request_id])
+            if request.request_id in launched.prompt_logprobs:
+                self._add_prompt_logprobs(request, launched.prompt_logprobs[request.request_id])
             for s in entry.sample_seqs:
-                self._append_token(s, sampled.token_ids[row], sampled.logprobs[row])
+                token, logprobs = sampled.token_ids[row], sampled.logprobs[row]
                 row += 1
+                if s.is_finished:  # finished or aborted since the launch: the token is not wanted
+                    continue
+                if s.num_stale:  # forced over since the launch (they arrive in launch order)
+                    s.num_stale -= 1
+                    continue
+                s.num_pending -= 1
+                self._append_token(s, token, logprobs)
                 touched[request.request_id] = request
+            self.block_manager.cache_full_blocks(seq)
         outputs = []
         for request in touched.values():
             if request.metrics.first_token_time is None:
@@ -164,8 +200,6 @@ class LLMEngine:
             if finished:
                 request.metrics.finished_time = time.monotonic()
                 del self.requests[request.request_id]
-        for hook in self.step_hooks:
-            outputs = hook(outputs)
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprobs) -> None:
@@ -177,14 +211,15 @@ class LLMEngine:
             self._add_logprobs(seq, token, logprobs)
         stop_string = seq.detokenizer.add_token(token)
         params = seq.params
-        n_out = seq.num_output_tokens
+        # Tokens known so far: pending ones come later and are dropped if this one finishes the sample.
+        n_out = len(seq.token_ids) - seq.num_prompt_tokens
         if stop_string is not None:
             self._finish(seq, "stop", stop_string)
         elif n_out >= params.min_tokens and token in params.stop_token_ids:
             self._finish(seq, "stop", token)
         elif n_out >= params.min_tokens and not params.ignore_eos and token in self.config.model.eos_token_ids:
             self._finish(seq, "stop", None)
-        elif n_out >= seq.request.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif n_out >= seq.request.max_tokens or len(seq.token_ids) >= self.max_model_len:
             self._finish(seq, "length", None)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
@@ -252,6 +287,10 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"token_ids: ids must be in [0, {vocab})")
         seq = request.seqs[index]
+        # A token sampled after the call's last token is still in flight (async scheduling): the forced
+        # tokens replace it. Its step did compute the KV of the token before it, which stays valid.
+        seq.num_stale += seq.num_pending
+        seq.num_pending = 0
         for token in token_ids:
             if seq.is_finished:
                 break

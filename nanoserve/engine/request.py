@@ -31,7 +31,11 @@ class Sequence:
     generator: torch.Generator | None = None
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: SeqStatus = SeqStatus.WAITING
-    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache, or is being written by a launched step
+    # Tokens sampled by a launched step that the host has not read yet: they follow token_ids. With
+    # async scheduling the next step is scheduled (and reads them on the device) before they arrive.
+    num_pending: int = 0
+    num_stale: int = 0  # tokens in flight that arrive after force_tokens replaced them: dropped
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # prefix-cache hash chain of the full blocks
     num_cached_blocks: int = 0  # leading blocks already offered to the prefix cache
@@ -47,7 +51,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_pending
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -55,7 +59,8 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        """Generated tokens, the pending ones included."""
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -5,6 +5,10 @@ when decoding, a chunk when still prefilling), then waiting requests in (priorit
 When the KV pool runs out, the lowest-priority running sequence is preempted: its blocks are freed
 and it goes back to the front of the queue to be recomputed later (cheaply, if its blocks are still
 in the prefix cache).
+
+A sequence's num_computed_tokens moves forward when it is scheduled, not when the step's results come
+back: with async scheduling the next step is planned while this one still runs on the GPU, and its
+last sampled token (Sequence.num_pending) is read there on the device.
 """
 
 from dataclasses import dataclass, field
@@ -16,6 +20,7 @@ from nanoserve.engine.request import Request, SeqStatus, Sequence
 @dataclass
 class ScheduledSeq:
     seq: Sequence
+    start: int  # the first position computed in this step
     num_new_tokens: int
     # The sequences that get a token sampled from this row's logits: empty while a prompt is only
     # partly prefilled, [seq] normally, [seq, *forks] when the first prefill of an n > 1 request ends.
@@ -29,7 +34,13 @@ class SchedulerOutput:
 
     @property
     def num_decodes(self) -> int:
-        return sum(1 for s in self.scheduled if s.num_new_tokens == 1 and not s.seq.in_prefill)
+        # A one-token entry attends like a decode whether or not it ends a prompt.
+        return sum(1 for s in self.scheduled if s.num_new_tokens == 1)
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Penalties read every earlier token on the host, so none may still be pending."""
+        return any(s.params.has_penalties for e in self.scheduled for s in e.sample_seqs)
 
 
 class Scheduler:
@@ -62,6 +73,8 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if num_new == 0:
                 continue  # forked this step, its token not sampled yet
+            if seq.num_pending and seq.num_output_tokens >= seq.request.max_tokens:
+                continue  # its pending token is its last: the step that sampled it will finish it
             while not self.block_manager.can_allocate(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -91,19 +104,20 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(self._entry(seq, num_new))
             budget -= num_new
-        scheduled.sort(key=lambda s: s.seq.in_prefill)  # stable: decodes first, order kept within
+        scheduled.sort(key=lambda s: s.num_new_tokens > 1)  # stable: decodes first, order kept within
         return SchedulerOutput(scheduled, copies)
 
     def _entry(self, seq: Sequence, num_new: int) -> ScheduledSeq:
-        entry = ScheduledSeq(seq, num_new)
-        if seq.num_computed_tokens + num_new < seq.num_tokens:
+        entry = ScheduledSeq(seq, seq.num_computed_tokens, num_new)
+        seq.num_computed_tokens += num_new
+        if seq.num_computed_tokens < seq.num_tokens:
             return entry  # a prompt chunk with more to come: nothing to sample yet
         entry.sample_seqs = [seq]
         request = seq.request
         while request.needs_fork:
             child = self.make_fork(request)
             self.block_manager.fork(seq, child)
-            child.num_computed_tokens = seq.num_computed_tokens + num_new
+            child.num_computed_tokens = seq.num_computed_tokens
             child.status = SeqStatus.RUNNING
             self.running.append(child)
             entry.sample_seqs.append(child)
@@ -117,6 +131,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
+        seq.num_pending = 0  # a token still in flight for it is dropped when it arrives
         if seq in self.running:
             self.running.remove(seq)
             self.block_manager.free_seq(seq)

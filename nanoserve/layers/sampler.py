@@ -19,6 +19,38 @@ class SamplerOutput:
     logprobs: list[tuple[list[int], list[float], float, int] | None]
 
 
+@dataclass
+class SampledTokens:
+    """A batch's samples as tensors: on the device when sampled, then copied to the host without
+    waiting (to_host), so the host reads them (result) only when it needs them."""
+
+    token_ids: torch.Tensor  # [rows] int64
+    num_logprobs: list[int | None]  # per row, what the request asked for
+    chosen: torch.Tensor | None = None  # [rows] the sampled token's logprob
+    ranks: torch.Tensor | None = None  # [rows]
+    top_ids: torch.Tensor | None = None  # [rows, max n]
+    top_values: torch.Tensor | None = None
+
+    def to_host(self) -> "SampledTokens":
+        def copy(t: torch.Tensor | None) -> torch.Tensor | None:
+            # From the GPU, non_blocking lands in pinned memory: the copy runs behind the step's kernels.
+            return None if t is None else t.to("cpu", non_blocking=True)
+
+        return SampledTokens(copy(self.token_ids), self.num_logprobs, copy(self.chosen), copy(self.ranks),
+                             copy(self.top_ids), copy(self.top_values))
+
+    def result(self) -> SamplerOutput:
+        token_ids = self.token_ids.tolist()
+        if self.chosen is None:
+            return SamplerOutput(token_ids, [None] * len(token_ids))
+        chosen, ranks = self.chosen.tolist(), self.ranks.tolist()
+        top_ids = self.top_ids.tolist() if self.top_ids is not None else [[]] * len(token_ids)
+        top_values = self.top_values.tolist() if self.top_values is not None else [[]] * len(token_ids)
+        logprobs = [None if n is None else (top_ids[i][:n], top_values[i][:n], chosen[i], ranks[i])
+                    for i, n in enumerate(self.num_logprobs)]
+        return SamplerOutput(token_ids, logprobs)
+
+
 class Sampler:
     def __init__(self, device: torch.device, eos_token_ids: list[int], seed: int) -> None:
         self.device = device
@@ -26,6 +58,10 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        return self.sample(logits, seqs).result()
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
+        """Sample one token per row, without reading anything back to the host."""
         logits = logits.float()
         raw_logprobs = None
         if any(s.params.logprobs is not None for s in seqs):
@@ -36,16 +72,22 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled_rows:
-            rows = torch.tensor(sampled_rows, device=self.device)
             params = [seqs[i].params for i in sampled_rows]
-            probs = self._filtered_probs(logits[rows], params)
+            if len(sampled_rows) == len(seqs):  # the common all-sampled batch: no gather, no scatter
+                probs = self._filtered_probs(logits, params)
+            else:
+                rows = torch.tensor(sampled_rows, device=self.device)
+                probs = self._filtered_probs(logits[rows], params)
             q = torch.empty_like(probs).exponential_(generator=self.generator)
             for j, i in enumerate(sampled_rows):
                 if seqs[i].generator is not None:
                     q[j].exponential_(generator=seqs[i].generator)
-            tokens[rows] = (probs / q).argmax(dim=-1)
-        token_ids = tokens.tolist()
-        return SamplerOutput(token_ids, self._logprobs(raw_logprobs, tokens, seqs))
+            picked = (probs / q).argmax(dim=-1)
+            if len(sampled_rows) == len(seqs):
+                tokens = picked
+            else:
+                tokens[rows] = picked
+        return self._logprobs(raw_logprobs, tokens, seqs)
 
     def _mask_stop_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         for i, s in enumerate(seqs):
@@ -99,19 +141,14 @@ class Sampler:
         return torch.softmax(logits.masked_fill(mask, -float("inf")), dim=-1)
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor | None, tokens: torch.Tensor, seqs: list[Sequence]):
+    def _logprobs(raw: torch.Tensor | None, tokens: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
+        num_logprobs = [s.params.logprobs for s in seqs]
         if raw is None:
-            return [None] * len(seqs)
-        # One batched top-k and one transfer to the host for all rows, not a sync per request.
-        max_n = max(s.params.logprobs or 0 for s in seqs)
+            return SampledTokens(tokens, num_logprobs)
+        # One batched top-k for all rows, read back with the tokens: not a sync per request.
+        max_n = max(n or 0 for n in num_logprobs)
         chosen = raw.gather(1, tokens[:, None])
-        ranks = ((raw > chosen).sum(dim=1) + 1).tolist()
+        ranks = (raw > chosen).sum(dim=1) + 1
         top = raw.topk(max_n, dim=1) if max_n else None
-        top_ids = top.indices.tolist() if max_n else [[]] * len(seqs)
-        top_values = top.values.tolist() if max_n else [[]] * len(seqs)
-        chosen = chosen[:, 0].tolist()
-        out = []
-        for i, s in enumerate(seqs):
-            n = s.params.logprobs
-            out.append(None if n is None else (top_ids[i][:n], top_values[i][:n], chosen[i], ranks[i]))
-        return out
+        return SampledTokens(tokens, num_logprobs, chosen[:, 0], ranks, top.indices if top is not None else None,
+                             top.values if top is not None else None)

@@ -1,15 +1,36 @@
 """ModelRunner: turns a scheduled batch into tensors, runs one forward pass, and samples."""
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.layers.attention import Attention, AttentionMetadata, backend_for
-from nanoserve.layers.sampler import Sampler, SamplerOutput
+from nanoserve.layers.sampler import SampledTokens, Sampler, SamplerOutput
 from nanoserve.model.loader import load_model
 from nanoserve.worker.cuda_graphs import CUDAGraphRunner
 from nanoserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose kernels are queued on the device; result() waits for its samples."""
+
+    batch: SchedulerOutput
+    sampled: SampledTokens | None  # on the device: the next step reads pending tokens from here
+    rows: dict[int, int]  # seq_id -> row of sampled
+    host: SampledTokens | None  # the same, being copied to the host
+    done: torch.cuda.Event | None
+    prompt_logprobs: dict
+
+    def result(self) -> SamplerOutput:
+        if self.host is None:
+            return SamplerOutput([], [])
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.result()
 
 
 class ModelRunner:
@@ -77,13 +98,23 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak - blocks_per_seq * bytes_per_block(cfg)
 
-    def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """input_ids, positions, attention metadata, and the hidden rows to sample from."""
+    def prepare(self, batch: SchedulerOutput, prev: LaunchedStep | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """input_ids, positions, attention metadata, and the hidden rows to sample from. A token that
+        `prev` sampled and the host has not read yet is taken from prev's device tensor."""
         input_ids, positions, slots, cu, lens, tables, logit_rows = [], [], [], [0], [], [], []
+        pending_at, pending_rows = [], []
         for entry in batch.scheduled:
-            seq, start = entry.seq, entry.seq.num_computed_tokens
+            seq, start = entry.seq, entry.start
             end = start + entry.num_new_tokens
-            input_ids += seq.token_ids[start:end]
+            known = seq.token_ids[start:end]
+            if len(known) < entry.num_new_tokens:
+                # Only a decode's one new token can still be on the device (async scheduling).
+                assert entry.num_new_tokens == 1 and prev is not None and seq.seq_id in prev.rows
+                pending_at.append(len(input_ids))
+                pending_rows.append(prev.rows[seq.seq_id])
+                known = [0]
+            input_ids += known
             positions += range(start, end)
             bs, table = self.block_size, seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
@@ -110,17 +141,21 @@ class ModelRunner:
             seq_lens_cpu=lens,
             cu_seqlens_q_cpu=cu,
         )
-        return tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta, logit_rows
+        ids = tensor(input_ids, torch.int64)
+        if pending_at:
+            ids[tensor(pending_at, torch.int64)] = prev.sampled.token_ids[tensor(pending_rows, torch.int64)]
+        return ids, tensor(positions, torch.int64), meta, logit_rows
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> tuple[SamplerOutput, dict]:
-        """Sampled tokens (one per sample sequence, in order) and, for requests that asked for
-        prompt_logprobs, {request_id: [(target id, logprob, rank, top ids, top logprobs), ...]}."""
+    def launch(self, batch: SchedulerOutput, prev: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue one step's forward pass and sampling on the device without waiting for them. Requests
+        that asked for prompt_logprobs get them now, as {request_id: [(target id, logprob, rank,
+        top ids, top logprobs), ...]} (that path reads back to the host)."""
         for src, dst in batch.block_copies:
             for k, v in self.kv_cache:
                 k[dst].copy_(k[src])
                 v[dst].copy_(v[src])
-        input_ids, positions, meta, logit_rows = self.prepare(batch)
+        input_ids, positions, meta, logit_rows = self.prepare(batch, prev)
         if self.graphs is not None and self.graphs.can_run(len(batch.scheduled), meta.num_decodes):
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
@@ -128,9 +163,18 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(batch, hidden, meta.cu_seqlens_q_cpu)
         seqs = [s for e in batch.scheduled for s in e.sample_seqs]
         if not seqs:
-            return SamplerOutput([], []), prompt_logprobs
+            return LaunchedStep(batch, None, {}, None, None, prompt_logprobs)
         logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
-        return self.sampler(logits, seqs), prompt_logprobs
+        sampled = self.sampler.sample(logits, seqs)
+        done = None
+        if self.device.type == "cuda":
+            host = sampled.to_host()
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host = sampled
+        rows = {s.seq_id: i for i, s in enumerate(seqs)}
+        return LaunchedStep(batch, sampled, rows, host, done, prompt_logprobs)
 
     def _prompt_logprobs(self, batch: SchedulerOutput, hidden: torch.Tensor, cu: list[int]) -> dict:
         result = {}
@@ -139,7 +183,7 @@ class ModelRunner:
             if n is None or seq.num_output_tokens or seq.index:
                 continue
             # Row j predicts token start + j + 1; the prompt's last row predicts the first output.
-            start = seq.num_computed_tokens
+            start = entry.start
             count = min(entry.num_new_tokens, seq.num_prompt_tokens - 1 - start)
             if count <= 0:
                 continue

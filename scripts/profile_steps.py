@@ -1,0 +1,84 @@
+"""Where a step's time goes, on the GPU: host time vs kernel time for the three step shapes that the
+benchmarks care about (uncached 2,100-token prefill, 100-token prefill over a 2,000-token cached prefix,
+batch-1 decode), with the top kernels by device time and the top host functions.
+
+    python scripts/profile_steps.py --model shared/bench-configs/qwen3-0.6b
+"""
+
+import argparse
+import gc
+import time
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from nanoserve.llm import LLM
+from nanoserve.sampling_params import SamplingParams
+
+
+def summarize(name: str, prof, iters: int, wall_s: float) -> None:
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events) / iters
+    launches = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / iters
+    print(f"\n=== {name}: wall {1e3 * wall_s / iters:.2f} ms/iter, kernels {device_us / 1e3:.2f} ms/iter, "
+          f"{launches:.0f} device events/iter")
+    print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+
+
+def run(name: str, fn, iters: int) -> None:
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    summarize(name, prof, iters, wall)
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    print(f"{name}: without the profiler {1e3 * (time.perf_counter() - start) / iters:.2f} ms/iter")
+
+
+def profile_engine(model: str, caching: bool, rng: np.random.Generator) -> None:
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    llm = LLM(model=model, load_format="dummy", dtype="bfloat16", max_model_len=4096,
+              enable_prefix_caching=caching)
+    vocab = llm.engine.config.model.vocab_size
+    shared = rng.integers(0, vocab, 2000).tolist()
+    llm.generate([shared + [1] * 100], one, use_tqdm=False)
+
+    def prefill():
+        llm.generate([shared + rng.integers(0, vocab, 100).tolist()], one, use_tqdm=False)
+
+    run(f"prefill 2100 tokens, prefix caching {caching}", prefill, 5)
+    if caching:
+        return
+    engine = llm.engine
+
+    def decode20():
+        engine.add_request(str(rng.integers(1 << 40)), shared[:128],
+                           SamplingParams(temperature=0, max_tokens=21, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    run("batch-1: one 128-token prefill + 20 decode steps", decode20, 3)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    ns = p.parse_args()
+    rng = np.random.default_rng(0)
+    for caching in (False, True):
+        profile_engine(ns.model, caching, rng)
+        gc.collect()  # the engine's objects refer to each other: only gc gives its memory back
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
