@@ -2,8 +2,12 @@
 
 Query i of sequence b sits at position seq_lens[b] - q_len_b + i and attends to keys 0..that position, all
 read from the cache through the block table (the new tokens' K/V were stored there before this call).
+
+Work is cut into query tiles of block_m rows listed in a tile map (sequence, first query row), so the launch
+grid depends only on the map's length: a CUDA graph captured once replays any batch whose tiles fit the map.
 """
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -72,6 +76,7 @@ def _prefill_attention_kernel(
     cu_seqlens_q_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    tile_map_ptr,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -88,11 +93,15 @@ def _prefill_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    start_m = tl.program_id(0) * BLOCK_M
-    seq = tl.program_id(1)
-    head = tl.program_id(2)
+    head = tl.program_id(0)
+    tile = tl.program_id(1)
+    seq = tl.load(tile_map_ptr + tile * 2)
+    if seq < 0:
+        return
+    start_m = tl.load(tile_map_ptr + tile * 2 + 1)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    # A map row past its sequence's queries (a map out of step with cu_seqlens_q) must write nothing.
     if start_m >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -137,6 +146,51 @@ def _prefill_attention_kernel(
     )
 
 
+def prefill_block_m(num_tokens: int) -> int:
+    """Query tile height for a step of num_tokens new tokens (any bound on the longest query run will do)."""
+    # Sized to the tokens at hand so decode-sized entries don't pay for 128-row tiles.
+    return min(128, max(16, triton.next_power_of_2(num_tokens)))
+
+
+def max_prefill_tiles(num_tokens: int, max_num_seqs: int, block_m: int) -> int:
+    """Most query tiles any batch of at most num_tokens tokens in at most max_num_seqs sequences can need."""
+    # Sequence b needs ceil(q_b / block_m) <= q_b // block_m + 1 tiles, and only a non-empty one needs any;
+    # summed, the floors are at most num_tokens // block_m and the +1s at most min(num_tokens, max_num_seqs).
+    return num_tokens // block_m + min(num_tokens, max_num_seqs)
+
+
+def _query_tiles(cu_seqlens_q: list[int], seq_lens: list[int], block_m: int) -> list[tuple[int, int]]:
+    """(sequence, first query row) of every tile, the tiles visiting the most keys first."""
+    tiles, keys = [], []
+    for b, seq_len in enumerate(seq_lens):
+        q_len = cu_seqlens_q[b + 1] - cu_seqlens_q[b]
+        for start_m in range(0, q_len, block_m):
+            tiles.append((b, start_m))
+            keys.append(min(seq_len, seq_len - q_len + start_m + block_m))
+    # Longest first: blocks launch in grid order, so the long causal tiles start in the first wave and the
+    # short ones fill in behind them instead of one long tile running alone at the end. Measured once on an
+    # H200 (bf16) against sequence order: 2% faster on one 8k prompt and on decode-heavy batches, 3% slower
+    # on 14 prompts of 100-1024 tokens.
+    order = sorted(range(len(tiles)), key=lambda i: -keys[i])
+    return [tiles[i] for i in order]
+
+
+def prefill_tile_map(cu_seqlens_q: list[int], seq_lens: list[int], block_m: int, num_tiles: int) -> np.ndarray:
+    """int32 [num_tiles, 2] rows (sequence, first query row in it) for prefill_attention's tile_map.
+
+    One row per block_m-row query tile, the tiles visiting the most keys first, then (-1, 0) rows (which the
+    kernel skips) up to num_tiles. Raises ValueError if the batch needs more than num_tiles tiles.
+    """
+    tiles = _query_tiles(cu_seqlens_q, seq_lens, block_m)
+    if len(tiles) > num_tiles:
+        raise ValueError(f"batch needs {len(tiles)} query tiles of {block_m} rows, num_tiles is {num_tiles}")
+    tile_map = np.zeros((num_tiles, 2), dtype=np.int32)
+    tile_map[:, 0] = -1
+    if tiles:
+        tile_map[: len(tiles)] = tiles
+    return tile_map
+
+
 def prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -147,10 +201,20 @@ def prefill_attention(
     max_seqlen_q: int,
     scale: float,
     out: torch.Tensor | None = None,
+    tile_map: torch.Tensor | None = None,
+    block_m: int | None = None,
 ) -> torch.Tensor:
     """q [T, num_q_heads, head_dim] packed by cu_seqlens_q [B+1]; returns [T, num_q_heads, head_dim].
 
-    out, if given, is written in place (contiguous last dim, q's shape) and returned.
+    out, if given, is written in place (contiguous last dim, q's shape) and returned. Rows of tokens that no
+    tile covers (past cu_seqlens_q[B], as in a padded batch) are left untouched.
+
+    Without tile_map, the map is built here from cu_seqlens_q and seq_lens, read on the host, with block_m
+    defaulting to prefill_block_m(max_seqlen_q); max_seqlen_q is used for nothing else.
+
+    With tile_map (device int32 [num_tiles, 2] from prefill_tile_map, built with this block_m) and out, the
+    call reads no device value on the host and allocates nothing: the launch depends only on tensor shapes
+    and block_m, so it can be captured in a CUDA graph and replayed with new contents in the same tensors.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -160,13 +224,26 @@ def prefill_attention(
     assert num_q_heads % num_kv_heads == 0
     assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert cu_seqlens_q.shape == (batch + 1,) and block_tables.shape[0] == batch
+    if tile_map is not None:
+        assert out is not None and block_m is not None, "a tile_map call must not allocate or choose block_m"
+        assert tile_map.dtype == torch.int32 and tile_map.is_contiguous() and tile_map.shape[1:] == (2,)
     out = torch.empty_like(q) if out is None else out
     assert out.shape == q.shape and out.stride(2) == 1
     if num_tokens == 0 or batch == 0:
         return out
-    # Tiles are sized to the longest query run so decode-sized entries don't pay for 128-row tiles.
-    block_m = min(128, max(16, triton.next_power_of_2(max_seqlen_q)))
-    grid = (triton.cdiv(max_seqlen_q, block_m), batch, num_q_heads)
+    if tile_map is None:
+        block_m = prefill_block_m(max_seqlen_q) if block_m is None else block_m
+        tiles = _query_tiles(cu_seqlens_q.tolist(), seq_lens.tolist(), block_m)
+        if not tiles:
+            return out
+        tile_map = torch.tensor(tiles, dtype=torch.int32, device=q.device)
+    assert block_m >= 16 and block_m & (block_m - 1) == 0, "block_m must be a power of 2 >= 16 (tl.dot)"
+    if tile_map.shape[0] == 0:
+        return out
+    # Heads vary fastest in launch order, so every head of the longest tile starts before any shorter tile
+    # (with tiles fastest, the last head's longest tile would start in the last wave). On an H200 the two
+    # orders measured within 2% of each other.
+    grid = (num_q_heads, tile_map.shape[0])
     _prefill_attention_kernel[grid](
         q,
         k_cache,
@@ -175,6 +252,7 @@ def prefill_attention(
         cu_seqlens_q,
         seq_lens,
         block_tables,
+        tile_map,
         scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         q.stride(0),
         q.stride(1),

@@ -110,3 +110,66 @@ def test_decode_attention_cuda_graph():
     q.copy_(torch.randn_like(q))
     graph.replay()
     torch.testing.assert_close(out, decode_attention_ref(*args), **BF16_TOL)
+
+
+def test_prefill_attention_cuda_graph():
+    from nanoserve.kernels.prefill_attention import (
+        max_prefill_tiles,
+        prefill_attention,
+        prefill_attention_ref,
+        prefill_block_m,
+        prefill_tile_map,
+    )
+
+    gen = torch.Generator().manual_seed(0)
+    num_q_heads, num_kv_heads, head_dim, block_size = 16, 8, 128, 16
+    num_tokens, max_num_seqs = 1400, 5
+    # Batch a leaves 81 padding token rows; batch b fills them all and has an empty entry.
+    lens_a = [(1000, 1000), (1, 777), (300, 2100), (17, 4000), (1, 1)]
+    lens_b = [(513, 513), (129, 129), (600, 3000), (0, 0), (158, 158)]
+    k_cache, v_cache, tables = _paged_kv([s for _, s in lens_a + lens_b], num_kv_heads, head_dim, block_size, gen)
+    block_m = prefill_block_m(num_tokens)
+    num_tiles = max_prefill_tiles(num_tokens, max_num_seqs, block_m)
+    q = torch.empty(num_tokens, num_q_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    cu = torch.empty(max_num_seqs + 1, dtype=torch.int32, device="cuda")
+    seq = torch.empty(max_num_seqs, dtype=torch.int32, device="cuda")
+    block_tables = torch.empty(max_num_seqs, tables.shape[1], dtype=torch.int32, device="cuda")
+    tile_map = torch.empty(num_tiles, 2, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+
+    def write_batch(lens, rows):
+        cu_list = torch.tensor([0] + [ql for ql, _ in lens]).cumsum(0).tolist()
+        seq_list = [s for _, s in lens]
+        q.copy_(torch.randn_like(q))
+        cu.copy_(torch.tensor(cu_list, dtype=torch.int32))
+        seq.copy_(torch.tensor(seq_list, dtype=torch.int32))
+        block_tables.copy_(tables[rows])
+        tile_map.copy_(torch.from_numpy(prefill_tile_map(cu_list, seq_list, block_m, num_tiles)))
+        out.fill_(7.0)  # rows no tile covers must keep this
+
+    args = (q, k_cache, v_cache, cu, seq, block_tables, num_tokens, head_dim**-0.5)
+    write_batch(lens_a, slice(0, 5))
+    prefill_attention(*args, out=out, tile_map=tile_map, block_m=block_m)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        prefill_attention(*args, out=out, tile_map=tile_map, block_m=block_m)
+    for lens, rows in ((lens_a, slice(0, 5)), (lens_b, slice(5, 10))):
+        write_batch(lens, rows)
+        graph.replay()
+        want = prefill_attention_ref(*args, out=torch.full_like(q, 7.0))
+        torch.testing.assert_close(out, want, **BF16_TOL)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+def test_skinny_linear_gpu(m):
+    from nanoserve.kernels.gemv import skinny_linear, skinny_linear_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    # Qwen3-0.6B's decode projections (K, N): qkv, o, gate_up, down; then a tail off every block size.
+    for k, n in [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024), (1000, 1001)]:
+        x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+        w = (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).bfloat16()
+        b = torch.randn(n, device="cuda", generator=gen).bfloat16()
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        skinny_linear(x, w, b, out=out)
+        torch.testing.assert_close(out, skinny_linear_ref(x, w, b), **BF16_TOL)
