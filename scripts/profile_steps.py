@@ -69,11 +69,30 @@ def profile_engine(model: str, caching: bool, rng: np.random.Generator) -> None:
     run("batch-1: one 128-token prefill + 20 decode steps", decode20, 3)
 
 
+def profile_big_batch(model: str, rng: np.random.Generator) -> None:
+    """The throughput recipe's steady state: 256 sequences of 100..1024 prompt tokens decoding."""
+    llm = LLM(model=model, load_format="dummy", dtype="bfloat16")
+    engine = llm.engine
+    vocab = engine.config.model.vocab_size
+    for i in range(256):
+        engine.add_request(f"big-{i}", rng.integers(0, vocab, int(rng.integers(100, 1025))).tolist(),
+                           SamplingParams(temperature=0.6, max_tokens=200, ignore_eos=True))
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or \
+            engine.scheduler.waiting:
+        engine.step()
+    run("batch-256 decode, 20 steps", lambda: [engine.step() for _ in range(20)], 2)
+    for request_id in list(engine.requests):
+        engine.abort_request(request_id)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
     ns = p.parse_args()
     rng = np.random.default_rng(0)
+    profile_big_batch(ns.model, rng)
+    gc.collect()
+    torch.cuda.empty_cache()
     for caching in (False, True):
         profile_engine(ns.model, caching, rng)
         gc.collect()  # the engine's objects refer to each other: only gc gives its memory back

@@ -178,6 +178,8 @@ class LLMEngine:
             request = seq.request
             if request.request_id in launched.prompt_logprobs:
                 self._add_prompt_logprobs(request, launched.prompt_logprobs[request.request_id])
+            # Before the sampled token is appended: a sample it finishes frees its blocks.
+            self.block_manager.cache_full_blocks(seq)
             for s in entry.sample_seqs:
                 token, logprobs = sampled.token_ids[row], sampled.logprobs[row]
                 row += 1
@@ -189,7 +191,6 @@ class LLMEngine:
                 s.num_pending -= 1
                 self._append_token(s, token, logprobs)
                 touched[request.request_id] = request
-            self.block_manager.cache_full_blocks(seq)
         outputs = []
         for request in touched.values():
             if request.metrics.first_token_time is None:

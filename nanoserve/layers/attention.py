@@ -23,6 +23,10 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes sequences bring exactly one token each
     seq_lens_cpu: list[int] | None = None  # for the PyTorch path, which loops over sequences
     cu_seqlens_q_cpu: list[int] | None = None
+    # The prefill kernel's work list for the sequences after the decodes (kernels/prefill_attention.py),
+    # built on the host once per step; without it the kernel reads the lengths back at every layer.
+    tile_map: torch.Tensor | None = None
+    block_m: int | None = None
 
 
 class TorchBackend:
@@ -81,8 +85,10 @@ class TritonBackend:
                              out=out[:nd])
         if nd < meta.seq_lens.shape[0]:
             # Decodes come first with one token each, so the prefill part starts at token nd.
-            prefill_attention(q[nd:], k_cache, v_cache, meta.cu_seqlens_q[nd:] - nd, meta.seq_lens[nd:],
-                              meta.block_tables[nd:], meta.max_seqlen_q, scale, out=out[nd:])
+            cu = meta.cu_seqlens_q if nd == 0 else meta.cu_seqlens_q[nd:] - nd
+            prefill_attention(q[nd:], k_cache, v_cache, cu, meta.seq_lens[nd:],
+                              meta.block_tables[nd:], meta.max_seqlen_q, scale, out=out[nd:],
+                              tile_map=meta.tile_map, block_m=meta.block_m)
         return out
 
 

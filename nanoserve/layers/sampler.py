@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.engine.request import Sequence
+from nanoserve.utils import to_device
 
 
 @dataclass
@@ -76,7 +77,7 @@ class Sampler:
             if len(sampled_rows) == len(seqs):  # the common all-sampled batch: no gather, no scatter
                 probs = self._filtered_probs(logits, params)
             else:
-                rows = torch.tensor(sampled_rows, device=self.device)
+                rows = to_device(sampled_rows, torch.int64, self.device)
                 probs = self._filtered_probs(logits[rows], params)
             q = torch.empty_like(probs).exponential_(generator=self.generator)
             for j, i in enumerate(sampled_rows):
@@ -90,9 +91,14 @@ class Sampler:
         return self._logprobs(raw_logprobs, tokens, seqs)
 
     def _mask_stop_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        rows, cols = [], []
         for i, s in enumerate(seqs):
             if s.num_output_tokens < s.params.min_tokens:
-                logits[i, self.eos_token_ids + s.params.stop_token_ids] = -float("inf")
+                ids = self.eos_token_ids + s.params.stop_token_ids
+                rows += [i] * len(ids)
+                cols += ids
+        if rows:
+            logits[to_device(rows, torch.int64, self.device), to_device(cols, torch.int64, self.device)] = -float("inf")
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         rows = [i for i, s in enumerate(seqs) if s.params.has_penalties]
@@ -115,7 +121,7 @@ class Sampler:
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
     def _filtered_probs(self, logits: torch.Tensor, params) -> torch.Tensor:
-        temps = torch.tensor([p.temperature for p in params], device=self.device)
+        temps = to_device([p.temperature for p in params], torch.float32, self.device)
         logits = logits / temps[:, None]
         need_top_k = any(p.top_k > 0 for p in params)
         need_top_p = any(p.top_p < 1 for p in params)
@@ -126,15 +132,15 @@ class Sampler:
         vocab = logits.shape[1]
         remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
         if need_top_k:
-            k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=self.device)
+            k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64, self.device)
             remove |= torch.arange(vocab, device=self.device)[None, :] >= k[:, None]
         probs = torch.softmax(sorted_logits.masked_fill(remove, -float("inf")), dim=-1)
         if need_top_p:
-            top_p = torch.tensor([p.top_p for p in params], device=self.device)
+            top_p = to_device([p.top_p for p in params], torch.float32, self.device)
             # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
             remove |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
         if need_min_p:
-            min_p = torch.tensor([p.min_p for p in params], device=self.device)
+            min_p = to_device([p.min_p for p in params], torch.float32, self.device)
             remove |= probs < min_p[:, None] * probs[:, :1]
         remove[:, 0] = False
         mask = torch.empty_like(remove).scatter_(1, order, remove)

@@ -1,14 +1,21 @@
-"""CUDA graphs for decode steps: one graph per batch size on a ladder, captured once at start.
+"""CUDA graphs for whole steps, captured once at start.
 
-A decode step of a small model is dozens of short kernels; launching them from Python costs more than
-running them. A captured graph replays them all in one launch. Batches are padded up to the next
-captured size: padded rows get slot -1 (nothing stored) and seq_len 0 (the kernel writes zeros).
+A step of a small model is hundreds of short kernels; launching them from Python costs more than
+running them (a Triton launch alone is tens of microseconds of host time). A captured graph replays
+them all in one launch. Two kinds:
+- decode graphs, one per batch size on a ladder, for steps where every sequence brings one token
+  (flash-decoding attention). Padded rows get slot -1 (nothing stored) and seq_len 0.
+- prefill graphs, one per token-count bucket, for every other step: attention goes through the
+  prefill kernel's tile map for all sequences (a decode is a one-row tile), so the launches depend
+  only on the bucket. Padded tokens belong to no tile and store nothing; padded sequences are empty.
 """
 
+import numpy as np
 import torch
 from torch import nn
 from tqdm import tqdm
 
+from nanoserve.kernels.prefill_attention import max_prefill_tiles, prefill_block_m, prefill_tile_map
 from nanoserve.layers.attention import AttentionMetadata
 
 
@@ -17,10 +24,47 @@ def batch_size_ladder(max_batch_size: int) -> list[int]:
     return sorted({s for s in sizes if s <= max_batch_size} | {max_batch_size})
 
 
-class CUDAGraphRunner:
+def token_ladder(max_num_tokens: int) -> list[int]:
+    # Powers of two up to 512, then steps of 512: a step pays for its bucket's padding in every GEMM, and
+    # pure powers of two would pad a 2,100-token prefill to 4,096.
+    sizes = [16, 32, 64, 128, 256] + list(range(512, max_num_tokens + 1, 512))
+    return sorted({s for s in sizes if s <= max_num_tokens} | {max_num_tokens})
+
+
+class _Graphs:
+    """Captures the model once per size over static input buffers; sizes largest first, so the smaller
+    graphs fit in the memory pool the largest one made."""
+
+    def __init__(self, model: nn.Module, sizes: list[int], desc: str) -> None:
+        self.model, self.sizes, self.desc = model, sizes, desc
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def _args(self, size: int) -> tuple:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def capture(self, pool=None):
+        for size in tqdm(reversed(self.sizes), total=len(self.sizes), desc=self.desc):
+            args = self._args(size)
+            self.model(*args)  # warm-up: compiles kernels and settles allocations outside the graph
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                out = self.model(*args)
+            pool = graph.pool()
+            self.graphs[size] = (graph, out)
+        torch.cuda.synchronize()
+        return pool
+
+    def bucket(self, n: int) -> int:
+        return next(s for s in self.sizes if s >= n)
+
+
+class CUDAGraphRunner(_Graphs):
+    """Decode graphs on a batch-size ladder."""
+
     def __init__(self, model: nn.Module, max_batch_size: int, max_blocks_per_seq: int, device: torch.device):
-        self.model = model
-        self.sizes = batch_size_ladder(max_batch_size)
+        super().__init__(model, batch_size_ladder(max_batch_size), "capturing decode graphs")
         n = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
@@ -28,33 +72,18 @@ class CUDAGraphRunner:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def _meta(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(self.slot_mapping[:bs], self.cu_seqlens_q[:bs + 1], self.seq_lens[:bs],
+    def _args(self, bs: int) -> tuple:
+        meta = AttentionMetadata(self.slot_mapping[:bs], self.cu_seqlens_q[:bs + 1], self.seq_lens[:bs],
                                  self.block_tables[:bs], max_seqlen_q=1, num_decodes=bs)
-
-    @torch.inference_mode()
-    def capture(self) -> None:
-        pool = None
-        # Largest first, so the smaller graphs fit in the memory pool the largest one made.
-        for bs in tqdm(reversed(self.sizes), total=len(self.sizes), desc="capturing CUDA graphs"):
-            args = (self.input_ids[:bs], self.positions[:bs], self._meta(bs))
-            self.model(*args)  # warm-up: compiles kernels and settles allocations outside the graph
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                out = self.model(*args)
-            pool = graph.pool()
-            self.graphs[bs] = (graph, out)
-        torch.cuda.synchronize()
+        return self.input_ids[:bs], self.positions[:bs], meta
 
     def can_run(self, num_seqs: int, num_decodes: int) -> bool:
         return num_seqs == num_decodes and num_seqs <= self.sizes[-1]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = input_ids.shape[0]
-        bs = next(s for s in self.sizes if s >= n)
+        bs = self.bucket(n)
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(meta.slot_mapping)
@@ -65,3 +94,68 @@ class CUDAGraphRunner:
         graph, out = self.graphs[bs]
         graph.replay()
         return out[:n]
+
+
+class PrefillGraphRunner(_Graphs):
+    """Graphs for steps with prefill chunks, one per token-count bucket up to max_num_batched_tokens."""
+
+    def __init__(self, model: nn.Module, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
+                 device: torch.device):
+        super().__init__(model, token_ladder(max_num_tokens), "capturing prefill graphs")
+        self.max_num_seqs = max_num_seqs
+        t = self.sizes[-1]
+        s = self._num_seqs(t)
+        self.block_m = {n: prefill_block_m(n) for n in self.sizes}
+        self.num_tiles = {n: max_prefill_tiles(n, self._num_seqs(n), self.block_m[n]) for n in self.sizes}
+        self.input_ids = torch.zeros(t, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(t, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((t,), -1, dtype=torch.int64, device=device)
+        self.cu_seqlens_q = torch.zeros(s + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(s, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(s, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.tile_map = torch.full((max(self.num_tiles.values()), 2), -1, dtype=torch.int32, device=device)
+
+    def _num_seqs(self, num_tokens: int) -> int:
+        return min(num_tokens, self.max_num_seqs)  # every sequence in a step brings at least one token
+
+    def _args(self, n: int) -> tuple:
+        s = self._num_seqs(n)
+        meta = AttentionMetadata(self.slot_mapping[:n], self.cu_seqlens_q[:s + 1], self.seq_lens[:s],
+                                 self.block_tables[:s], max_seqlen_q=n, num_decodes=0,
+                                 tile_map=self.tile_map[:self.num_tiles[n]], block_m=self.block_m[n])
+        return self.input_ids[:n], self.positions[:n], meta
+
+    def can_run(self, num_tokens: int, num_seqs: int) -> bool:
+        return num_tokens <= self.sizes[-1] and num_seqs <= self.max_num_seqs
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        n, b = input_ids.shape[0], meta.seq_lens.shape[0]
+        t = self.bucket(n)
+        s = self._num_seqs(t)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.slot_mapping[n:t].fill_(-1)
+        self.cu_seqlens_q[:b + 1].copy_(meta.cu_seqlens_q)
+        self.cu_seqlens_q[b + 1:s + 1].fill_(n)  # padded sequences bring no tokens
+        self.seq_lens[:b].copy_(meta.seq_lens)
+        self.seq_lens[b:s].zero_()
+        self.block_tables[:b, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        tiles = prefill_tile_map(meta.cu_seqlens_q_cpu, meta.seq_lens_cpu, self.block_m[t], self.num_tiles[t])
+        self.tile_map[:self.num_tiles[t]].copy_(torch.from_numpy(tiles), non_blocking=True)
+        graph, out = self.graphs[t]
+        graph.replay()
+        return out[:n]
+
+
+def eager_tile_map(meta: AttentionMetadata, device: torch.device) -> None:
+    """Give an eager step's prefill part its tile map, so the kernel never reads lengths back."""
+    nd = meta.num_decodes
+    cu = [c - nd for c in meta.cu_seqlens_q_cpu[nd:]]
+    lens = meta.seq_lens_cpu[nd:]
+    if not lens:
+        return
+    block_m = prefill_block_m(max(cu[i + 1] - cu[i] for i in range(len(lens))))
+    tiles = prefill_tile_map(cu, lens, block_m, max_prefill_tiles(cu[-1], len(lens), block_m))
+    meta.tile_map = torch.from_numpy(np.ascontiguousarray(tiles)).to(device, non_blocking=True)
+    meta.block_m = block_m

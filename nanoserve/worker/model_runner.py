@@ -10,7 +10,8 @@ from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.layers.attention import Attention, AttentionMetadata, backend_for
 from nanoserve.layers.sampler import SampledTokens, Sampler, SamplerOutput
 from nanoserve.model.loader import load_model
-from nanoserve.worker.cuda_graphs import CUDAGraphRunner
+from nanoserve.utils import to_device
+from nanoserve.worker.cuda_graphs import CUDAGraphRunner, PrefillGraphRunner, eager_tile_map
 from nanoserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
 
 
@@ -48,11 +49,16 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(config, self.num_kv_blocks)
         self._bind_kv_cache(self.kv_cache)
         self.sampler = Sampler(self.device, config.model.eos_token_ids, config.args.seed)
-        self.graphs = None
+        self.graphs = self.prefill_graphs = None
         if self.device.type == "cuda" and not config.args.enforce_eager:
+            args = config.args
             max_blocks = -(-config.max_model_len // self.block_size)
-            self.graphs = CUDAGraphRunner(self.model, min(config.args.max_num_seqs, 512), max_blocks, self.device)
-            self.graphs.capture()
+            # Prefill graphs first: their largest bucket makes the memory pool every other graph shares.
+            self.prefill_graphs = PrefillGraphRunner(self.model, args.max_num_batched_tokens, args.max_num_seqs,
+                                                     max_blocks, self.device)
+            pool = self.prefill_graphs.capture()
+            self.graphs = CUDAGraphRunner(self.model, min(args.max_num_seqs, 512), max_blocks, self.device)
+            self.graphs.capture(pool)
 
     def _bind_kv_cache(self, kv_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for layer, (k, v) in zip(self.attn_layers, kv_cache, strict=True):
@@ -129,7 +135,7 @@ class ModelRunner:
 
         def tensor(x, dtype):
             # Plain (pageable) host memory: pinning a fresh buffer every step costs more than it saves.
-            return torch.as_tensor(x, dtype=dtype).to(self.device, non_blocking=True)
+            return to_device(x, dtype, self.device)
 
         meta = AttentionMetadata(
             slot_mapping=tensor(slots, torch.int64),
@@ -156,15 +162,20 @@ class ModelRunner:
                 k[dst].copy_(k[src])
                 v[dst].copy_(v[src])
         input_ids, positions, meta, logit_rows = self.prepare(batch, prev)
-        if self.graphs is not None and self.graphs.can_run(len(batch.scheduled), meta.num_decodes):
+        num_seqs = len(batch.scheduled)
+        if self.graphs is not None and self.graphs.can_run(num_seqs, meta.num_decodes):
             hidden = self.graphs.run(input_ids, positions, meta)
+        elif self.prefill_graphs is not None and self.prefill_graphs.can_run(input_ids.shape[0], num_seqs):
+            hidden = self.prefill_graphs.run(input_ids, positions, meta)
         else:
+            if self.device.type == "cuda":
+                eager_tile_map(meta, self.device)
             hidden = self.model(input_ids, positions, meta)
         prompt_logprobs = self._prompt_logprobs(batch, hidden, meta.cu_seqlens_q_cpu)
         seqs = [s for e in batch.scheduled for s in e.sample_seqs]
         if not seqs:
             return LaunchedStep(batch, None, {}, None, None, prompt_logprobs)
-        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
+        logits = self.model.compute_logits(hidden[to_device(logit_rows, torch.int64, self.device)])
         sampled = self.sampler.sample(logits, seqs)
         done = None
         if self.device.type == "cuda":

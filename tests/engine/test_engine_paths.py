@@ -191,3 +191,14 @@ def test_prefix_stats_count_each_admitted_prompt_once(llama_dir):
     bm = llm.engine.block_manager
     assert bm.prefix_queries == sum(len(p) for p in prompts)
     assert bm.prefix_hits == 32
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_request_finishing_in_its_prefill_step_fills_the_cache(llama_dir, async_scheduling):
+    # max_tokens=1 ends the request in the step that computed its prompt, which frees its blocks: they
+    # must be named in the cache before that (the prefix benchmark's requests are all like this).
+    llm = LLM(str(llama_dir), num_kv_blocks=128, async_scheduling=async_scheduling)
+    prompts = prompts_with_shared_prefix()
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    llm.generate(prompts[:1], one, use_tqdm=False)
+    assert llm.generate(prompts[1:2], one, use_tqdm=False)[0].num_cached_tokens == 32

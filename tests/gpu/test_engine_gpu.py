@@ -31,6 +31,16 @@ def run(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)]
 
 
+def count_calls(obj, name: str, counter: dict, key: str) -> None:
+    original = getattr(obj, name)
+
+    def counted(*args):
+        counter[key] += 1
+        return original(*args)
+
+    setattr(obj, name, counted)
+
+
 def test_triton_and_graphs_match_eager_torch(ckpt):
     eager = LLM(str(ckpt), device="cuda", dtype="float32", enforce_eager=True, num_kv_blocks=4096)
     for layer in eager.engine.runner.attn_layers:
@@ -39,11 +49,21 @@ def test_triton_and_graphs_match_eager_torch(ckpt):
     del eager
     # A pool of 60 blocks holds a fraction of the batch: preemption must happen; prompts share a prefix.
     fast = LLM(str(ckpt), device="cuda", dtype="float32", num_kv_blocks=60, max_num_batched_tokens=512)
-    assert fast.engine.runner.graphs is not None and fast.engine.async_scheduling
+    runner = fast.engine.runner
+    assert runner.graphs is not None and runner.prefill_graphs is not None and fast.engine.async_scheduling
+    replays = {"decode": 0, "prefill": 0}
+    count_calls(runner.graphs, "run", replays, "decode")
+    count_calls(runner.prefill_graphs, "run", replays, "prefill")
     assert all(layer.backend is TritonBackend for layer in fast.engine.runner.attn_layers)
     assert run(fast) == reference
     assert fast.engine.scheduler.num_preemptions > 0
     assert fast.engine.block_manager.prefix_hits > 0
+    assert replays["decode"] > 0 and replays["prefill"] > 0
+    del fast
+    # Eager Triton (no graphs): prefill steps get their tile map built on the host once per step.
+    eager_triton = LLM(str(ckpt), device="cuda", dtype="float32", enforce_eager=True, num_kv_blocks=60,
+                       max_num_batched_tokens=512)
+    assert run(eager_triton) == reference
 
 
 def test_bf16_runs_and_mostly_agrees(ckpt):
