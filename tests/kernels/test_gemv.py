@@ -1,0 +1,59 @@
+"""The skinny (small-M) linear kernel against its PyTorch reference."""
+
+import pytest
+import torch
+import triton
+
+from nanoserve.kernels import gemv
+from nanoserve.kernels.gemv import MAX_M, skinny_linear, skinny_linear_ref
+
+SHAPES = [(1024, 6144), (2048, 1024), (3072, 1024), (64, 40), (200, 129)]  # (K, N): real layers and odd tails
+
+
+def _inputs(m, k, n, dtype, device, gen):
+    # Weights scaled like a trained layer keep outputs near 1, where the tolerances are meant to apply.
+    x = torch.randn(m, k, generator=gen).to(device, dtype)
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(device, dtype)
+    b = torch.randn(n, generator=gen).to(device, dtype)
+    return x, w, b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+def test_skinny_linear(device, gen, tol, m, k, n, dtype):
+    # One launch per case keeps the interpreter quick; over the four M values each shape and dtype sees
+    # every pairing of bias / no bias with out= / a new output.
+    x, w, b = _inputs(m, k, n, dtype, device, gen)
+    bias = b if m in (1, 8) else None
+    if m in (1, 3):
+        out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
+        assert skinny_linear(x, w, bias, out=out) is out
+    else:
+        out = skinny_linear(x, w, bias)
+    torch.testing.assert_close(out, skinny_linear_ref(x, w, bias), **tol[dtype])
+
+
+@pytest.mark.parametrize("use_dot", [False, True])
+def test_both_paths_at_every_m_on_strided_x(device, gen, tol, use_dot):
+    """Each code path at every M, whichever the shape rule would pick; x a column slice of a wider tensor."""
+    k, n = 80, 50  # K off BLOCK_K, N off BLOCK_N
+    for m in range(1, MAX_M + 1):
+        wide, w, b = _inputs(m, k + 16, n, torch.float32, device, gen)
+        x, w = wide[:, 8 : 8 + k], w[:, :k].contiguous()
+        cfg = gemv._Config(use_dot, 16 if use_dot else triton.next_power_of_2(m), 16, 32, 4, 2)
+        out = torch.full((m, n), float("nan"), device=device)
+        gemv._launch(x, w, b, out, cfg)
+        torch.testing.assert_close(out, skinny_linear_ref(x, w, b), **tol[torch.float32])
+
+
+def test_bad_inputs_raise(device, gen):
+    x, w, b = _inputs(MAX_M + 1, 64, 40, torch.float32, device, gen)
+    with pytest.raises(ValueError, match="^x "):
+        skinny_linear(x, w)
+    with pytest.raises(ValueError, match="^weight "):
+        skinny_linear(x[:2], w[:, :32].contiguous())
+    with pytest.raises(ValueError, match="^bias "):
+        skinny_linear(x[:2], w, b[:39])
+    with pytest.raises(ValueError, match="^out "):
+        skinny_linear(x[:2], w, out=torch.empty(2, 41, device=device))
