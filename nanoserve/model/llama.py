@@ -7,7 +7,7 @@ from nanoserve.config import ModelConfig
 from nanoserve.layers.activation import SiluAndMul
 from nanoserve.layers.attention import Attention, AttentionMetadata
 from nanoserve.layers.embedding import LMHead
-from nanoserve.layers.linear import GateUpLinear, QKVLinear
+from nanoserve.layers.linear import GateUpLinear, Linear, QKVLinear
 from nanoserve.layers.norm import RMSNorm
 from nanoserve.layers.rotary import RotaryEmbedding
 
@@ -22,7 +22,7 @@ class LlamaAttention(nn.Module):
                                   config.attention_bias)
         # Llama puts the bias on o_proj too when attention_bias is set; Qwen2 biases only q/k/v.
         o_bias = config.attention_bias and config.raw.get("model_type") != "qwen2"
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
         self.rotary = rotary
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -47,7 +47,7 @@ class LlamaMLP(nn.Module):
         if config.raw.get("mlp_bias"):
             raise ValueError("mlp_bias: MLP biases are not supported")
         self.gate_up_proj = GateUpLinear(config.hidden_size, config.intermediate_size)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
