@@ -145,6 +145,18 @@ class BlockManager:
             seq.block_table.append(self._take_fresh().block_id)
         return copies
 
+    def append_slot(self, seq: Sequence) -> bool:
+        """The decode fast path: room for one more token when that needs no copy-on-write and no
+        preemption (False: nothing changed, take can_allocate/allocate)."""
+        table = seq.block_table
+        i = seq.num_computed_tokens // self.block_size
+        if i < len(table):
+            return self.blocks[table[i]].ref_count == 1
+        if i > len(table) or not self.free:
+            return False
+        table.append(self._take_fresh().block_id)
+        return True
+
     def _take_hit(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:

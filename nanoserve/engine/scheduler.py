@@ -75,6 +75,10 @@ class Scheduler:
                 continue  # forked this step, its token not sampled yet
             if seq.num_pending and seq.num_output_tokens >= seq.request.max_tokens:
                 continue  # its pending token is its last: the step that sampled it will finish it
+            if num_new == 1 and seq.block_table and self.block_manager.append_slot(seq):
+                scheduled.append(self._entry(seq, 1))
+                budget -= 1
+                continue
             while not self.block_manager.can_allocate(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)

@@ -63,50 +63,60 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
         """Sample one token per row, without reading anything back to the host."""
-        logits = logits.float()
+        # One pass over the rows: this runs every step for every sequence, on the host's critical path.
+        params = [s.params for s in seqs]
+        sampled_rows, temps, top_k, top_p, min_p = [], [], [], [], []
+        for i, p in enumerate(params):
+            if p.temperature != 0:
+                sampled_rows.append(i)
+                temps.append(p.temperature)
+                top_k.append(p.top_k)
+                top_p.append(p.top_p)
+                min_p.append(p.min_p)
+        # .float() copies bf16 logits; fp32 ones are cloned, since the masks below write in place.
+        logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
         raw_logprobs = None
-        if any(s.params.logprobs is not None for s in seqs):
+        if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = logits.clone()
-        self._mask_stop_tokens(logits, seqs)
-        self._apply_penalties(logits, seqs)
-        tokens = logits.argmax(dim=-1)
-        sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        self._mask_stop_tokens(logits, seqs, params)
+        self._apply_penalties(logits, seqs, params)
+        everyone_samples = len(sampled_rows) == len(seqs)
+        tokens = None if everyone_samples else logits.argmax(dim=-1)
         if sampled_rows:
-            params = [seqs[i].params for i in sampled_rows]
-            if len(sampled_rows) == len(seqs):  # the common all-sampled batch: no gather, no scatter
-                probs = self._filtered_probs(logits, params)
+            if everyone_samples:  # the common all-sampled batch: no gather, no scatter
+                rows = None
+                probs = self._filtered_probs(logits, temps, top_k, top_p, min_p)
             else:
                 rows = to_device(sampled_rows, torch.int64, self.device)
-                probs = self._filtered_probs(logits[rows], params)
+                probs = self._filtered_probs(logits[rows], temps, top_k, top_p, min_p)
             q = torch.empty_like(probs).exponential_(generator=self.generator)
             for j, i in enumerate(sampled_rows):
                 if seqs[i].generator is not None:
                     q[j].exponential_(generator=seqs[i].generator)
             picked = (probs / q).argmax(dim=-1)
-            if len(sampled_rows) == len(seqs):
+            if rows is None:
                 tokens = picked
             else:
                 tokens[rows] = picked
-        return self._logprobs(raw_logprobs, tokens, seqs)
+        return self._logprobs(raw_logprobs, tokens, params)
 
-    def _mask_stop_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    def _mask_stop_tokens(self, logits: torch.Tensor, seqs: list[Sequence], params: list) -> None:
         rows, cols = [], []
-        for i, s in enumerate(seqs):
-            if s.num_output_tokens < s.params.min_tokens:
-                ids = self.eos_token_ids + s.params.stop_token_ids
+        for i, (s, p) in enumerate(zip(seqs, params, strict=True)):
+            if p.min_tokens and s.num_output_tokens < p.min_tokens:
+                ids = self.eos_token_ids + p.stop_token_ids
                 rows += [i] * len(ids)
                 cols += ids
         if rows:
             logits[to_device(rows, torch.int64, self.device), to_device(cols, torch.int64, self.device)] = -float("inf")
 
-    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        rows = [i for i, s in enumerate(seqs) if s.params.has_penalties]
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence], params: list) -> None:
+        rows = [i for i, p in enumerate(params) if p.has_penalties]
         if not rows:
             return
         vocab = logits.shape[1]
         for i in rows:
-            p = seqs[i].params
+            p = params[i]
             out_ids = torch.tensor(seqs[i].output_token_ids, dtype=torch.long, device=self.device)
             row = logits[i]
             if p.repetition_penalty != 1:
@@ -120,35 +130,33 @@ class Sampler:
                 counts = torch.bincount(out_ids, minlength=vocab).to(row.dtype)
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
-    def _filtered_probs(self, logits: torch.Tensor, params) -> torch.Tensor:
-        temps = to_device([p.temperature for p in params], torch.float32, self.device)
-        logits = logits / temps[:, None]
-        need_top_k = any(p.top_k > 0 for p in params)
-        need_top_p = any(p.top_p < 1 for p in params)
-        need_min_p = any(p.min_p > 0 for p in params)
+    def _filtered_probs(self, logits: torch.Tensor, temps: list[float], top_k: list[int], top_p: list[float],
+                        min_p: list[float]) -> torch.Tensor:
+        logits = logits / to_device(temps, torch.float32, self.device)[:, None]
+        need_top_k = any(k > 0 for k in top_k)
+        need_top_p = any(p < 1 for p in top_p)
+        need_min_p = any(p > 0 for p in min_p)
         if not (need_top_k or need_top_p or need_min_p):
             return torch.softmax(logits, dim=-1)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[1]
         remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
         if need_top_k:
-            k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64, self.device)
+            k = to_device([k if k > 0 else vocab for k in top_k], torch.int64, self.device)
             remove |= torch.arange(vocab, device=self.device)[None, :] >= k[:, None]
         probs = torch.softmax(sorted_logits.masked_fill(remove, -float("inf")), dim=-1)
         if need_top_p:
-            top_p = to_device([p.top_p for p in params], torch.float32, self.device)
             # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-            remove |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+            remove |= (probs.cumsum(dim=-1) - probs) >= to_device(top_p, torch.float32, self.device)[:, None]
         if need_min_p:
-            min_p = to_device([p.min_p for p in params], torch.float32, self.device)
-            remove |= probs < min_p[:, None] * probs[:, :1]
+            remove |= probs < to_device(min_p, torch.float32, self.device)[:, None] * probs[:, :1]
         remove[:, 0] = False
         mask = torch.empty_like(remove).scatter_(1, order, remove)
         return torch.softmax(logits.masked_fill(mask, -float("inf")), dim=-1)
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor | None, tokens: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
-        num_logprobs = [s.params.logprobs for s in seqs]
+    def _logprobs(raw: torch.Tensor | None, tokens: torch.Tensor, params: list) -> SampledTokens:
+        num_logprobs = [p.logprobs for p in params]
         if raw is None:
             return SampledTokens(tokens, num_logprobs)
         # One batched top-k for all rows, read back with the tokens: not a sync per request.

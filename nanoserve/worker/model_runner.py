@@ -110,24 +110,31 @@ class ModelRunner:
         `prev` sampled and the host has not read yet is taken from prev's device tensor."""
         input_ids, positions, slots, cu, lens, tables, logit_rows = [], [], [], [0], [], [], []
         pending_at, pending_rows = [], []
+        bs = self.block_size
         for entry in batch.scheduled:
-            seq, start = entry.seq, entry.start
-            end = start + entry.num_new_tokens
-            known = seq.token_ids[start:end]
-            if len(known) < entry.num_new_tokens:
+            seq, start, n = entry.seq, entry.start, entry.num_new_tokens
+            table = seq.block_table
+            if n == 1:  # a decode: the common case, without slices and ranges
+                if start < len(seq.token_ids):
+                    input_ids.append(seq.token_ids[start])
+                else:  # sampled by the previous step, not read yet: it is taken on the device
+                    assert prev is not None and seq.seq_id in prev.rows
+                    pending_at.append(len(input_ids))
+                    pending_rows.append(prev.rows[seq.seq_id])
+                    input_ids.append(0)
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
                 # Only a decode's one new token can still be on the device (async scheduling).
-                assert entry.num_new_tokens == 1 and prev is not None and seq.seq_id in prev.rows
-                pending_at.append(len(input_ids))
-                pending_rows.append(prev.rows[seq.seq_id])
-                known = [0]
-            input_ids += known
-            positions += range(start, end)
-            bs, table = self.block_size, seq.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            cu.append(cu[-1] + entry.num_new_tokens)
-            lens.append(end)
+                assert start + n <= len(seq.token_ids)
+                input_ids += seq.token_ids[start:start + n]
+                positions += range(start, start + n)
+                slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            cu.append(cu[-1] + n)
+            lens.append(start + n)
             tables.append(table)
-            logit_rows += [cu[-1] - 1] * len(entry.sample_seqs)
+            if entry.sample_seqs:
+                logit_rows += [cu[-1] - 1] * len(entry.sample_seqs)
         width = max(len(t) for t in tables)
         block_tables = np.zeros((len(tables), width), dtype=np.int32)
         for row, table in zip(block_tables, tables, strict=True):
