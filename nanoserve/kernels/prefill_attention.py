@@ -148,8 +148,10 @@ def _prefill_attention_kernel(
 
 def prefill_block_m(num_tokens: int) -> int:
     """Query tile height for a step of num_tokens new tokens (any bound on the longest query run will do)."""
-    # Sized to the tokens at hand so decode-sized entries don't pay for 128-row tiles.
-    return min(128, max(16, triton.next_power_of_2(num_tokens)))
+    # Sized to the tokens at hand so decode-sized entries don't pay for 128-row tiles, and a quarter of them
+    # so a short chunk over a long cached prefix (a prefix-cache hit) still spreads over several tiles per
+    # head: one 128-row tile x 16 heads would leave most of the GPU idle while it walks 2,000 keys.
+    return min(128, max(16, triton.next_power_of_2(num_tokens) // 4))
 
 
 def max_prefill_tiles(num_tokens: int, max_num_seqs: int, block_m: int) -> int:
