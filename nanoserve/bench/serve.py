@@ -14,7 +14,6 @@ With --launch, flags this benchmark does not know are passed to the server it st
 import argparse
 import asyncio
 import json
-import os
 import random
 import signal
 import socket
@@ -26,6 +25,8 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 from tqdm import tqdm
+
+from nanoserve.bench.common import environment
 
 
 @dataclass
@@ -165,17 +166,7 @@ def summarize(args: argparse.Namespace, info: dict, results: list[RequestResult]
     errors = sorted({r.error for r in results if not r.ok})
     if errors:
         summary["errors"] = errors[:5]
-    summary["commit"] = _commit()
-    return summary
-
-
-def _commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=os.path.dirname(__file__), check=False)
-        return out.stdout.strip() or None
-    except OSError:
-        return None
+    return summary | environment()  # the commit as the other benchmarks report it (NANOSERVE_COMMIT first)
 
 
 def launch_server(server_args: list[str], timeout: float) -> tuple[subprocess.Popen, str]:
