@@ -7,17 +7,15 @@ builds the engine from EngineArgs and serves it with uvicorn until SIGTERM / SIG
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import os
-import types
-import typing
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import nanoserve
+from nanoserve.cli import add_engine_args
 from nanoserve.config import EngineArgs
 from nanoserve.engine.async_engine import AsyncEngine
 from nanoserve.engine.llm_engine import LLMEngine
@@ -138,14 +136,6 @@ def run_server(engine_args: EngineArgs, host: str, port: int, api_key: str | Non
 
 
 # -- python -m nanoserve.server.app ---------------------------------------------------------------
-def _arg_type(field: dataclasses.Field) -> type:
-    """int / float / str from an EngineArgs annotation such as `int | None`."""
-    hint = field.type
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    return hint if hint in (int, float, str) else str
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m nanoserve.server.app", description=__doc__)
     p.add_argument("--host", default="127.0.0.1")
@@ -154,12 +144,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-waiting-requests", type=int, default=1024)
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--served-model-name", default=None)
-    for f in dataclasses.fields(EngineArgs):
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(f.default, bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        else:
-            p.add_argument(flag, type=_arg_type(f), default=f.default)
+    add_engine_args(p)
     return p.parse_args(argv)
 
 
