@@ -9,16 +9,19 @@ import torch
 from torch import nn
 
 # Measured on an H200 inside CUDA graphs (scripts/bench_gemv.py): at one or two rows the Triton skinny GEMM
-# streams Qwen3-0.6B's weights up to 3.5x faster than cuBLAS and Llama-8B's within 10%; from 4 rows on,
-# or launched eagerly (tens of microseconds of Triton launch cost), cuBLAS is as fast or faster.
+# streams Qwen3-0.6B's weights up to 3.5x faster than cuBLAS, and Llama-8B's qkv and o_proj (50 and 32 MB)
+# 3-9% faster, but its gate_up and down (235 and 117 MB) 4-5% slower. From 4 rows on, or launched eagerly
+# (tens of microseconds of Triton launch cost), cuBLAS is as fast or faster.
 SKINNY_MAX_ROWS = 2
+SKINNY_MAX_WEIGHT_BYTES = 64 << 20
 
 
 class Linear(nn.Linear):
     """nn.Linear that takes the skinny GEMM kernel for batch-1/2 decode steps captured in CUDA graphs."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.shape[0] <= SKINNY_MAX_ROWS and x.dim() == 2 and torch.cuda.is_current_stream_capturing():
+        if (x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and torch.cuda.is_current_stream_capturing()
+                and self.weight.numel() * self.weight.element_size() <= SKINNY_MAX_WEIGHT_BYTES):
             from nanoserve.kernels.gemv import skinny_linear
 
             return skinny_linear(x, self.weight, self.bias)
