@@ -3,8 +3,9 @@
 LLMEngine is not thread-safe, so exactly one thread (the engine loop) touches it. Everything else
 talks to that thread through a queue of commands (add a request, abort one, stop), drained at the
 top of every loop iteration; the loop blocks on the queue when there is no work, so an idle server
-uses no CPU. Outputs go back to each request's asyncio.Queue via loop.call_soon_threadsafe, and the
-loop publishes an immutable EngineStats snapshot after every iteration for /health and /metrics.
+uses no CPU. Outputs go back to each request's stream with one loop.call_soon_threadsafe per step,
+and the loop publishes an immutable EngineStats snapshot after every iteration for /health and
+/metrics.
 
 If step() raises, every in-flight and queued request gets an EngineDeadError, and the engine stays
 dead: new requests are refused at once instead of hanging.
@@ -19,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.outputs import RequestOutput
+from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -71,52 +72,60 @@ class _Stop:
 
 
 class _RequestStream:
-    """One request's outputs, filled from the engine thread, read on the event loop."""
+    """One request's outputs, filled from the engine thread, read on the event loop.
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+    Outputs are cumulative, so when the reader falls behind, a newer plain output replaces the one
+    still waiting instead of queueing behind it: under load each wake-up sends one chunk with all the
+    new tokens rather than one chunk per token, which is what lets a busy event loop keep up. Tool-loop
+    outputs (whose chunks are flagged per output) and errors are never merged."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, wake: asyncio.Event) -> None:
         self.request_id = request_id
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.wake = wake  # shared by the streams of one RequestGroup
+        self.pending: list[RequestOutput | BaseException] = []
         self.finished = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if self.pending and _mergeable(self.pending[-1]) and _mergeable(item):
+            self.pending[-1] = item
+        else:
+            self.pending.append(item)
+        self.wake.set()
+
+
+def _mergeable(item: RequestOutput | BaseException) -> bool:
+    return isinstance(item, RequestOutput) and all(type(c) is CompletionOutput for c in item.outputs)
 
 
 class RequestGroup:
     """The engine requests behind one HTTP request (one per prompt), read as one merged stream of
     (prompt index, cumulative RequestOutput). Call abort() when the reader goes away."""
 
-    def __init__(self, engine: "AsyncEngine", streams: list[_RequestStream]) -> None:
+    def __init__(self, engine: "AsyncEngine", streams: list[_RequestStream], wake: asyncio.Event) -> None:
         self._engine = engine
         self._streams = streams
+        self._wake = wake
 
     @property
     def request_ids(self) -> list[str]:
         return [s.request_id for s in self._streams]
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        # Each stream gets a reader task feeding one merged queue, so outputs keep arrival order.
-        merged: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
-
-        async def pump(index: int, stream: _RequestStream) -> None:
-            while True:
-                item = await stream.queue.get()
-                await merged.put((index, item))
-                if isinstance(item, BaseException) or item.finished:
-                    return
-
-        pumps = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self._streams)]
-        try:
-            live = len(self._streams)
-            while live:
-                index, item = await merged.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finished:
-                    self._streams[index].finished = True
-                    live -= 1
-                yield index, item
-        finally:
-            for task in pumps:
-                task.cancel()
+        live = len(self._streams)
+        while live:
+            await self._wake.wait()
+            # Cleared before draining: an output put while we yield sets it again.
+            self._wake.clear()
+            for index, stream in enumerate(self._streams):
+                items, stream.pending = stream.pending, []
+                for item in items:
+                    if isinstance(item, BaseException):
+                        raise item
+                    if item.finished:
+                        stream.finished = True
+                        live -= 1
+                    yield index, item
 
     def abort(self) -> int:
         """Abort every request of the group that has not finished (a no-op once all have); returns
@@ -187,14 +196,15 @@ class AsyncEngine:
         """Queue (request_id, prompt token ids, params) requests; call on the event loop. Raises
         EngineDeadError at once, before anything is queued, if the engine has died."""
         loop = asyncio.get_running_loop()
-        streams = [_RequestStream(request_id, loop) for request_id, _, _ in requests]
+        wake = asyncio.Event()
+        streams = [_RequestStream(request_id, loop, wake) for request_id, _, _ in requests]
         with self._lock:
             if self.error is not None:
                 raise EngineDeadError(self.error)
             for (request_id, ids, params), stream in zip(requests, streams, strict=True):
                 self._commands.put(_Add(request_id, ids, params, stream))
             self._num_submitted += len(requests)
-        return RequestGroup(self, streams)
+        return RequestGroup(self, streams, wake)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -297,7 +307,7 @@ class AsyncEngine:
 
 def _put_all(items: list[tuple[_RequestStream, RequestOutput | BaseException]]) -> None:
     for stream, item in items:
-        stream.queue.put_nowait(item)
+        stream.put(item)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
