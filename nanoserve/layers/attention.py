@@ -109,4 +109,8 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
         self.backend.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return self.attend(q, meta)
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention over the cache alone, for callers that stored this step's K/V themselves."""
         return self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)

@@ -29,7 +29,18 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if qkv.is_cuda:
+            # One launch for q/k norm, rotary and the KV store (four separately): decode is launch-bound.
+            from nanoserve.kernels.qkv_rope_store import qkv_rope_store
+
+            norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+            qkv_rope_store(qkv, self.num_heads, self.num_kv_heads, positions, self.rotary.cos_half,
+                           self.rotary.sin_half, *norms, self.q_norm.eps if self.q_norm is not None else 0.0,
+                           self.attn.k_cache, self.attn.v_cache, meta.slot_mapping)
+            q = qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim)
+            return self.o_proj(self.attn.attend(q, meta).flatten(1))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)

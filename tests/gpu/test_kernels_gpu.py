@@ -173,3 +173,24 @@ def test_skinny_linear_gpu(m):
         out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         skinny_linear(x, w, b, out=out)
         torch.testing.assert_close(out, skinny_linear_ref(x, w, b), **BF16_TOL)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_qkv_rope_store_gpu(norm):
+    from nanoserve.kernels.qkv_rope_store import qkv_rope_store, qkv_rope_store_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hq, hkv, d, t = 16, 8, 128, 37  # Qwen3-0.6B's heads
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda", generator=gen).bfloat16()
+    freqs = torch.rand(4096, d // 2, device="cuda", generator=gen) * 100
+    cos, sin = freqs.cos(), freqs.sin()
+    positions = torch.randint(0, 4096, (t,), device="cuda", generator=gen)
+    slots = torch.randperm(64 * 16, device="cuda", generator=gen)[:t]
+    slots[::5] = -1
+    weights = [torch.randn(d, device="cuda", generator=gen).bfloat16() for _ in range(2)] if norm else [None, None]
+    caches = [torch.randn(64, 16, hkv, d, device="cuda", generator=gen).bfloat16() for _ in range(2)]
+    want = [x.clone() for x in (qkv, *caches)]
+    qkv_rope_store_ref(want[0], hq, hkv, positions, cos, sin, *weights, 1e-6, want[1], want[2], slots)
+    qkv_rope_store(qkv, hq, hkv, positions, cos, sin, *weights, 1e-6, *caches, slots)
+    for got, ref in zip((qkv, *caches), want, strict=True):
+        torch.testing.assert_close(got, ref, **BF16_TOL)

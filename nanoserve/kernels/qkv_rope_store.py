@@ -1,0 +1,95 @@
+"""After the qkv projection, in one launch: Qwen3's per-head RMSNorm of q and k (when the model has it),
+rotary on q and k in place, and k and v written into the paged KV cache.
+
+Separately these are four launches per layer (q norm, k norm, rotary, store); at batch 1 a decode step
+is bound by launches, not bytes, so one program per (token, head) does all of them. The arithmetic and
+its roundings follow the unfused kernels (rms_norm.py, rotary.py) step for step, so outputs match them.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _qkv_rope_store_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+                           stride_t, stride_c, eps, num_q_heads, num_kv_heads,
+                           HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)  # q heads first, then k heads (each also stores its v head)
+    is_q = h < num_q_heads
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs = tl.arange(0, HALF)
+    row = qkv_ptr + t.to(tl.int64) * stride_t + h * HEAD_DIM  # q and k heads are consecutive in a row
+    x1 = tl.load(row + offs)
+    x2 = tl.load(row + HALF + offs)
+    dtype = x1.dtype
+    y1, y2 = x1.to(tl.float32), x2.to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.rsqrt((tl.sum(y1 * y1, axis=0) + tl.sum(y2 * y2, axis=0)) / HEAD_DIM + eps)
+        w1 = tl.where(is_q, tl.load(q_w_ptr + offs), tl.load(k_w_ptr + offs)).to(tl.float32)
+        w2 = tl.where(is_q, tl.load(q_w_ptr + HALF + offs), tl.load(k_w_ptr + HALF + offs)).to(tl.float32)
+        # As rms_norm: normalize, round, scale, round (the rotary kernel then reads the rounded values).
+        y1 = ((y1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        y2 = ((y2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    cos = tl.load(cos_ptr + pos * stride_c + offs)
+    sin = tl.load(sin_ptr + pos * stride_c + offs)
+    r1 = (y1 * cos - y2 * sin).to(dtype)
+    r2 = (y2 * cos + y1 * sin).to(dtype)
+    tl.store(row + offs, r1)
+    tl.store(row + HALF + offs, r2)
+    if not is_q:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            kv_head = h - num_q_heads
+            # The caches are contiguous, so a slot's heads are num_kv_heads * HEAD_DIM consecutive elements.
+            dst = (slot * num_kv_heads + kv_head) * HEAD_DIM
+            tl.store(k_cache_ptr + dst + offs, r1)
+            tl.store(k_cache_ptr + dst + HALF + offs, r2)
+            v_row = row + num_kv_heads * HEAD_DIM  # the v head sits num_kv_heads heads after its k head
+            tl.store(v_cache_ptr + dst + offs, tl.load(v_row + offs))
+            tl.store(v_cache_ptr + dst + HALF + offs, tl.load(v_row + HALF + offs))
+
+
+def qkv_rope_store(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, positions: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                   eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """qkv [T, (Hq + 2 Hkv) * D] (rows contiguous), rotated (and normed) in place; k/v stored at their slots.
+
+    cos/sin [max_pos, D/2] fp32; q_weight/k_weight [D] or both None; caches [blocks, block_size, Hkv, D]
+    contiguous; slot_mapping [T] int64 with -1 for tokens whose K/V are not stored.
+    """
+    num_tokens, width = qkv.shape
+    head_dim = width // (num_q_heads + 2 * num_kv_heads)
+    assert qkv.stride(1) == 1 and width == (num_q_heads + 2 * num_kv_heads) * head_dim
+    assert cos.is_contiguous() and sin.is_contiguous() and cos.shape[1] * 2 == head_dim
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[2:] == (num_kv_heads, head_dim)
+    assert (q_weight is None) == (k_weight is None)
+    if num_tokens == 0:
+        return
+    has_norm = q_weight is not None
+    _qkv_rope_store_kernel[(num_tokens, num_q_heads + num_kv_heads)](
+        qkv, q_weight if has_norm else cos, k_weight if has_norm else cos, cos, sin, positions, slot_mapping,
+        k_cache, v_cache, qkv.stride(0), cos.stride(0), eps, num_q_heads, num_kv_heads,
+        HEAD_DIM=head_dim, HALF=head_dim // 2, HAS_NORM=has_norm, num_warps=1)
+
+
+def qkv_rope_store_ref(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, positions: torch.Tensor,
+                       cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor | None,
+                       k_weight: torch.Tensor | None, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+    """The unfused references, one after the other."""
+    from nanoserve.kernels.rms_norm import rms_norm_ref
+    from nanoserve.kernels.rotary import apply_rotary_ref
+
+    t = qkv.shape[0]
+    d = qkv.shape[1] // (num_q_heads + 2 * num_kv_heads)
+    q, k, v = qkv.split([num_q_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+    q, k, v = q.view(t, num_q_heads, d), k.view(t, num_kv_heads, d), v.view(t, num_kv_heads, d)
+    if q_weight is not None:
+        q.copy_(rms_norm_ref(q, q_weight, eps))
+        k.copy_(rms_norm_ref(k, k_weight, eps))
+    apply_rotary_ref(q, k, cos, sin, positions)
+    keep = slot_mapping >= 0
+    k_cache.view(-1, num_kv_heads, d)[slot_mapping[keep]] = k[keep]
+    v_cache.view(-1, num_kv_heads, d)[slot_mapping[keep]] = v[keep]
