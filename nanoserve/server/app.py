@@ -9,7 +9,6 @@ import argparse
 import asyncio
 import logging
 import os
-import sys
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -122,10 +121,6 @@ def run_server(engine_args: EngineArgs, host: str, port: int, api_key: str | Non
                drain_timeout: float, served_model_name: str | None) -> None:
     """Load the model, serve until SIGTERM / SIGINT, drain, and return (the process exits 0)."""
     engine = LLMEngine(engine_args.create_config())
-    # The engine thread and the event loop share the GIL. Each time the engine waits on the GPU it lets
-    # go of it, and under load it then waits up to the switch interval (5 ms by default) to get it back
-    # while the GPU idles; 1 ms keeps the GPU fed at a small cost in thread switches.
-    sys.setswitchinterval(0.001)
     async_engine = AsyncEngine(engine)
     gate = GateState()
     name = served_model_name or default_model_name(engine_args)
