@@ -15,8 +15,8 @@ def prompts() -> list[list[int]]:
 
 
 def summary(outputs) -> list:
-    return [[(c.token_ids, c.finish_reason, c.stop_reason, c.text, c.logprobs) for c in o.outputs]
-            for o in outputs]
+    return [[(c.token_ids, c.finish_reason, c.stop_reason, c.text, c.logprobs) for c in o.outputs] +
+            [o.prompt_logprobs] for o in outputs]
 
 
 # (engine kwargs, sampling kwargs): chunked prefill, preemption with the prefix cache, n > 1 forks,
@@ -31,6 +31,9 @@ CASES = {
     "one_token": ({}, dict(temperature=0, max_tokens=1, ignore_eos=True)),
     "penalties": ({}, dict(temperature=0, max_tokens=8, repetition_penalty=1.3, frequency_penalty=0.5,
                            ignore_eos=True)),
+    "prompt_logprobs": (dict(max_num_batched_tokens=16), dict(temperature=0, max_tokens=4, prompt_logprobs=2,
+                                                              ignore_eos=True)),
+    "min_tokens": ({}, dict(temperature=0, max_tokens=10, min_tokens=6, stop_token_ids=list(range(0, 384, 3)))),
 }
 
 
@@ -118,3 +121,17 @@ def test_tool_loop_forces_over_an_in_flight_token():
         assert all(0 in m[len(prompt):] for m in results[True][1])  # every sample called the tool
     finally:
         torch.set_num_threads(threads)
+
+
+def test_stop_strings_mid_flight(llama_dir):
+    """A stop string found in step N's token ends the sample though step N+1 already sampled after it."""
+    base = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    sync = LLM(str(llama_dir), async_scheduling=False, num_kv_blocks=128)
+    texts = [o.outputs[0].text for o in sync.generate(prompts(), base, use_tqdm=False)]
+    stops = sorted({t[len(t) // 3:len(t) // 3 + 2] for t in texts if len(t) >= 6})
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=stops)
+    want = summary(sync.generate(prompts(), params, use_tqdm=False))
+    overlap = LLM(str(llama_dir), async_scheduling=True, num_kv_blocks=128)
+    got = summary(overlap.generate(prompts(), params, use_tqdm=False))
+    assert got == want
+    assert sum(o[0][1] == "stop" for o in got) >= 3  # most samples stopped on a string

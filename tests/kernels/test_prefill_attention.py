@@ -130,7 +130,7 @@ def test_max_prefill_tiles_bounds_random_batches():
         seq_lens = (q_lens + rng.integers(0, 50, batch)).tolist()
         # Must not raise: the bound holds for every such batch.
         prefill_tile_map(cu, seq_lens, block_m, max_prefill_tiles(num_tokens, max_num_seqs, block_m))
-    assert prefill_block_m(1) == 16 and prefill_block_m(100) == 16 and prefill_block_m(600) == 128 and prefill_block_m(5000) == 128
+    assert [prefill_block_m(n) for n in (1, 100, 300, 600, 5000)] == [16, 16, 64, 128, 128]
 
 
 def test_prefill_tiled_reused_for_new_batch(make_paged_kv, gen, device, tol):

@@ -19,8 +19,9 @@ import pytest
 from checkpoints import write_checkpoint  # tests/checkpoints.py (tests/ is on sys.path via its conftest)
 
 REPO = Path(__file__).resolve().parents[2]
-# Sized for the tests: 64 streams of short prompts, or one long request, fit with room to spare.
-DEFAULT_FLAGS = ["--num-kv-blocks", "256", "--max-num-batched-tokens", "2048", "--seed", "0"]
+# Sized for the tests: 64 streams of short prompts, or one long request, fit with room to spare. Async
+# scheduling is forced on (it is the default only on CUDA) so the servers run the path GPU users get.
+DEFAULT_FLAGS = ["--num-kv-blocks", "256", "--max-num-batched-tokens", "2048", "--seed", "0", "--async-scheduling"]
 
 
 @pytest.fixture(scope="session")
