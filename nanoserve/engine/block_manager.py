@@ -22,10 +22,11 @@ class Block:
     token_ids: tuple[int, ...] = ()  # kept to check a hash hit token by token
 
 
-def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
+def chain_hash(prev_hash: int | None, token_bytes: bytes) -> int:
+    """The hash of a block: its tokens (int64 little-endian bytes) chained onto the previous block's hash."""
     h = xxhash.xxh3_64()
     h.update((prev_hash or 0).to_bytes(8, "little"))
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    h.update(token_bytes)
     return h.intdigest()
 
 
@@ -73,11 +74,18 @@ class BlockManager:
         return hits
 
     def _extend_hashes(self, seq: Sequence, num_full: int) -> None:
+        start = len(seq.block_hashes)
+        if start >= num_full:
+            return
         bs = self.block_size
-        while len(seq.block_hashes) < num_full:
-            i = len(seq.block_hashes)
-            prev = seq.block_hashes[-1] if i else None
-            seq.block_hashes.append(chain_hash(prev, seq.token_ids[i * bs:(i + 1) * bs]))
+        # One conversion for every new block: for a long prompt, converting block by block cost more
+        # than the hashing.
+        data = np.asarray(seq.token_ids[start * bs:num_full * bs], dtype="<i8").tobytes()
+        width = bs * 8
+        prev = seq.block_hashes[-1] if start else None
+        for j in range(num_full - start):
+            prev = chain_hash(prev, data[j * width:(j + 1) * width])
+            seq.block_hashes.append(prev)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Name the blocks that this step filled, so later requests can share them."""
