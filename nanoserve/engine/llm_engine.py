@@ -157,13 +157,13 @@ class LLMEngine:
 
     def _launch(self, batch: SchedulerOutput) -> LaunchedStep:
         now = time.monotonic()
+        # The sampler reads num_output_tokens (min_tokens), so pending counts move only after the launch.
+        launched = self.runner.launch(batch, self.in_flight)
         for entry in batch.scheduled:
             metrics = entry.seq.request.metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
                 self.num_prompt_tokens += len(entry.seq.request.prompt_token_ids)
-        launched = self.runner.launch(batch, self.in_flight)
-        for entry in batch.scheduled:
             for seq in entry.sample_seqs:
                 seq.num_pending += 1
         return launched

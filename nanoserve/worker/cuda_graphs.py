@@ -10,11 +10,11 @@ them all in one launch. Two kinds:
   only on the bucket. Padded tokens belong to no tile and store nothing; padded sequences are empty.
 """
 
-import numpy as np
 import torch
 from torch import nn
 from tqdm import tqdm
 
+from nanoserve.kernels.tile_map import max_prefill_tiles, prefill_block_m, prefill_tile_map
 from nanoserve.layers.attention import AttentionMetadata
 
 
@@ -100,11 +100,7 @@ class PrefillGraphRunner(_Graphs):
 
     def __init__(self, model: nn.Module, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
                  device: torch.device):
-        # Imported here, not at the top: a CPU-only install has no Triton, and this class is CUDA-only.
-        from nanoserve.kernels.prefill_attention import max_prefill_tiles, prefill_block_m, prefill_tile_map
-
         super().__init__(model, token_ladder(max_num_tokens), "capturing prefill graphs")
-        self.tile_map_for = prefill_tile_map
         self.max_num_seqs = max_num_seqs
         t = self.sizes[-1]
         s = self._num_seqs(t)
@@ -144,7 +140,7 @@ class PrefillGraphRunner(_Graphs):
         self.seq_lens[:b].copy_(meta.seq_lens)
         self.seq_lens[b:s].zero_()
         self.block_tables[:b, :meta.block_tables.shape[1]].copy_(meta.block_tables)
-        tiles = self.tile_map_for(meta.cu_seqlens_q_cpu, meta.seq_lens_cpu, self.block_m[t], self.num_tiles[t])
+        tiles = prefill_tile_map(meta.cu_seqlens_q_cpu, meta.seq_lens_cpu, self.block_m[t], self.num_tiles[t])
         self.tile_map[:self.num_tiles[t]].copy_(torch.from_numpy(tiles), non_blocking=True)
         graph, out = self.graphs[t]
         graph.replay()
@@ -153,8 +149,6 @@ class PrefillGraphRunner(_Graphs):
 
 def eager_tile_map(meta: AttentionMetadata, device: torch.device) -> None:
     """Give an eager step's prefill part its tile map, so the kernel never reads lengths back."""
-    from nanoserve.kernels.prefill_attention import max_prefill_tiles, prefill_block_m, prefill_tile_map
-
     nd = meta.num_decodes
     cu = [c - nd for c in meta.cu_seqlens_q_cpu[nd:]]
     lens = meta.seq_lens_cpu[nd:]
@@ -162,5 +156,5 @@ def eager_tile_map(meta: AttentionMetadata, device: torch.device) -> None:
         return
     block_m = prefill_block_m(max(cu[i + 1] - cu[i] for i in range(len(lens))))
     tiles = prefill_tile_map(cu, lens, block_m, max_prefill_tiles(cu[-1], len(lens), block_m))
-    meta.tile_map = torch.from_numpy(np.ascontiguousarray(tiles)).to(device, non_blocking=True)
+    meta.tile_map = torch.from_numpy(tiles).to(device, non_blocking=True)
     meta.block_m = block_m
