@@ -14,7 +14,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
-    for _name in ("kv_store", "prefill_attention", "decode_attention", "qkv_rope_store", "gemv"):
+    for _name in ("kv_store", "prefill_attention", "decode_attention", "qkv_rope_store", "gemv", "sampling"):
         _module = sys.modules.get(f"nanoserve.kernels.{_name}")
         if _module is not None:
             importlib.reload(_module)
