@@ -23,7 +23,7 @@ def summarize(name: str, prof, iters: int, wall_s: float) -> None:
     launches = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / iters
     print(f"\n=== {name}: wall {1e3 * wall_s / iters:.2f} ms/iter, kernels {device_us / 1e3:.2f} ms/iter, "
           f"{launches:.0f} device events/iter")
-    print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
+    print(events.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
 
 
@@ -85,11 +85,36 @@ def profile_big_batch(model: str, rng: np.random.Generator) -> None:
         engine.abort_request(request_id)
 
 
+def profile_prefill_phase(model: str) -> None:
+    """The throughput recipe's first 30 steps: 8,192-token prefill steps, then mixed ones as decodes join."""
+    from nanoserve.bench.throughput import workload
+
+    llm = LLM(model=model, load_format="dummy", dtype="bfloat16")
+    engine = llm.engine
+    prompts, out_lens = workload(256, 100, 1024, 100, 1024, engine.config.model.vocab_size, 0)
+    llm.generate(prompts[:8], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
+    for i, (prompt, n) in enumerate(zip(prompts, out_lens, strict=True)):
+        engine.add_request(f"tp-{i}", prompt, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(30):
+            engine.step(final_only=True)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    summarize("throughput recipe, first 30 steps (prefill and mixed)", prof, 30, wall)
+    for request_id in list(engine.requests):
+        engine.abort_request(request_id)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
     ns = p.parse_args()
     rng = np.random.default_rng(0)
+    profile_prefill_phase(ns.model)
+    gc.collect()
+    torch.cuda.empty_cache()
     profile_big_batch(ns.model, rng)
     gc.collect()
     torch.cuda.empty_cache()
