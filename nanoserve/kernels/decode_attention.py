@@ -1,9 +1,18 @@
 """Flash-decoding: one new query token per sequence attending to its whole paged KV cache.
 
-Each sequence's keys are cut into num_splits chunks handled by separate programs, which write a partial
-output and its log-sum-exp; a second kernel merges them. One program serves all the query heads that
-share a kv head, so each K/V byte is read once. The grid depends only on shapes and num_splits, so a
-call can be captured in a CUDA graph; splits past a sequence's end write lse = -inf and are ignored.
+Each sequence's keys are cut into num_splits chunks handled by separate programs, each writing a partial
+output and its log-sum-exp. One program serves all the query heads that share a kv head, so each K/V byte
+is read once. The partials are merged in one of two ways:
+
+- fused (a `counters` buffer is given): every program bumps an atomic counter for its (sequence, kv head)
+  after storing its partial, and the program that finds it was the last one merges all the partials and
+  writes the output, then resets the counter. One launch per call: inside a CUDA graph at batch 1 each
+  kernel boundary costs about 2 us, a sizeable part of a layer's decode attention.
+- two launches (no `counters`): a second kernel merges the partials, as flash-decoding first did.
+
+With num_splits == 1 the single program per (sequence, kv head) writes the output directly. The grid
+depends only on shapes and num_splits, so a call can be captured in a CUDA graph; splits past a sequence's
+end hold no keys and are skipped by the merge (in the fused path they still bump the counter).
 """
 
 import torch
@@ -13,6 +22,74 @@ import triton.language as tl
 from nanoserve.kernels.prefill_attention import gather_kv
 
 _BLOCK_N = 64
+# The fused merge loads [group, splits, head_dim] fp32 partials at once (one round trip to L2 rather than
+# one per split, on the critical path of every batch-1 layer); tiles are capped at this many elements, 64
+# registers a thread at 4 warps, and more splits than fit are merged a chunk at a time. Compiled offline for
+# sm_90 (Triton 3.9), the merge raises the kernel from 80 to 137-150 registers at 16 splits with no spills,
+# 80-90 at 2 splits (batch >= 64); smaller caps barely lower that, so the cap is left generous.
+_MERGE_TILE = 8192
+
+
+@triton.jit
+def _merge_splits(
+    mid_o_ptr,
+    mid_lse_ptr,
+    out_ptr,
+    first_row,
+    out_offset,
+    stride_oh,
+    seq_len,
+    chunk,
+    num_queries_per_kv,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Merge the partials of the query heads first_row.. (rows of [.., num_splits, HEAD_DIM]) into out.
+
+    Only splits that hold keys (split * chunk < seq_len) are read: the others never stored anything. The
+    loads use .cg (L2, not L1) because the partials were written by other programs on other SMs; see the
+    ordering argument in _decode_split_kernel."""
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    g_valid = offs_g < num_queries_per_kv
+    # 64-bit row base once; offsets within the group's [group, num_splits, HEAD_DIM] block fit in 32 bits.
+    first = first_row.to(tl.int64) * num_splits
+    lse_base = mid_lse_ptr + first
+    o_base = mid_o_ptr + first * HEAD_DIM
+
+    # Online merge over chunks of BLOCK_S splits; with num_splits <= BLOCK_S (the common case) one chunk.
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        splits = s0 + offs_s
+        used = g_valid[:, None] & ((splits < num_splits) & (splits * chunk < seq_len))[None, :]
+        mid_rows = offs_g[:, None] * num_splits + splits[None, :]  # [BLOCK_G, BLOCK_S]
+        lse = tl.load(lse_base + mid_rows, mask=used, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(
+            o_base + mid_rows[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+            mask=used[:, :, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        m_new = tl.maximum(m_i, tl.max(lse, 1))
+        # A sequence of length 0 (a CUDA-graph padding row) or a padded head has no used split: m stays
+        # -inf, so subtract 0 instead to get weights of 0 rather than NaN, and zeros out.
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp2(m_i - m_safe)
+        w = tl.exp2(lse - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(w, 1)
+        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 1)
+        m_i = m_new
+    result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + out_offset + offs_g[:, None] * stride_oh + offs_d[None, :],
+        result.to(out_ptr.dtype.element_ty),
+        mask=g_valid[:, None],
+    )
 
 
 @triton.jit
@@ -24,6 +101,8 @@ def _decode_split_kernel(
     block_tables_ptr,
     mid_o_ptr,
     mid_lse_ptr,
+    out_ptr,
+    counters_ptr,
     qk_scale,
     stride_qb,
     stride_qh,
@@ -31,18 +110,27 @@ def _decode_split_kernel(
     stride_ct,
     stride_ch,
     stride_bt,
+    stride_ob,
+    stride_oh,
     num_queries_per_kv,
     num_splits,
+    SPLIT: tl.constexpr,
+    FUSED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
+    """SPLIT=False: write the output (num_splits is 1). SPLIT, not FUSED: store partials for the reduce
+    kernel. SPLIT and FUSED: store partials, and the last program of a (sequence, kv head) merges them."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    num_q_heads = tl.num_programs(1) * num_queries_per_kv
+    num_kv_heads = tl.num_programs(1)
+    num_q_heads = num_kv_heads * num_queries_per_kv
 
     offs_g = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -82,13 +170,58 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    # An empty split (kv_start >= seq_len) leaves l_i = 0: it stores o = 0 and lse = -inf.
+    # An empty split (kv_start >= seq_len) leaves l_i = 0: o = 0 and lse = -inf.
     nonempty = l_i > 0
-    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     acc = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    mid_rows = (seq * num_q_heads + heads).to(tl.int64) * num_splits + split
-    tl.store(mid_lse_ptr + mid_rows, lse, mask=h_valid)
-    tl.store(mid_o_ptr + mid_rows[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=h_valid[:, None])
+    if not SPLIT:
+        # The only split: acc is the output (zeros for a length-0 padding row).
+        tl.store(
+            out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=h_valid[:, None],
+        )
+    else:
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        mid_rows = (seq * num_q_heads + heads).to(tl.int64) * num_splits + split
+        # The reduce kernel reads every split's partial; the fused merge skips empty splits (it knows them
+        # from seq_len), so they need not store anything. (A head-count bound rather than `h_valid & scalar`:
+        # the interpreter mis-types a splatted scalar bool.)
+        store_mask = offs_g < tl.where(kv_start < seq_len, num_queries_per_kv, 0) if FUSED else h_valid
+        tl.store(mid_lse_ptr + mid_rows, lse, mask=store_mask)
+        tl.store(mid_o_ptr + mid_rows[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=store_mask[:, None])
+        if FUSED:
+            # Ordering (the CUTLASS semaphore pattern). Release: the barrier orders every thread's partial
+            # stores above before the atomic, which Triton issues from one thread; acq_rel at gpu scope makes
+            # that release cumulative, so the stores are visible GPU-wide to whoever acquires the counter
+            # later. All num_splits atomics on one counter form a single modification order, so the program
+            # that reads num_splits - 1 acquires after every other program's release. Acquire: Triton hands
+            # the atomic's result to the other threads through shared memory behind a barrier (the explicit
+            # barrier below restates it), so their loads come after the acquire; those loads use .cg to read
+            # L2, the GPU's point of coherence, rather than an L1 line that is not kept coherent across SMs.
+            tl.debug_barrier()
+            counter = counters_ptr + seq * num_kv_heads + kv_head
+            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if done == num_splits - 1:
+                tl.debug_barrier()
+                # Every other program of this (sequence, kv head) has bumped the counter and is done with
+                # it, so a plain store resets it; the kernel boundary publishes it to the next launch (the
+                # next layer, or the next replay of a CUDA graph).
+                tl.store(counter, 0)
+                _merge_splits(
+                    mid_o_ptr,
+                    mid_lse_ptr,
+                    out_ptr,
+                    seq * num_q_heads + kv_head * num_queries_per_kv,
+                    seq.to(tl.int64) * stride_ob + (kv_head * num_queries_per_kv) * stride_oh,
+                    stride_oh,
+                    seq_len,
+                    chunk,
+                    num_queries_per_kv,
+                    num_splits,
+                    HEAD_DIM=HEAD_DIM,
+                    BLOCK_G=BLOCK_G,
+                    BLOCK_S=BLOCK_S,
+                )
 
 
 @triton.jit
@@ -158,12 +291,18 @@ def decode_attention(
     scale: float,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, num_q_heads, head_dim], one token per sequence at position seq_lens[b] - 1; returns q's shape.
 
     num_splits must not depend on tensor values when the call is captured in a CUDA graph; by default it
     comes from shapes only (batch, kv heads, block_tables width). out, if given, is written in place.
     A sequence with seq_lens[b] == 0 (batch padding) gets zeros.
+
+    counters, if given, selects the one-launch path: an int32 buffer of at least B * num_kv_heads elements,
+    all zero, owned by the caller (so that a CUDA graph capture allocates nothing) and left all zero again
+    by the kernel, so one buffer serves every layer and replay. Calls sharing a buffer must not run
+    concurrently (on two streams). Without it the partials are merged by a second launch.
     """
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -174,13 +313,23 @@ def decode_attention(
     assert seq_lens.shape == (batch,) and block_tables.shape[0] == batch
     out = torch.empty_like(q) if out is None else out
     assert out.shape == q.shape and out.stride(2) == 1
+    if counters is not None:
+        assert counters.dtype == torch.int32 and counters.is_contiguous(), "counters must be contiguous int32"
+        assert counters.numel() >= batch * num_kv_heads, "counters needs one slot per (sequence, kv head)"
+        assert counters.device == q.device
     if batch == 0:
         return out
     if num_splits is None:
         num_splits = default_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size)
     group = num_q_heads // num_kv_heads
-    mid_o = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
+    split = num_splits > 1
+    fused = split and counters is not None
+    if split:
+        mid_o = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        mid_o = mid_lse = out  # never read or written: the kernel writes the output directly
+    block_g = triton.next_power_of_2(group)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -189,6 +338,8 @@ def decode_attention(
         block_tables,
         mid_o,
         mid_lse,
+        out,
+        counters if fused else seq_lens,  # seq_lens stands in for an unused pointer
         scale * 1.4426950408889634,  # log2(e): the kernels use exp2/log2
         q.stride(0),
         q.stride(1),
@@ -196,30 +347,38 @@ def decode_attention(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
         group,
         # A runtime value, not constexpr: one compiled kernel serves every batch size's split count.
         num_splits,
+        SPLIT=split,
+        FUSED=fused,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 would lose fp32 inputs' bits
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         # tl.dot needs M >= 16: small groups are padded with zero queries, free since decode is memory bound.
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=_BLOCK_N,
+        # The fused merge needs no tl.dot, so its head tile is just the group (4 for Llama-3.1-8B).
+        BLOCK_G=block_g,
+        BLOCK_S=min(triton.next_power_of_2(num_splits), max(1, _MERGE_TILE // (block_g * head_dim))),
         # Memory bound: 4 warps per 64-key tile and two stages keep the next tile's gather in flight.
         num_warps=4,
         num_stages=2,
     )
-    _decode_reduce_kernel[(batch, num_q_heads)](
-        mid_o,
-        mid_lse,
-        out,
-        out.stride(0),
-        out.stride(1),
-        num_splits,
-        HEAD_DIM=head_dim,
-        BLOCK_S=min(16, triton.next_power_of_2(num_splits)),  # bounds registers at 16 x head_dim fp32
-        num_warps=4,
-    )
+    if split and not fused:
+        _decode_reduce_kernel[(batch, num_q_heads)](
+            mid_o,
+            mid_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_splits,
+            HEAD_DIM=head_dim,
+            BLOCK_S=min(16, triton.next_power_of_2(num_splits)),  # bounds registers at 16 x head_dim fp32
+            num_warps=4,
+        )
     return out
 
 
@@ -232,8 +391,9 @@ def decode_attention_ref(
     scale: float,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain PyTorch version of decode_attention, in fp32; num_splits is accepted and ignored."""
+    """Plain PyTorch version of decode_attention, in fp32; num_splits and counters are accepted and ignored."""
     group = q.shape[1] // k_cache.shape[2]
     out = torch.empty_like(q) if out is None else out
     for b, seq_len in enumerate(seq_lens.tolist()):

@@ -112,6 +112,76 @@ def test_decode_attention_cuda_graph():
     torch.testing.assert_close(out, decode_attention_ref(*args), **BF16_TOL)
 
 
+
+@pytest.mark.parametrize(
+    "num_q_heads,num_kv_heads,head_dim,num_splits",
+    [(32, 8, 128, None), (16, 8, 128, None), (14, 2, 64, 3), (16, 8, 128, 48), (8, 1, 64, 128)],
+)
+def test_fused_decode_attention_cuda_graph(num_q_heads, num_kv_heads, head_dim, num_splits):
+    """The one-launch path captured as a model step (one call per layer, one counter buffer), replayed with
+    new lengths and queries each time: every call's output must match, and every counter be zero again."""
+    from nanoserve.kernels.decode_attention import decode_attention, decode_attention_ref
+
+    gen = torch.Generator().manual_seed(0)
+    batch, block_size, layers = 9, 16, 4
+    k_cache, v_cache, block_tables = _paged_kv([3000] * batch, num_kv_heads, head_dim, block_size, gen, pad_value=0)
+    q = torch.randn(batch, num_q_heads, head_dim, device="cuda").bfloat16()
+    seq = torch.full((batch,), 3000, dtype=torch.int32, device="cuda")
+    outs = torch.empty(layers, *q.shape, dtype=q.dtype, device="cuda")
+    # Sized for a larger batch, as a runner's buffer is: the spare slots must stay untouched.
+    counters = torch.zeros(batch * num_kv_heads + 16, dtype=torch.int32, device="cuda")
+    args = (q, k_cache, v_cache, seq, block_tables, head_dim**-0.5)
+    decode_attention(*args, num_splits=num_splits, out=outs[0], counters=counters)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in range(layers):
+            decode_attention(*args, num_splits=num_splits, out=outs[layer], counters=counters)
+    for replay in range(6):
+        lens = torch.randint(1, 3001, (batch,), generator=gen)
+        lens[replay % batch] = 0  # a padding row
+        lens[(replay + 1) % batch] = 1
+        seq.copy_(lens.to(torch.int32))
+        q.copy_(torch.randn(q.shape, generator=gen).bfloat16())
+        outs.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert (counters == 0).all(), f"replay {replay}: a counter was left non-zero"
+        assert torch.isfinite(outs).all()
+        want = decode_attention_ref(*args)
+        for layer in range(layers):
+            torch.testing.assert_close(outs[layer], want, **BF16_TOL)
+
+
+def test_fused_decode_attention_deterministic():
+    """Many programs merging at once, replayed many times: a merge that read a partial before its store
+    was visible would show up as a replay differing from the others (the CPU interpreter cannot race)."""
+    from nanoserve.kernels.decode_attention import decode_attention, decode_attention_ref
+
+    gen = torch.Generator().manual_seed(0)
+    num_q_heads, num_kv_heads, head_dim, block_size = 32, 8, 128, 16
+    seq_lens = torch.randint(1, 2049, (64,), generator=gen).tolist()
+    k_cache, v_cache, block_tables = _paged_kv(seq_lens, num_kv_heads, head_dim, block_size, gen, pad_value=0)
+    q = torch.randn(len(seq_lens), num_q_heads, head_dim, device="cuda").bfloat16()
+    seq = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    counters = torch.zeros(len(seq_lens) * num_kv_heads, dtype=torch.int32, device="cuda")
+    args = (q, k_cache, v_cache, seq, block_tables, head_dim**-0.5)
+    decode_attention(*args, num_splits=16, out=out, counters=counters)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(8):
+            decode_attention(*args, num_splits=16, out=out, counters=counters)
+    first = None
+    for _ in range(50):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert (counters == 0).all()
+        if first is None:
+            first = out.clone()
+            torch.testing.assert_close(first, decode_attention_ref(*args), **BF16_TOL)
+        assert torch.equal(out, first)
+
 def test_prefill_attention_cuda_graph():
     from nanoserve.kernels.prefill_attention import (
         max_prefill_tiles,

@@ -13,6 +13,24 @@ CASES = [
     (torch.float32, 64, 2, 1, 16, [1100, 3], 20),  # more than 16 splits in use: the reduce loops
 ]
 
+# The one-launch path, one case per batch size 1..9 and then the merge's extremes: GQA ratios 1/2/4/7/8,
+# head_dim 64/128, odd lengths off the block size and the 64-key tile, length-0 padding rows, 1/2/3/16
+# splits, more splits than a sequence has key tiles (empty splits still count), and the most splits.
+FUSED_CASES = [
+    (torch.float32, 128, 32, 8, 16, [131], 16),  # Llama-3.1-8B's heads at batch 1: 3 tiles, 16 splits
+    (torch.float16, 128, 16, 8, 16, [1, 77], 2),  # Qwen3-0.6B's heads
+    (torch.float32, 64, 7, 1, 32, [33, 201, 95], 3),
+    (torch.float16, 64, 16, 2, 8, [65, 1, 299, 0], 1),  # one split: the output is written directly
+    (torch.float32, 64, 2, 1, 16, [1101, 7, 129, 63, 255], 16),  # 1,101 keys: 9 splits of 2 tiles
+    (torch.float16, 128, 8, 4, 32, [3, 0, 65, 191, 17, 257], 3),
+    (torch.float32, 128, 8, 1, 16, [5, 9, 13, 129, 1, 63, 67], 7),
+    (torch.float16, 64, 14, 2, 16, [45, 3, 99, 161, 0, 23, 1, 201], 2),
+    (torch.float32, 64, 4, 2, 128, [1, 3, 5, 7, 127, 129, 131, 255, 385], 2),
+    (torch.float32, 64, 8, 1, 128, [2601, 71], 40),  # 41 tiles over 40 splits, merged 16 splits at a time
+    (torch.float16, 128, 2, 1, 16, [301], 48),  # 48 splits, all but 5 empty, merged 32 at a time
+    (torch.float32, 64, 1, 1, 128, [8191], 128),  # the most splits, one tile each, merged at once
+]
+
 
 def _inputs(case, make_paged_kv, gen, device):
     dtype, head_dim, num_q_heads, num_kv_heads, block_size, seq_lens, num_splits = case
@@ -50,3 +68,46 @@ def test_decode_kernel_matches_ref(case, make_paged_kv, gen, device, tol):
     assert got is out and got.dtype == q.dtype
     assert torch.isfinite(got).all(), "every output element must be written (and no NaN read from the cache)"
     torch.testing.assert_close(got, want, **tol[q.dtype])
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=range(len(FUSED_CASES)))
+def test_fused_decode_matches_ref(case, make_paged_kv, gen, device, tol):
+    from nanoserve.kernels.decode_attention import decode_attention, decode_attention_ref
+
+    q, k_cache, v_cache, seq, block_tables, scale, num_splits = _inputs(case, make_paged_kv, gen, device)
+    batch, num_kv_heads = q.shape[0], k_cache.shape[2]
+    want = decode_attention_ref(q, k_cache, v_cache, seq, block_tables, scale)
+    # Spare slots past batch * num_kv_heads (a buffer sized for the largest batch) must be left alone.
+    counters = torch.full((batch * num_kv_heads + 3,), 7, dtype=torch.int32, device=device)
+    counters[: batch * num_kv_heads] = 0
+    spare = counters[batch * num_kv_heads :].clone()
+    outs = []
+    # Twice with one buffer: the kernel must leave every counter at zero for the next launch.
+    for _ in range(2):
+        out = torch.full_like(q, float("nan"))
+        got = decode_attention(
+            q, k_cache, v_cache, seq, block_tables, scale, num_splits=num_splits, out=out, counters=counters
+        )
+        assert got is out and got.dtype == q.dtype
+        assert (counters[: batch * num_kv_heads] == 0).all(), "the merging program must reset its counter"
+        assert torch.equal(counters[batch * num_kv_heads :], spare)
+        assert torch.isfinite(got).all(), "every output element must be written (and no NaN read)"
+        torch.testing.assert_close(got, want, **tol[q.dtype])
+        outs.append(got)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_fused_decode_strided_views(make_paged_kv, gen, device, tol):
+    """As the attention layer calls it: q and out are the decode rows of larger [tokens, heads, dim]
+    tensors, and the counter buffer is sized for more sequences than this batch has."""
+    from nanoserve.kernels.decode_attention import decode_attention, decode_attention_ref
+
+    case = (torch.float32, 64, 4, 2, 16, [37, 0, 150], None)
+    q, k_cache, v_cache, seq, block_tables, scale, _ = _inputs(case, make_paged_kv, gen, device)
+    q_all = torch.cat([q, torch.randn(5, *q.shape[1:], generator=gen).to(device)])
+    out_all = torch.full_like(q_all, float("nan"))
+    counters = torch.zeros(64, dtype=torch.int32, device=device)
+    decode_attention(q_all[:3], k_cache, v_cache, seq, block_tables, scale, out=out_all[:3], counters=counters)
+    torch.testing.assert_close(out_all[:3], decode_attention_ref(q, k_cache, v_cache, seq, block_tables, scale),
+                               **tol[q.dtype])
+    assert out_all[3:].isnan().all() and (counters == 0).all()
