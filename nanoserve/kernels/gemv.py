@@ -6,6 +6,12 @@ slab of the weight (contiguous along K) in wide, coalesced [BLOCK_N, BLOCK_K] ti
 M <= 2, on the tensor cores (M padded to 16) from M = 3 (from M = 9 when N < 2048). There is one launch and no split-K
 partials to reduce, so a call adds one node to a CUDA graph, and block sizes come from shapes by an
 explicit rule (no autotuning, which cannot run inside graph capture).
+
+Two variants fold the elementwise kernel that would otherwise run just before the GEMM into how it reads x,
+since at batch 1 each launch costs about as much as streaming a small layer's weight: skinny_norm_linear
+(residual add + RMSNorm, for qkv_proj and gate_up_proj) and skinny_silu_mul_linear (SiLU-and-mul, for down_proj).
+The activation rows are a few KB, so every program recomputing them from L1/L2 costs little next to its
+slab of the weight.
 """
 
 from typing import NamedTuple
@@ -14,14 +20,35 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve.kernels.activation import silu_and_mul_ref
+from nanoserve.kernels.rms_norm import rms_norm_ref
+
 MAX_M = 16
 
 
 @triton.jit
-def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                          HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                          EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
+def _load(ptrs, mask, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _residual_sum(x_ptrs, r_ptrs, mask, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr):
+    """x + residual rounded to the activation dtype, as the standalone add+RMSNorm computes it, in fp32."""
+    h = _load(x_ptrs, mask, EVEN_K)
+    if HAS_RESIDUAL:
+        h = (h.to(tl.float32) + _load(r_ptrs, mask, EVEN_K).to(tl.float32)).to(x_ptrs.dtype.element_ty)
+    return h.to(tl.float32)
+
+
+@triton.jit
+def _skinny_linear_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm,
+                          stride_rm, stride_wn, stride_om, eps, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                          SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
+                          DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -32,6 +59,23 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stri
     rows_x = tl.minimum(offs_m, M - 1)
     w_ptrs = w_ptr + rows_w.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + rows_x[:, None] * stride_xm + offs_k[None, :]
+    act_dtype = x_ptr.dtype.element_ty
+    if NORM:
+        # Prologue RMSNorm(x + residual): every program needs each row's rms before its first tile, so it first
+        # walks the rows once (K is at most a few thousand, and the rows stay in L1/L2 for the second walk). The
+        # program owning the first columns also writes x + residual out as the next residual: into a buffer of
+        # its own, since the other programs are still reading the residual it replaces.
+        r_ptrs = res_ptr + rows_x[:, None] * stride_rm + offs_k[None, :]
+        res_out_ptrs = res_out_ptr + offs_m[:, None] * K + offs_k[None, :]
+        sum_sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = (k0 + offs_k)[None, :] < K
+            h = _residual_sum(x_ptrs + k0, r_ptrs + k0, k_mask, HAS_RESIDUAL, EVEN_K)
+            if HAS_RESIDUAL and pid == 0:
+                tl.store(res_out_ptrs + k0, h.to(act_dtype), mask=(offs_m < M)[:, None] & k_mask)
+            sum_sq += h * h
+        rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / K + eps)[:, None]
+        norm_w_ptrs = norm_w_ptr + offs_k
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
@@ -39,13 +83,22 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stri
         # exchange and a barrier per iteration.
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-            x = tl.load(x_ptrs)
+        k_mask = (k0 + offs_k) < K
+        w = _load(w_ptrs, k_mask[None, :], EVEN_K)
+        if NORM:
+            # Rounded where the standalone RMSNorm kernel rounds: its normalized row, then its output.
+            h = _residual_sum(x_ptrs, r_ptrs, k_mask[None, :], HAS_RESIDUAL, EVEN_K)
+            norm_w = _load(norm_w_ptrs, k_mask, EVEN_K).to(tl.float32)
+            x = ((h * rstd).to(act_dtype).to(tl.float32) * norm_w[None, :]).to(act_dtype)
+            r_ptrs += BLOCK_K
+            norm_w_ptrs += BLOCK_K
+        elif SILU_MUL:
+            # x holds [gate | up] with K columns each; silu(gate) * up in fp32, rounded as the standalone kernel.
+            gate = _load(x_ptrs, k_mask[None, :], EVEN_K).to(tl.float32)
+            up = _load(x_ptrs + K, k_mask[None, :], EVEN_K).to(tl.float32)
+            x = (gate * tl.sigmoid(gate) * up).to(act_dtype)
         else:
-            k_mask = (k0 + offs_k) < K
-            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
-            x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+            x = _load(x_ptrs, k_mask[None, :], EVEN_K)
         if USE_DOT:
             # Tensor cores take the weight tile as it is (the A operand, K-contiguous) and x as B [K, M]
             # (also K-contiguous), accumulating in fp32.
@@ -104,27 +157,31 @@ def _config(m: int, n: int, k: int, elem_size: int) -> _Config:
     return _Config(True, 16, block_n, min(256, k_cap), 4, 4 if elem_size <= 2 else 2)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            cfg: _Config) -> None:
-    m, k = x.shape
-    n = weight.shape[0]
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, cfg: _Config, *,
+            norm: tuple[torch.Tensor | None, torch.Tensor, float, torch.Tensor | None] | None = None,
+            silu_mul: bool = False) -> None:
+    """One launch of the kernel; `norm` = (residual, norm weight, eps, residual out) adds the RMSNorm prologue,
+    `silu_mul` the SiLU-and-mul one (x then holds [gate | up], 2K columns)."""
+    m = x.shape[0]
+    n, k = weight.shape
+    residual, norm_weight, eps, residual_out = norm if norm is not None else (None, None, 0.0, None)
     _skinny_linear_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, USE_DOT=cfg.use_dot,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # tf32 would lose fp32 inputs' bits
+        x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight,
+        residual_out if residual_out is not None else x, weight, bias if bias is not None else weight, out, m, n, k,
+        x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0), out.stride(0), eps,
+        NORM=norm is not None, HAS_RESIDUAL=residual is not None, SILU_MUL=silu_mul, HAS_BIAS=bias is not None,
+        USE_DOT=cfg.use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # tf32 would lose bits
         EVEN_K=k % cfg.block_k == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K].T (+ bias [N]) -> [M, N] in x's dtype, accumulated in fp32, for 1 <= M <= MAX_M.
-
-    Inputs need a contiguous last dimension; out, if given, is written in place and returned.
-    """
+def _check(x: torch.Tensor, k: int, weight: torch.Tensor, bias: torch.Tensor | None,
+           out: torch.Tensor | None) -> torch.Tensor:
+    """Validates the GEMM operands (x holding K = k columns per row, or 2k for SiLU-and-mul); returns out,
+    allocated if None."""
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be 2-D [M, K] with a contiguous last dim, got shape {tuple(x.shape)}")
-    m, k = x.shape
+    m = x.shape[0]
     if not 1 <= m <= MAX_M:
         raise ValueError(f"x has {m} rows; skinny_linear handles 1..{MAX_M} (use F.linear above that)")
     if weight.dim() != 2 or weight.shape[1] != k or weight.stride(-1) != 1:
@@ -135,10 +192,58 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
         raise ValueError(f"bias must be contiguous of shape ({n},), got {tuple(bias.shape)}")
     if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.stride(-1) != 1 or out.dtype != x.dtype:
+        return torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if out.shape != (m, n) or out.stride(-1) != 1 or out.dtype != x.dtype:
         raise ValueError(f"out must be [{m}, {n}] of {x.dtype} with a contiguous last dim, got {tuple(out.shape)}")
-    _launch(x, weight, bias, out, _config(m, n, k, x.element_size()))
+    return out
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T (+ bias [N]) -> [M, N] in x's dtype, accumulated in fp32, for 1 <= M <= MAX_M.
+
+    Inputs need a contiguous last dimension; out, if given, is written in place and returned.
+    """
+    out = _check(x, x.shape[-1], weight, bias, out)
+    m, k = x.shape
+    _launch(x, weight, bias, out, _config(m, weight.shape[0], k, x.element_size()))
+    return out
+
+
+def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                       weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm(x + residual) @ weight.T (+ bias) in one launch, and x + residual: the next residual, in a new
+    tensor (`residual` is left as it is). Without a residual, RMSNorm(x) @ weight.T and x itself.
+
+    Rounds as kernels/rms_norm.py followed by skinny_linear does (the sum and the normalized row to x's
+    dtype), so the two paths agree but for the order of the fp32 sum of squares.
+    """
+    k = x.shape[-1]
+    out = _check(x, k, weight, bias, out)
+    m = x.shape[0]
+    if norm_weight.shape != (k,) or not norm_weight.is_contiguous():
+        raise ValueError(f"norm_weight must be contiguous of shape ({k},), got {tuple(norm_weight.shape)}")
+    residual_out = None
+    if residual is not None:
+        if residual.shape != x.shape or residual.stride(-1) != 1 or residual.dtype != x.dtype:
+            raise ValueError(f"residual must be [{m}, {k}] of {x.dtype} with a contiguous last dim, "
+                             f"got {tuple(residual.shape)}")
+        residual_out = torch.empty(m, k, dtype=x.dtype, device=x.device)
+    _launch(x, weight, bias, out, _config(m, weight.shape[0], k, x.element_size()),
+            norm=(residual, norm_weight, eps, residual_out))
+    return out, residual_out if residual_out is not None else x
+
+
+def skinny_silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """(SiLU(gate) * up) @ weight.T (+ bias) in one launch, for x = [gate | up] of shape [M, 2K] and weight [N, K];
+    rounds the product to x's dtype first, as kernels/activation.py does."""
+    if x.dim() != 2 or x.shape[1] % 2:
+        raise ValueError(f"x must be [M, 2K] (gate | up), got shape {tuple(x.shape)}")
+    m, k = x.shape[0], x.shape[1] // 2
+    out = _check(x, k, weight, bias, out)
+    _launch(x, weight, bias, out, _config(m, weight.shape[0], k, x.element_size()), silu_mul=True)
     return out
 
 
@@ -152,3 +257,20 @@ def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if out is None:
         return res
     return out.copy_(res)
+
+
+def skinny_norm_linear_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                           weight: torch.Tensor, bias: torch.Tensor | None = None,
+                           out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unfused computation: the add+RMSNorm reference, then skinny_linear_ref."""
+    if residual is None:
+        return skinny_linear_ref(rms_norm_ref(x, norm_weight, eps).to(x.dtype), weight, bias, out), x
+    residual = residual.clone()  # rms_norm_ref writes x + residual into it
+    normed = rms_norm_ref(x, norm_weight, eps, residual).to(x.dtype)
+    return skinny_linear_ref(normed, weight, bias, out), residual
+
+
+def skinny_silu_mul_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                               out: torch.Tensor | None = None) -> torch.Tensor:
+    """The unfused computation: the SiLU-and-mul reference, then skinny_linear_ref."""
+    return skinny_linear_ref(silu_and_mul_ref(x), weight, bias, out)

@@ -8,6 +8,9 @@ into its slice, so the loader never builds the unfused module.
 import torch
 from torch import nn
 
+from nanoserve.layers.activation import SiluAndMul
+from nanoserve.layers.norm import RMSNorm
+
 # Measured on an H200 inside CUDA graphs (scripts/bench_gemv.py): at one or two rows the Triton skinny GEMM
 # streams Qwen3-0.6B's weights up to 3.5x faster than cuBLAS, and Llama-8B's qkv and o_proj (50 and 32 MB)
 # 3-9% faster, but its gate_up and down (235 and 117 MB) 4-5% slower. From 4 rows on, or launched eagerly
@@ -16,16 +19,58 @@ SKINNY_MAX_ROWS = 2
 SKINNY_MAX_WEIGHT_BYTES = 64 << 20
 
 
+def skinny_gemm_fits(rows: int, weight_bytes: int) -> bool:
+    """The shapes for which the skinny GEMM beats cuBLAS inside a CUDA graph (see the figures above)."""
+    return rows <= SKINNY_MAX_ROWS and weight_bytes <= SKINNY_MAX_WEIGHT_BYTES
+
+
+def capturing_cuda_graph(x: torch.Tensor) -> bool:
+    """Whether x's forward pass is being captured into a CUDA graph (Triton launches are then free at replay)."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def takes_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x [rows, K] @ weight.T goes to the Triton skinny GEMM (and so may take its fused prologues)."""
+    return (x.dim() == 2 and skinny_gemm_fits(x.shape[0], weight.numel() * weight.element_size())
+            and capturing_cuda_graph(x))
+
+
 class Linear(nn.Linear):
-    """nn.Linear that takes the skinny GEMM kernel for batch-1/2 decode steps captured in CUDA graphs."""
+    """nn.Linear that takes the skinny GEMM kernel for batch-1/2 decode steps captured in CUDA graphs.
+
+    There, kernel launches rather than bytes dominate a layer (each costs 2-3 us against a few us of weight
+    streaming), so the elementwise op before a projection runs inside its GEMM: forward_norm for the residual
+    add + RMSNorm before qkv_proj and gate_up_proj, forward_silu_mul for SiLU-and-mul before down_proj. Off
+    that path they run as their own modules, exactly as without fusion.
+    """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and torch.cuda.is_current_stream_capturing()
-                and self.weight.numel() * self.weight.element_size() <= SKINNY_MAX_WEIGHT_BYTES):
+        if takes_skinny_gemm(x, self.weight):
             from nanoserve.kernels.gemv import skinny_linear
 
             return skinny_linear(x, self.weight, self.bias)
         return super().forward(x)
+
+    def forward_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
+                     norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """self(norm(x + residual)) and the next residual x + residual; without a residual (the first layer),
+        self(norm(x)) and x."""
+        if takes_skinny_gemm(x, self.weight):
+            from nanoserve.kernels.gemv import skinny_norm_linear
+
+            return skinny_norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias)
+        if residual is None:
+            return self(norm(x)), x
+        x, residual = norm(x, residual)
+        return self(x), residual
+
+    def forward_silu_mul(self, x: torch.Tensor, act: SiluAndMul) -> torch.Tensor:
+        """self(act(x)) for x = [gate | up]: silu(gate) * up projected."""
+        if takes_skinny_gemm(x, self.weight):
+            from nanoserve.kernels.gemv import skinny_silu_mul_linear
+
+            return skinny_silu_mul_linear(x, self.weight, self.bias)
+        return self(act(x))
 
 
 class FusedLinear(Linear):
