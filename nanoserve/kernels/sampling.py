@@ -40,7 +40,8 @@ def _gumbel_max_kernel(logits_ptr, temps_ptr, part_val_ptr, part_idx_ptr, stride
     logits = logits.to(tl.float32)
     temp = tl.load(temps_ptr + row)
     if temp > 0:
-        row_key = _lowbias32((key + row.to(tl.uint32) * _GOLDEN).to(tl.uint32))
+        # 0x9E3779B9 is _GOLDEN (a jit function may read only constexpr globals).
+        row_key = _lowbias32((key + row.to(tl.uint32) * 0x9E3779B9).to(tl.uint32))
         bits = _lowbias32(cols.to(tl.uint32) ^ row_key)
         # 24 random bits, centred in their interval: u lies strictly inside (0, 1).
         u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)

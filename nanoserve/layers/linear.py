@@ -29,6 +29,13 @@ def capturing_cuda_graph(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def takes_fused_prologue(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the skinny GEMM also runs the op before it (forward_norm, forward_silu_mul). Only at one row:
+    measured on an H200 in graphs (scripts/bench_gemv.py --parts fused), fusing saves 0.2-0.9 us per GEMM at
+    one row but costs 0.2-3.4 us at two, where every program redoes the prologue for both rows."""
+    return x.dim() == 2 and x.shape[0] == 1 and takes_skinny_gemm(x, weight)
+
+
 def takes_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether x [rows, K] @ weight.T goes to the Triton skinny GEMM (and so may take its fused prologues)."""
     return (x.dim() == 2 and skinny_gemm_fits(x.shape[0], weight.numel() * weight.element_size())
@@ -38,7 +45,7 @@ def takes_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 class Linear(nn.Linear):
     """nn.Linear that takes the skinny GEMM kernel for batch-1/2 decode steps captured in CUDA graphs.
 
-    There, kernel launches rather than bytes dominate a layer (each costs 2-3 us against a few us of weight
+    At batch 1, kernel launches rather than bytes dominate a layer (each costs 2-3 us against a few us of weight
     streaming), so the elementwise op before a projection runs inside its GEMM: forward_norm for the residual
     add + RMSNorm before qkv_proj and gate_up_proj, forward_silu_mul for SiLU-and-mul before down_proj. Off
     that path they run as their own modules, exactly as without fusion.
@@ -55,7 +62,7 @@ class Linear(nn.Linear):
                      norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """self(norm(x + residual)) and the next residual x + residual; without a residual (the first layer),
         self(norm(x)) and x."""
-        if takes_skinny_gemm(x, self.weight):
+        if takes_fused_prologue(x, self.weight):
             from nanoserve.kernels.gemv import skinny_norm_linear
 
             return skinny_norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias)
@@ -66,7 +73,7 @@ class Linear(nn.Linear):
 
     def forward_silu_mul(self, x: torch.Tensor, act: SiluAndMul) -> torch.Tensor:
         """self(act(x)) for x = [gate | up]: silu(gate) * up projected."""
-        if takes_skinny_gemm(x, self.weight):
+        if takes_fused_prologue(x, self.weight):
             from nanoserve.kernels.gemv import skinny_silu_mul_linear
 
             return skinny_silu_mul_linear(x, self.weight, self.bias)
