@@ -14,8 +14,8 @@ The tool loop (ToolLoop) runs inside LLMEngine.step(), as a step hook: when a sa
 <|output_start|>result<|output_end|> is appended to that sample only (LLMEngine.force_tokens). The next
 step computes those tokens as a prefill chunk and samples the token after them. Running in the step
 means the call is answered before any later step can sample past it, whoever drives the engine: this
-Engine, `nanoserve chat`, or the server's engine thread. A sample ends at <|assistant_end|> or <|bos|>
-(or the model's eos, or max_tokens, which counts forced tokens too).
+Engine, `nanoserve chat`, or the server's engine thread or process. A sample ends at <|assistant_end|> or
+<|bos|> (or the model's eos, or max_tokens, which counts forced tokens too).
 
 Columns: samples advance in lockstep, one token per sample per column, so column t holds every
 sample's t-th generated token. Forced tokens enter the engine several at a time but are handed out one

@@ -119,6 +119,9 @@ class EngineArgs:
     async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
     seed: int = 0
+    # The server only (AsyncEngine): run the engine in a process of its own, so that its host work
+    # (scheduling, detokenizing, building outputs) does not share a GIL with the HTTP event loop.
+    engine_process: bool = False
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -17,6 +17,8 @@ class LLM:
         unknown = set(kwargs) - set(EngineArgs.field_names())
         if unknown:
             raise ValueError(f"{sorted(unknown)[0]}: not an engine argument")
+        if kwargs.get("engine_process"):
+            raise ValueError("engine_process: only the server runs the engine in a process of its own")
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
         self._counter = 0
 

@@ -8,7 +8,8 @@ in ms; the last line printed is one JSON object.
     python -m nanoserve.bench.serve --base-url http://127.0.0.1:8000 --num-prompts 500 --request-rate 16
     python -m nanoserve.bench.serve --launch --num-prompts 50 --model DIR --load-format dummy
 
-With --launch, flags this benchmark does not know are passed to the server it starts.
+With --launch, flags this benchmark does not know are passed to the server it starts: e.g. --engine-process
+(the engine in a process of its own; scripts/serve_cpu_overhead.py runs both ways side by side).
 """
 
 import argparse

@@ -3,13 +3,13 @@
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from nanoserve.config import EngineArgs, EngineConfig
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
+from nanoserve.engine.frontend import EngineFrontend, load_tokenizer
 from nanoserve.engine.request import Request, SeqStatus, Sequence
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -19,18 +19,12 @@ from nanoserve.worker.model_runner import LaunchedStep, ModelRunner
 logger = logging.getLogger(__name__)
 
 
-def load_tokenizer(path: str):
-    if not (Path(path) / "tokenizer.json").is_file() and not (Path(path) / "tokenizer.model").is_file():
-        return None
-    from transformers import AutoTokenizer
+class LLMEngine(EngineFrontend):
+    """The frontend (config, tokenizer, prompt checks) plus what runs requests: the model runner, the
+    scheduler and the block manager."""
 
-    return AutoTokenizer.from_pretrained(path)
-
-
-class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.tokenizer = load_tokenizer(config.tokenizer_dir)
+        super().__init__(config, load_tokenizer(config.tokenizer_dir))
         if not config.model.eos_token_ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             config.model.eos_token_ids = [self.tokenizer.eos_token_id]
         self.runner = ModelRunner(config)
@@ -57,37 +51,7 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         return cls(args.create_config())
 
-    @property
-    def max_model_len(self) -> int:
-        return self.config.max_model_len
-
     # -- requests ---------------------------------------------------------------------------------
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; give token ids")
-            return self.tokenizer.encode(prompt)
-        return list(prompt)
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation rendered by the tokenizer's chat template."""
-        tok = self.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise ValueError("messages: this model has no chat template")
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-        return tok.encode(text, add_special_tokens=False)
-
-    def validate_prompt(self, prompt_ids: list[int]) -> None:
-        if not prompt_ids:
-            raise ValueError("prompt: must not be empty")
-        vocab = self.config.model.vocab_size
-        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt: token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(prompt_ids)} tokens leave no room to generate in the context "
-                             f"of {self.max_model_len} tokens")
-
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0) -> Request:
         if request_id in self.requests:

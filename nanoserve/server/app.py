@@ -18,7 +18,6 @@ import nanoserve
 from nanoserve.cli import add_engine_args
 from nanoserve.config import EngineArgs
 from nanoserve.engine.async_engine import AsyncEngine
-from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.server.errors import APIError, bad_request, install_error_handlers
 from nanoserve.server.gate import GateMiddleware, GateState
 from nanoserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -120,15 +119,15 @@ def default_model_name(engine_args: EngineArgs) -> str:
 def run_server(engine_args: EngineArgs, host: str, port: int, api_key: str | None, max_waiting_requests: int,
                drain_timeout: float, served_model_name: str | None) -> None:
     """Load the model, serve until SIGTERM / SIGINT, drain, and return (the process exits 0)."""
-    engine = LLMEngine(engine_args.create_config())
-    async_engine = AsyncEngine(engine)
+    async_engine = AsyncEngine.from_engine_args(engine_args)
     gate = GateState()
     name = served_model_name or default_model_name(engine_args)
     app = build_app(async_engine, name, api_key, max_waiting_requests, gate=gate)
     # The drain happens before uvicorn's shutdown; its own graceful timeout only bounds the last sends.
     config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
                             timeout_graceful_shutdown=5)
-    logger.info("serving %r (max_model_len %d) on http://%s:%d", name, engine.max_model_len, host, port)
+    logger.info("serving %r (max_model_len %d%s) on http://%s:%d", name, async_engine.max_model_len,
+                ", engine in its own process" if engine_args.engine_process else "", host, port)
     try:
         with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
             runner.run(serve_with_drain(config, gate, async_engine, drain_timeout))

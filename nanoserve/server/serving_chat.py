@@ -8,6 +8,7 @@ tool loop (chat_engine.ToolLoop, inside the engine's step): the tool's output is
 sample and streamed like sampled text, in chunks of its own whose delta says "tool_output": true.
 """
 
+import functools
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -30,8 +31,9 @@ class ServingChat(ServingBase):
     def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics,
                  max_waiting_requests: int | None) -> None:
         super().__init__(engine, model_name, metrics, max_waiting_requests)
-        # Set up before any request runs; from then on only the engine thread touches the loop.
-        self.tool_loop = ToolLoop.attach(engine.engine, ID_PREFIX + "-")
+        # The tool loop is a step hook, so it is installed where the engine runs (its thread, or its
+        # process), before any chat request; a model without the tool tokens gets none.
+        engine.setup(functools.partial(ToolLoop.attach, prefix=ID_PREFIX + "-"))
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)

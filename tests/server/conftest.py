@@ -1,7 +1,7 @@
 """Real server processes for the server tests: a tiny random Llama, a free port on 127.0.0.1.
 
 `server` is shared by the modules that need a plain server (one process for them all keeps the suite
-fast); tests that need other flags start their own with `start_server`.
+fast), once per engine backend; tests that need other flags start their own with `start_server`.
 """
 
 import os
@@ -119,6 +119,8 @@ def launch(model_dir, tmp_path_factory):
         s.stop()
 
 
-@pytest.fixture(scope="session")
-def server(launch) -> RunningServer:
-    return launch()
+@pytest.fixture(scope="session", params=["thread", "process"])
+def server(launch, request) -> RunningServer:
+    """The shared server, run twice over: the engine on a thread of the server process, and the engine in
+    a process of its own (--engine-process). pytest runs every test of one before starting the other."""
+    return launch(*(["--engine-process"] if request.param == "process" else []))

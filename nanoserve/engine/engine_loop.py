@@ -1,0 +1,142 @@
+"""EngineLoop: the loop that drives an LLMEngine for a server, wherever that engine lives.
+
+LLMEngine is not thread-safe, so one loop owns it. Others talk to the loop in commands (add a request,
+abort one, stop, ...), taken at the top of every iteration; the loop steps while there is work and
+blocks for the next command when there is none, so an idle engine uses no CPU. After each iteration it
+publishes what happened: the outputs, the adds that the engine refused, and an EngineStats snapshot for
+/health and /metrics.
+
+The same loop runs on AsyncEngine's background thread (engine_thread.py) and in the engine process
+(engine_process.py); they differ only in where commands come from and where results go, which the
+`receive` and `publish` callables say.
+"""
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.outputs import RequestOutput
+from nanoserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What the engine looked like at the end of one loop iteration."""
+
+    num_waiting: int = 0  # sequences queued in the scheduler, not running
+    num_running: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    kv_usage: float = 0.0
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_added: int = 0  # add commands the loop has taken so far
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    @classmethod
+    def of(cls, engine: LLMEngine, num_added: int) -> "EngineStats":
+        bm = engine.block_manager
+        return cls(num_waiting=len(engine.scheduler.waiting), num_running=len(engine.scheduler.running),
+                   num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks, kv_usage=bm.usage,
+                   prefix_queries=bm.prefix_queries, prefix_hits=bm.prefix_hits,
+                   prompt_tokens=engine.num_prompt_tokens, generation_tokens=engine.num_generation_tokens,
+                   num_added=num_added)
+
+
+# -- commands (plain data: they cross to the engine process pickled) --------------------------------
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+
+
+@dataclass
+class AbortAll:
+    """Abort every request in flight (a drain that ran out of time)."""
+
+
+@dataclass
+class Setup:
+    """Call fn(engine) on the loop, before any command after it (the chat server's tool loop hook)."""
+
+    fn: Callable[[LLMEngine], object]
+
+
+@dataclass
+class Stop:
+    pass
+
+
+Command = AddRequest | AbortRequest | AbortAll | Setup | Stop
+# (request id, why the engine refused it): a ValueError the caller should see as a 400.
+AddError = tuple[str, ValueError]
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, receive: Callable[[bool], list[Command]],
+                 publish: Callable[[list[RequestOutput], list[AddError], EngineStats], None]) -> None:
+        """receive(block) returns the commands sent since the last call (waiting for one when block is
+        true); publish(outputs, add_errors, stats) hands on one iteration's results. Whatever they raise
+        ends the loop and propagates: they are the transport, not the engine."""
+        self.engine = engine
+        self.receive = receive
+        self.publish = publish
+        self.num_added = 0
+
+    def run(self) -> str | None:
+        """Serve commands until Stop (returns None) or until the engine fails: returns why, after
+        logging it. Either way the engine is not to be used again."""
+        engine = self.engine
+        last_stats = None
+        while True:
+            # Block only when there is nothing to step: an idle engine sleeps here.
+            commands = self.receive(not engine.has_unfinished_requests())
+            try:
+                outputs, errors = [], []
+                for command in commands:
+                    if isinstance(command, Stop):
+                        return None
+                    self._apply(command, outputs, errors)
+                if engine.has_unfinished_requests():
+                    outputs += engine.step()
+            except Exception as exc:  # the engine's state is unknown now: it must not run again
+                logger.exception("engine loop failed")
+                return f"the engine failed: {type(exc).__name__}: {exc}"
+            stats = EngineStats.of(engine, self.num_added)
+            if outputs or errors or stats != last_stats:
+                self.publish(outputs, errors, stats)
+                last_stats = stats
+
+    def _apply(self, command: Command, outputs: list[RequestOutput], errors: list[AddError]) -> None:
+        engine = self.engine
+        if isinstance(command, AddRequest):
+            self.num_added += 1
+            try:
+                engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+            except ValueError as exc:  # validated at the edge already; a late refusal still reaches the caller
+                errors.append((command.request_id, exc))
+        elif isinstance(command, AbortRequest):
+            out = engine.abort_request(command.request_id)
+            if out is not None:
+                outputs.append(out)
+        elif isinstance(command, AbortAll):
+            for request_id in list(engine.requests):
+                outputs.append(engine.abort_request(request_id))
+        elif isinstance(command, Setup):
+            command.fn(engine)
+        else:
+            raise AssertionError(f"unknown command {command!r}")

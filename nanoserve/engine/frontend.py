@@ -1,0 +1,61 @@
+"""EngineFrontend: what serving needs of an engine besides running it.
+
+The final configuration, the tokenizer, and the checks a prompt must pass: none of it needs the model.
+LLMEngine is one (it adds the model, the scheduler and the KV cache); when the engine runs in a process
+of its own (engine/engine_process.py), the server holds a bare one, built from the configuration the
+engine process settled on.
+"""
+
+from pathlib import Path
+
+import numpy as np
+
+from nanoserve.config import EngineConfig
+
+
+def load_tokenizer(path: str):
+    if not (Path(path) / "tokenizer.json").is_file() and not (Path(path) / "tokenizer.model").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class EngineFrontend:
+    def __init__(self, config: EngineConfig, tokenizer) -> None:
+        self.config = config
+        self.tokenizer = tokenizer  # None: a checkpoint without one (prompts are token ids then)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; give token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation rendered by the tokenizer's chat template."""
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError("messages: this model has no chat template")
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tok.encode(text, add_special_tokens=False)
+
+    def validate_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.config.model.vocab_size
+        # One numpy pass: a per-token Python check cost ~0.4 ms for a 2,100-token prompt, a fifth of a cached
+        # prefill's TTFT. Lists of ints (and only those) become an integer array; anything else is checked slowly.
+        ids = np.asarray(prompt_ids) if isinstance(prompt_ids, list) else None
+        if ids is None or ids.dtype.kind not in "iu" or ids.ndim != 1 or ids.min() < 0 or ids.max() >= vocab:
+            bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt: token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(prompt_ids)} tokens leave no room to generate in the context "
+                             f"of {self.max_model_len} tokens")
