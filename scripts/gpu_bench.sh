@@ -23,6 +23,9 @@ for step in $steps; do
     latency-llama) timeout 200 python -m nanoserve.cli bench latency --model "$cfg/llama-3.1-8b" --max-model-len 8192 --baseline hf ;;
     prefix) timeout 200 python -m nanoserve.cli bench prefix --model "$cfg/qwen3-0.6b" --max-model-len 4096 ;;
     serve-inf) timeout 300 python -m nanoserve.cli bench serve --launch --no-progress --model "$cfg/qwen3-0.6b" --load-format dummy --dtype bfloat16 ;;
+    serve-inf-proc) timeout 300 python -m nanoserve.cli bench serve --launch --no-progress --model "$cfg/qwen3-0.6b" --load-format dummy --dtype bfloat16 --engine-process ;;
+    serve-16-proc) timeout 300 python -m nanoserve.cli bench serve --launch --no-progress --request-rate 16 --model "$cfg/qwen3-0.6b" --load-format dummy --dtype bfloat16 --engine-process ;;
+    timeline) timeout 200 python scripts/step_timeline.py --model "$cfg/qwen3-0.6b" 2>&1 | grep -v Warn | tail -16 ;;
     serve-16) timeout 300 python -m nanoserve.cli bench serve --launch --no-progress --request-rate 16 --model "$cfg/qwen3-0.6b" --load-format dummy --dtype bfloat16 ;;
     profile-prefix) timeout 200 python -m cProfile -s tottime -m nanoserve.cli bench prefix --model "$cfg/qwen3-0.6b" --max-model-len 4096 --num-requests 40 2>&1 | grep -A30 "Ordered by" ;;
     profile) timeout 200 python -m cProfile -s tottime -m nanoserve.cli bench throughput --model "$cfg/qwen3-0.6b" 2>&1 | grep -A40 "Ordered by" ;;
