@@ -3,16 +3,36 @@
 Query i of sequence b sits at position seq_lens[b] - q_len_b + i and attends to keys 0..that position, all
 read from the cache through the block table (the new tokens' K/V were stored there before this call).
 
-Work is cut into query tiles of block_m rows listed in a tile map (sequence, first query row), so the launch
-grid depends only on the map's length: a CUDA graph captured once replays any batch whose tiles fit the map.
+Work is cut into query tiles of block_m rows listed in a map built on the host (kernels/tile_map.py), so the
+launch grid depends only on the map's length: a CUDA graph captured once replays any batch whose tiles fit the map.
+A split map may also cut a long tile's keys into ranges run by separate programs (flash-decoding for prefill: a
+short chunk over a long cached prefix is a few tiles, too few programs to fill the GPU); each writes a partial
+output and its log-sum-exp to scratch, and the last of them to finish merges them, so no second launch is needed.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-# The tile map is built on the host, where Triton may be absent (CPU-only installs); re-exported here.
-from nanoserve.kernels.tile_map import _query_tiles, max_prefill_tiles, prefill_block_m, prefill_tile_map  # noqa: F401
+from nanoserve.kernels.prefill_split import _publish_and_merge
+from nanoserve.kernels.split_scratch import SplitScratch
+
+# The maps are built on the host, where Triton may be absent (CPU-only installs); re-exported here.
+from nanoserve.kernels.tile_map import (  # noqa: F401
+    KV_SPLIT_GRANULE,
+    SPLIT_MAP_COLUMNS,
+    eager_split_map,
+    max_kv_partials,
+    max_prefill_tiles,
+    prefill_block_m,
+    prefill_programs_per_sm,
+    prefill_split_map,
+    prefill_tile_map,
+    split_slots_used,
+)
+
+# SMs assumed where there is no GPU to ask (the interpreter): an H100's or H200's.
+_ASSUMED_SMS = 132
 
 
 @triton.jit
@@ -79,6 +99,9 @@ def _prefill_attention_kernel(
     seq_lens_ptr,
     block_tables_ptr,
     tile_map_ptr,
+    split_out_ptr,
+    split_lse_ptr,
+    split_count_ptr,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -89,6 +112,7 @@ def _prefill_attention_kernel(
     stride_ch,
     stride_bt,
     num_queries_per_kv,
+    MAP_COLUMNS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -97,10 +121,11 @@ def _prefill_attention_kernel(
 ):
     head = tl.program_id(0)
     tile = tl.program_id(1)
-    seq = tl.load(tile_map_ptr + tile * 2)
+    map_row = tile_map_ptr + tile * MAP_COLUMNS
+    seq = tl.load(map_row)
     if seq < 0:
         return
-    start_m = tl.load(tile_map_ptr + tile * 2 + 1)
+    start_m = tl.load(map_row + 1)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     # A map row past its sequence's queries (a map out of step with cu_seqlens_q) must write nothing.
@@ -108,12 +133,23 @@ def _prefill_attention_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     kv_head = head // num_queries_per_kv
-    context_len = seq_len - q_len
+    first_pos = seq_len - q_len + start_m
+    # Key tiles past this query tile's last position are fully masked by causality: stop before them.
+    kv_end = tl.minimum(seq_len, first_pos + BLOCK_M)
+    if MAP_COLUMNS == 2:
+        kv_lo = 0
+        kv_hi = kv_end
+    else:
+        # The map starts a range at or below first_pos, so every row of the tile sees its first key and no row max
+        # stays -inf (which would give NaN from -inf - -inf); and on a multiple of the key tile, which written out
+        # lets the compiler see whole pages and contiguous keys in each key tile (else 128-row tiles spill).
+        kv_lo = tl.load(map_row + 2) // BLOCK_N * BLOCK_N
+        kv_hi = tl.minimum(tl.load(map_row + 3), kv_end)
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     m_valid = offs_m < q_len
-    q_pos = context_len + offs_m
+    q_pos = first_pos + tl.arange(0, BLOCK_M)
     q_rows = (q_start + offs_m).to(tl.int64)
     q = tl.load(
         q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
@@ -125,26 +161,32 @@ def _prefill_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    # Whole tiles below this query tile's first position are visible to every row: no masks there.
-    unmasked_end = (context_len + start_m) // BLOCK_N * BLOCK_N
+    # Whole key tiles below this query tile's first position are visible to every row: no masks there. Rows past
+    # q_len sit further on and see at least as much.
+    unmasked_end = kv_lo + tl.maximum(tl.minimum(first_pos, kv_hi) - kv_lo, 0) // BLOCK_N * BLOCK_N
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, stride_cb, stride_ct, stride_ch,
-        0, unmasked_end, qk_scale, DOT_PRECISION, False, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+        kv_lo, unmasked_end, qk_scale, DOT_PRECISION, False, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
     )  # fmt: skip
-    # Key tiles past this query tile's last position are fully masked by causality: stop before them.
-    # Key 0 is in the first tile visited and rows past q_len see every key below kv_end, so no row max
-    # stays -inf (which would give NaN from -inf - -inf).
-    kv_end = tl.minimum(seq_len, context_len + start_m + BLOCK_M)
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, stride_cb, stride_ct, stride_ch,
-        unmasked_end, kv_end, qk_scale, DOT_PRECISION, True, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+        unmasked_end, kv_hi, qk_scale, DOT_PRECISION, True, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
     )  # fmt: skip
 
     acc = acc / l_i[:, None]
+    write = m_valid
+    if MAP_COLUMNS != 2:
+        num_splits = tl.load(map_row + 6)
+        if num_splits > 1:
+            acc, last = _publish_and_merge(
+                acc, m_i + tl.log2(l_i), split_out_ptr, split_lse_ptr, split_count_ptr, tl.load(map_row + 4),
+                tl.load(map_row + 5), num_splits, head, tl.num_programs(0), m_valid, HEAD_DIM, BLOCK_M,
+            )  # fmt: skip
+            write = tl.where(last, m_valid, False)  # (m_valid & last is int32 in the interpreter)
     tl.store(
         out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
         acc.to(out_ptr.dtype.element_ty),
-        mask=m_valid[:, None],
+        mask=write[:, None],
     )
 
 
@@ -160,18 +202,25 @@ def prefill_attention(
     out: torch.Tensor | None = None,
     tile_map: torch.Tensor | None = None,
     block_m: int | None = None,
+    split_scratch: SplitScratch | None = None,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """q [T, num_q_heads, head_dim] packed by cu_seqlens_q [B+1]; returns [T, num_q_heads, head_dim].
 
     out, if given, is written in place (contiguous last dim, q's shape) and returned. Rows of tokens that no
     tile covers (past cu_seqlens_q[B], as in a padded batch) are left untouched.
 
-    Without tile_map, the map is built here from cu_seqlens_q and seq_lens, read on the host, with block_m
-    defaulting to prefill_block_m(max_seqlen_q); max_seqlen_q is used for nothing else.
+    Without tile_map, a split map is built here from cu_seqlens_q and seq_lens, read on the host, with block_m
+    defaulting to prefill_block_m(max_seqlen_q) (max_seqlen_q is used for nothing else), and scratch for it.
 
-    With tile_map (device int32 [num_tiles, 2] from prefill_tile_map, built with this block_m) and out, the
-    call reads no device value on the host and allocates nothing: the launch depends only on tensor shapes
-    and block_m, so it can be captured in a CUDA graph and replayed with new contents in the same tensors.
+    With tile_map and out, the call reads no device value on the host and allocates nothing: the launch depends
+    only on tensor shapes and block_m, so it can be captured in a CUDA graph and replayed with new contents in the
+    same tensors. tile_map is a device copy, built with this block_m, of either prefill_tile_map's int32
+    [num_tiles, 2] (nothing split) or prefill_split_map's int32 [rows, SPLIT_MAP_COLUMNS], which also needs
+    split_scratch for this block_m, q's heads and head_dim, with every slot the map names (its max_partials), and
+    with its counters at zero (as allocated; every call leaves them so).
+
+    block_n (keys per inner tile) overrides the measured default, for scripts/bench_prefill_attention.py.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -183,20 +232,30 @@ def prefill_attention(
     assert cu_seqlens_q.shape == (batch + 1,) and block_tables.shape[0] == batch
     if tile_map is not None:
         assert out is not None and block_m is not None, "a tile_map call must not allocate or choose block_m"
-        assert tile_map.dtype == torch.int32 and tile_map.is_contiguous() and tile_map.shape[1:] == (2,)
+        assert tile_map.dtype == torch.int32 and tile_map.is_contiguous()
+        assert tile_map.dim() == 2 and tile_map.shape[1] in (2, SPLIT_MAP_COLUMNS)
     out = torch.empty_like(q) if out is None else out
     assert out.shape == q.shape and out.stride(2) == 1
     if num_tokens == 0 or batch == 0:
         return out
     if tile_map is None:
         block_m = prefill_block_m(max_seqlen_q) if block_m is None else block_m
-        tiles = _query_tiles(cu_seqlens_q.tolist(), seq_lens.tolist(), block_m)
-        if not tiles:
-            return out
-        tile_map = torch.tensor(tiles, dtype=torch.int32, device=q.device)
+        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else _ASSUMED_SMS
+        split_map = eager_split_map(cu_seqlens_q.tolist(), seq_lens.tolist(), block_m, num_q_heads, num_sms)
+        slots = max(1, split_slots_used(split_map))
+        split_scratch = SplitScratch.allocate(slots, num_q_heads, block_m, head_dim, q.device)
+        tile_map = torch.from_numpy(split_map).to(q.device)
     assert block_m >= 16 and block_m & (block_m - 1) == 0, "block_m must be a power of 2 >= 16 (tl.dot)"
     if tile_map.shape[0] == 0:
         return out
+    # Measured once on an H200 (bf16, no autotuning): 128-key tiles were 5% faster than 64 at head_dim 128 and
+    # 20% slower at head_dim 64; a third stage gained nothing over two. fp32 128x128 tiles overflow shared memory.
+    block_n = block_n or (128 if head_dim == 128 and q.element_size() == 2 else 64)
+    split = tile_map.shape[1] == SPLIT_MAP_COLUMNS
+    if split:
+        assert split_scratch is not None, "a split map needs split_scratch"
+        split_scratch.check(num_q_heads, block_m, head_dim)
+        assert KV_SPLIT_GRANULE % block_n == 0, "split ranges must start on a key tile"
     # Heads vary fastest in launch order, so every head of the longest tile starts before any shorter tile
     # (with tiles fastest, the last head's longest tile would start in the last wave). On an H200 the two
     # orders measured within 2% of each other.
@@ -210,6 +269,9 @@ def prefill_attention(
         seq_lens,
         block_tables,
         tile_map,
+        split_scratch.out if split else None,
+        split_scratch.lse if split else None,
+        split_scratch.count if split else None,
         scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         q.stride(0),
         q.stride(1),
@@ -220,14 +282,12 @@ def prefill_attention(
         k_cache.stride(2),
         block_tables.stride(0),
         num_q_heads // num_kv_heads,
+        MAP_COLUMNS=tile_map.shape[1],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 would lose fp32 inputs' bits
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
-        # Measured once on an H200 (bf16, no autotuning): 128-key tiles were 5% faster than 64 at head_dim
-        # 128 and 20% slower at head_dim 64; a third stage gained nothing over two. fp32 128x128 tiles
-        # overflow shared memory.
-        BLOCK_N=128 if head_dim == 128 and q.element_size() == 2 else 64,
+        BLOCK_N=block_n,
         # 8 warps give each warp 16 query rows of a 128-row tile (one mma row block).
         num_warps=8 if block_m == 128 else 4,
         num_stages=2,

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoserve.kernels.split_scratch import SplitScratch
+
 
 @dataclass
 class AttentionMetadata:
@@ -24,9 +26,14 @@ class AttentionMetadata:
     seq_lens_cpu: list[int] | None = None  # for the PyTorch path, which loops over sequences
     cu_seqlens_q_cpu: list[int] | None = None
     # The prefill kernel's work list for the sequences after the decodes (kernels/prefill_attention.py),
-    # built on the host once per step; without it the kernel reads the lengths back at every layer.
+    # built on the host once per step; without it the kernel reads the lengths back at every layer. A split
+    # map (long tiles' keys cut across programs) also needs the scratch its partial results go to.
     tile_map: torch.Tensor | None = None
     block_m: int | None = None
+    split_scratch: SplitScratch | None = None
+    # Zeroed int32 counters (>= decodes x kv heads) that let decode attention merge its splits in the same
+    # launch (kernels/decode_attention.py); None: a second launch merges them.
+    decode_counters: torch.Tensor | None = None
 
 
 class TorchBackend:
@@ -82,13 +89,13 @@ class TritonBackend:
         nd = meta.num_decodes
         if nd:
             decode_attention(q[:nd], k_cache, v_cache, meta.seq_lens[:nd], meta.block_tables[:nd], scale,
-                             out=out[:nd])
+                             out=out[:nd], counters=meta.decode_counters)
         if nd < meta.seq_lens.shape[0]:
             # Decodes come first with one token each, so the prefill part starts at token nd.
             cu = meta.cu_seqlens_q if nd == 0 else meta.cu_seqlens_q[nd:] - nd
             prefill_attention(q[nd:], k_cache, v_cache, cu, meta.seq_lens[nd:],
                               meta.block_tables[nd:], meta.max_seqlen_q, scale, out=out[nd:],
-                              tile_map=meta.tile_map, block_m=meta.block_m)
+                              tile_map=meta.tile_map, block_m=meta.block_m, split_scratch=meta.split_scratch)
         return out
 
 

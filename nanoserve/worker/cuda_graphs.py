@@ -6,16 +6,27 @@ them all in one launch. Two kinds:
 - decode graphs, one per batch size on a ladder, for steps where every sequence brings one token
   (flash-decoding attention). Padded rows get slot -1 (nothing stored) and seq_len 0.
 - prefill graphs, one per token-count bucket, for every other step: attention goes through the
-  prefill kernel's tile map for all sequences (a decode is a one-row tile), so the launches depend
-  only on the bucket. Padded tokens belong to no tile and store nothing; padded sequences are empty.
+  prefill kernel's split map for all sequences (a decode is a one-row tile), so the launches depend
+  only on the bucket; which long tiles have their keys split, and how, is chosen per step on the host
+  and copied in with the map. Padded tokens belong to no tile and store nothing; padded sequences are empty.
 """
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
-from nanoserve.kernels.tile_map import max_prefill_tiles, prefill_block_m, prefill_tile_map
-from nanoserve.layers.attention import AttentionMetadata
+from nanoserve.kernels.split_scratch import SplitScratch, split_scratch_views
+from nanoserve.kernels.tile_map import (
+    SPLIT_MAP_COLUMNS,
+    eager_split_map,
+    max_kv_partials,
+    max_prefill_tiles,
+    prefill_block_m,
+    prefill_programs_per_sm,
+    prefill_split_map,
+    split_slots_used,
+)
+from nanoserve.layers.attention import Attention, AttentionMetadata
 
 
 def batch_size_ladder(max_batch_size: int) -> list[int]:
@@ -59,6 +70,12 @@ class _Graphs:
         return next(s for s in self.sizes if s >= n)
 
 
+# Up to this batch size decode graphs merge attention's splits in the split kernel itself. Measured on an H200
+# (scripts/bench_decode_attention.py): one launch saves ~1 us a layer at batch 1 (16 splits), is even at batch 8
+# and ~2-5 us slower at batch 256, where the merging programs' extra registers cost more than a launch.
+FUSED_DECODE_MERGE_MAX_BATCH = 4
+
+
 class CUDAGraphRunner(_Graphs):
     """Decode graphs on a batch-size ladder."""
 
@@ -71,10 +88,14 @@ class CUDAGraphRunner(_Graphs):
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        num_kv_heads = next(m for m in model.modules() if isinstance(m, Attention)).num_kv_heads
+        self.decode_counters = torch.zeros(FUSED_DECODE_MERGE_MAX_BATCH * num_kv_heads, dtype=torch.int32,
+                                           device=device)
 
     def _args(self, bs: int) -> tuple:
         meta = AttentionMetadata(self.slot_mapping[:bs], self.cu_seqlens_q[:bs + 1], self.seq_lens[:bs],
-                                 self.block_tables[:bs], max_seqlen_q=1, num_decodes=bs)
+                                 self.block_tables[:bs], max_seqlen_q=1, num_decodes=bs,
+                                 decode_counters=self.decode_counters if bs <= FUSED_DECODE_MERGE_MAX_BATCH else None)
         return self.input_ids[:bs], self.positions[:bs], meta
 
     def can_run(self, num_seqs: int, num_decodes: int) -> bool:
@@ -99,20 +120,32 @@ class PrefillGraphRunner(_Graphs):
     """Graphs for steps with prefill chunks, one per token-count bucket up to max_num_batched_tokens."""
 
     def __init__(self, model: nn.Module, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
-                 device: torch.device):
+                 device: torch.device, num_sms: int | None = None):
+        """num_sms: the device's SM count, asked of it when None (to size key splits)."""
         super().__init__(model, token_ladder(max_num_tokens), "capturing prefill graphs")
         self.max_num_seqs = max_num_seqs
+        attn = next(m for m in model.modules() if isinstance(m, Attention))
+        self.num_heads = attn.num_heads
+        num_sms = num_sms or torch.cuda.get_device_properties(device).multi_processor_count
         t = self.sizes[-1]
         s = self._num_seqs(t)
         self.block_m = {n: prefill_block_m(n) for n in self.sizes}
         self.num_tiles = {n: max_prefill_tiles(n, self._num_seqs(n), self.block_m[n]) for n in self.sizes}
+        # Key splits: a bounded number of scratch slots per bucket, in one allocation that every bucket and layer
+        # shares (one runs at a time); pieces of split tiles take the map rows that a step's tiles leave free.
+        self.max_partials = {n: max_kv_partials(self.block_m[n], self.num_heads) for n in self.sizes}
+        self.concurrency = {n: num_sms * prefill_programs_per_sm(self.block_m[n]) for n in self.sizes}
+        scratch = split_scratch_views([(self.max_partials[n], self.block_m[n]) for n in self.sizes],
+                                      self.num_heads, attn.head_dim, device)
+        self.split_scratch = dict(zip(self.sizes, scratch, strict=True))
         self.input_ids = torch.zeros(t, dtype=torch.int64, device=device)
         self.positions = torch.zeros(t, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((t,), -1, dtype=torch.int64, device=device)
         self.cu_seqlens_q = torch.zeros(s + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(s, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(s, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.tile_map = torch.full((max(self.num_tiles.values()), 2), -1, dtype=torch.int32, device=device)
+        self.tile_map = torch.full((max(self.num_tiles.values()), SPLIT_MAP_COLUMNS), -1, dtype=torch.int32,
+                                   device=device)
 
     def _num_seqs(self, num_tokens: int) -> int:
         return min(num_tokens, self.max_num_seqs)  # every sequence in a step brings at least one token
@@ -121,13 +154,15 @@ class PrefillGraphRunner(_Graphs):
         s = self._num_seqs(n)
         meta = AttentionMetadata(self.slot_mapping[:n], self.cu_seqlens_q[:s + 1], self.seq_lens[:s],
                                  self.block_tables[:s], max_seqlen_q=n, num_decodes=0,
-                                 tile_map=self.tile_map[:self.num_tiles[n]], block_m=self.block_m[n])
+                                 tile_map=self.tile_map[:self.num_tiles[n]], block_m=self.block_m[n],
+                                 split_scratch=self.split_scratch[n])
         return self.input_ids[:n], self.positions[:n], meta
 
     def can_run(self, num_tokens: int, num_seqs: int) -> bool:
         return num_tokens <= self.sizes[-1] and num_seqs <= self.max_num_seqs
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def prepare(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> int:
+        """Copy a step into the static buffers (padded to its bucket) with its split map; returns the bucket."""
         n, b = input_ids.shape[0], meta.seq_lens.shape[0]
         t = self.bucket(n)
         s = self._num_seqs(t)
@@ -140,21 +175,31 @@ class PrefillGraphRunner(_Graphs):
         self.seq_lens[:b].copy_(meta.seq_lens)
         self.seq_lens[b:s].zero_()
         self.block_tables[:b, :meta.block_tables.shape[1]].copy_(meta.block_tables)
-        tiles = prefill_tile_map(meta.cu_seqlens_q_cpu, meta.seq_lens_cpu, self.block_m[t], self.num_tiles[t])
+        tiles = prefill_split_map(meta.cu_seqlens_q_cpu, meta.seq_lens_cpu, self.block_m[t], self.num_tiles[t],
+                                  self.num_heads, self.concurrency[t], self.max_partials[t])
         self.tile_map[:self.num_tiles[t]].copy_(torch.from_numpy(tiles), non_blocking=True)
-        graph, out = self.graphs[t]
+        return t
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        graph, out = self.graphs[self.prepare(input_ids, positions, meta)]
         graph.replay()
-        return out[:n]
+        return out[:input_ids.shape[0]]
 
 
-def eager_tile_map(meta: AttentionMetadata, device: torch.device) -> None:
-    """Give an eager step's prefill part its tile map, so the kernel never reads lengths back."""
+def eager_tile_map(meta: AttentionMetadata, device: torch.device, num_heads: int, head_dim: int,
+                   num_sms: int | None = None) -> None:
+    """Give an eager step's prefill part its split map and scratch, so the kernel never reads lengths back.
+    num_sms: the device's SM count, asked of it when None."""
     nd = meta.num_decodes
     cu = [c - nd for c in meta.cu_seqlens_q_cpu[nd:]]
     lens = meta.seq_lens_cpu[nd:]
     if not lens:
         return
     block_m = prefill_block_m(max(cu[i + 1] - cu[i] for i in range(len(lens))))
-    tiles = prefill_tile_map(cu, lens, block_m, max_prefill_tiles(cu[-1], len(lens), block_m))
-    meta.tile_map = torch.from_numpy(tiles).to(device, non_blocking=True)
+    num_sms = num_sms or torch.cuda.get_device_properties(device).multi_processor_count
+    split_map = eager_split_map(cu, lens, block_m, num_heads, num_sms)
+    meta.tile_map = torch.from_numpy(split_map).to(device, non_blocking=True)
     meta.block_m = block_m
+    # Eager steps may allocate: just the slots this map uses.
+    slots = max(1, split_slots_used(split_map))
+    meta.split_scratch = SplitScratch.allocate(slots, num_heads, block_m, head_dim, device)

@@ -176,7 +176,7 @@ class ModelRunner:
             hidden = self.prefill_graphs.run(input_ids, positions, meta)
         else:
             if self.device.type == "cuda":
-                eager_tile_map(meta, self.device)
+                eager_tile_map(meta, self.device, self.attn_layers[0].num_heads, self.attn_layers[0].head_dim)
             hidden = self.model(input_ids, positions, meta)
         prompt_logprobs = self._prompt_logprobs(batch, hidden, meta.cu_seqlens_q_cpu)
         seqs = [s for e in batch.scheduled for s in e.sample_seqs]

@@ -44,8 +44,8 @@ def test_draws_follow_softmax_over_temperature():
     torch.testing.assert_close(counts / draws, expected, atol=0.026, rtol=0)
 
 
-def _seq(params: SamplingParams, seed: int | None = None):
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+def _seq(params: SamplingParams, seed: int | None = None, device: str = "cpu"):
+    gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     return SimpleNamespace(params=params, token_ids=[1, 2], output_token_ids=[], num_output_tokens=0,
                            generator=gen)
 
@@ -63,7 +63,7 @@ def test_sampler_takes_the_kernel_only_for_plain_batches(device, monkeypatch):
                     SamplingParams(temperature=1.0, min_p=0.1), SamplingParams(temperature=1.0, presence_penalty=1)):
         sampler(logits, [_seq(plain[0]), _seq(special), _seq(plain[1])])
         assert len(calls) == 1, special
-    sampler(logits[:2], [_seq(plain[0]), _seq(SamplingParams(temperature=1.0, seed=3), seed=3)])
+    sampler(logits[:2], [_seq(plain[0]), _seq(SamplingParams(temperature=1.0, seed=3), seed=3, device=device)])
     assert len(calls) == 1
 
 

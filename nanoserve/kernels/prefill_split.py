@@ -1,0 +1,69 @@
+"""The device side of prefill attention's key splits (kernels/prefill_attention.py): a program that ran one key
+range of a query tile leaves its partial output and log-sum-exp in scratch (kernels/split_scratch.py), and the
+last of the tile's programs to finish merges them all. Merging there, not in a second kernel, keeps steps that
+split nothing free of an extra launch in every layer of every captured graph.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _publish_and_merge(
+    o,
+    lse,
+    split_out_ptr,
+    split_lse_ptr,
+    split_count_ptr,
+    first_slot,
+    split,
+    num_splits,
+    head,
+    num_heads,
+    rows_valid,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Store this split's partial output o and lse (log2 domain) in its scratch slot; the tile's last split to
+    finish returns the merge of all of them and True, the others o and False."""
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    part = (first_slot + split).to(tl.int64) * num_heads + head
+    tl.store(split_lse_ptr + part * BLOCK_M + offs_r, lse, mask=rows_valid)
+    tl.store(
+        split_out_ptr + (part * BLOCK_M + offs_r)[:, None] * HEAD_DIM + offs_d[None, :], o, mask=rows_valid[:, None]
+    )
+    # Ordering, CUTLASS's semaphore pattern (as in decode_attention's one-launch path). Release: the barrier puts
+    # every thread's stores above before the atomic, which Triton issues from one thread, acq_rel at gpu scope.
+    # The splits' atomics on one counter form one modification order, so the split that reads num_splits - 1
+    # acquires after every other split's release. Acquire: the atomic's result reaches the other threads through
+    # shared memory behind a barrier (restated below), so their loads of the partials come after it.
+    tl.debug_barrier()
+    counter = split_count_ptr + first_slot.to(tl.int64) * num_heads + head
+    last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1
+    if last:
+        tl.debug_barrier()
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        w_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for s in range(0, num_splits):
+            part_s = (first_slot + s).to(tl.int64) * num_heads + head
+            # .cg reads L2, where the other programs' stores went, never a stale line of this SM's L1.
+            lse_s = tl.load(split_lse_ptr + part_s * BLOCK_M + offs_r, mask=rows_valid, other=0.0, cache_modifier=".cg")
+            o_s = tl.load(
+                split_out_ptr + (part_s * BLOCK_M + offs_r)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=rows_valid[:, None],
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            # Every split has a key for every row, so every lse is finite and m_new never -inf.
+            m_new = tl.maximum(m, lse_s)
+            alpha = tl.exp2(m - m_new)
+            w = tl.exp2(lse_s - m_new)
+            acc = acc * alpha[:, None] + o_s * w[:, None]
+            w_sum = w_sum * alpha + w
+            m = m_new
+        o = acc / w_sum[:, None]
+        # Back to zero for the next launch (the next layer), which starts only after this one ends.
+        tl.store(counter, 0)
+    return o, last
