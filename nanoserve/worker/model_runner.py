@@ -105,9 +105,9 @@ class ModelRunner:
         return peak - blocks_per_seq * bytes_per_block(cfg)
 
     def prepare(self, batch: SchedulerOutput, prev: LaunchedStep | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """input_ids, positions, attention metadata, and the hidden rows to sample from. A token that
-        `prev` sampled and the host has not read yet is taken from prev's device tensor."""
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None]:
+        """input_ids, positions, attention metadata, and the hidden rows to sample from (None: every row,
+        once). A token that `prev` sampled and the host has not read yet is taken from prev's device tensor."""
         input_ids, positions, slots, cu, lens, tables, logit_rows = [], [], [], [0], [], [], []
         pending_at, pending_rows = [], []
         bs = self.block_size
@@ -136,28 +136,36 @@ class ModelRunner:
             if entry.sample_seqs:
                 logit_rows += [cu[-1] - 1] * len(entry.sample_seqs)
         width = max(len(t) for t in tables)
-        block_tables = np.zeros((len(tables), width), dtype=np.int32)
+        num_seqs, num_tokens = len(tables), len(input_ids)
+        # Two host-to-device copies for the whole step, int64 and int32, each sliced into its tensors: at
+        # batch 1 a step is ~1 ms of GPU work, and each of the ten separate small copies (with the kernels
+        # that consumed them) sat on the stream for a few microseconds.
+        packed = np.zeros(num_seqs + 1 + num_seqs + num_seqs * width, dtype=np.int32)
+        packed[:num_seqs + 1] = cu
+        packed[num_seqs + 1:2 * num_seqs + 1] = lens
+        block_tables = packed[2 * num_seqs + 1:].reshape(num_seqs, width)
         for row, table in zip(block_tables, tables, strict=True):
             row[:len(table)] = table
-
-        def tensor(x, dtype):
-            # Plain (pageable) host memory: pinning a fresh buffer every step costs more than it saves.
-            return to_device(x, dtype, self.device)
-
+        sample_all = logit_rows == list(range(num_tokens))  # every row samples once: no gather needed
+        gather = [] if sample_all else logit_rows
+        longs = to_device(input_ids + positions + slots + pending_at + pending_rows + gather, torch.int64, self.device)
+        ints = to_device(packed, torch.int32, self.device)
+        ids, pos, slot_mapping, pending_at_d, pending_rows_d, rows_d = longs.split(
+            [num_tokens, num_tokens, num_tokens, len(pending_at), len(pending_rows),
+             len(gather)])
         meta = AttentionMetadata(
-            slot_mapping=tensor(slots, torch.int64),
-            cu_seqlens_q=tensor(cu, torch.int32),
-            seq_lens=tensor(lens, torch.int32),
-            block_tables=tensor(block_tables, torch.int32),
+            slot_mapping=slot_mapping,
+            cu_seqlens_q=ints[:num_seqs + 1],
+            seq_lens=ints[num_seqs + 1:2 * num_seqs + 1],
+            block_tables=ints[2 * num_seqs + 1:].view(num_seqs, width),
             max_seqlen_q=max(e.num_new_tokens for e in batch.scheduled),
             num_decodes=batch.num_decodes,
             seq_lens_cpu=lens,
             cu_seqlens_q_cpu=cu,
         )
-        ids = tensor(input_ids, torch.int64)
         if pending_at:
-            ids[tensor(pending_at, torch.int64)] = prev.sampled.token_ids[tensor(pending_rows, torch.int64)]
-        return ids, tensor(positions, torch.int64), meta, logit_rows
+            ids[pending_at_d] = prev.sampled.token_ids[pending_rows_d]
+        return ids, pos, meta, None if sample_all else rows_d
 
     @torch.inference_mode()
     def launch(self, batch: SchedulerOutput, prev: LaunchedStep | None = None) -> LaunchedStep:
@@ -182,7 +190,7 @@ class ModelRunner:
         seqs = [s for e in batch.scheduled for s in e.sample_seqs]
         if not seqs:
             return LaunchedStep(batch, None, {}, None, None, prompt_logprobs)
-        logits = self.model.compute_logits(hidden[to_device(logit_rows, torch.int64, self.device)])
+        logits = self.model.compute_logits(hidden if logit_rows is None else hidden[logit_rows])
         sampled = self.sampler.sample(logits, seqs)
         done = None
         if self.device.type == "cuda":

@@ -203,7 +203,7 @@ def test_split_kernel_leaves_uncovered_rows(make_paged_kv, gen, device, tol):
     args, block_m = _case_inputs(SPLIT_CASES[0], make_paged_kv, gen, device)
     q, k_cache, v_cache, cu, seq, block_tables, max_q, scale = args
     n, pad = q.shape[0], 5
-    q_pad = torch.cat([q, torch.randn(pad, *q.shape[1:], generator=gen).to(q.dtype)])
+    q_pad = torch.cat([q, torch.randn(pad, *q.shape[1:], generator=gen).to(q.device, q.dtype)])
     split_map = prefill_split_map(cu.tolist(), seq.tolist(), block_m, 20, q.shape[1], 64, 10, 128)
     assert split_map[:, 6].max() > 1
     tile_map = torch.from_numpy(split_map).to(device)
