@@ -2,14 +2,16 @@
 bookkeeping and output handling cost per step, on any machine (no GPU needed).
 
     python scripts/host_overhead.py [--profile]
-Two workloads: the throughput recipe's shape (256 requests, prompts and outputs of 100..1024 tokens, greedy)
-and the prefix benchmark's (2,100-token prompts whose first 2,000 tokens are cached, one token each).
+Three workloads: the throughput recipe's shape (256 requests, prompts and outputs of 100..1024 tokens, greedy),
+bench serve's (256 requests of 512 + 128 tokens, with outputs built, encoded and pickled every step) and the prefix
+benchmark's (2,100-token prompts whose first 2,000 tokens are cached, one token each).
 Ends with one JSON line; --profile prints the top functions of each under cProfile.
 """
 
 import argparse
 import cProfile
 import json
+import pickle
 import pstats
 import tempfile
 import time
@@ -20,6 +22,7 @@ import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import bundled_model_dir
+from nanoserve.engine.output_delta import DeltaEncoder
 
 
 class StubModel:
@@ -55,6 +58,22 @@ def throughput_shape(model_dir: Path, rng: np.random.Generator) -> dict:
     return {"steps": steps, "ms_per_step": round(1e3 * wall / steps, 3)}
 
 
+def serve_shape(model_dir: Path, rng: np.random.Generator) -> dict:
+    """bench serve's shape at rate inf: 256 running requests of 512 prompt tokens and 128 outputs, every step's
+    outputs built and encoded as the deltas the engine process sends (engine/output_delta.py), and pickled."""
+    llm = stub_llm(model_dir, num_kv_blocks=40000, max_model_len=1024, max_num_seqs=256)
+    engine, encoder = llm.engine, DeltaEncoder()
+    for i in range(256):
+        engine.add_request(str(i), rng.integers(0, 1000, 512).tolist(),
+                           SamplingParams(temperature=0, max_tokens=128, ignore_eos=True))
+    start, steps, sent = time.perf_counter(), 0, 0
+    while engine.has_unfinished_requests():
+        sent += len(pickle.dumps(encoder.encode(engine.step())))
+        steps += 1
+    wall = time.perf_counter() - start
+    return {"steps": steps, "ms_per_step": round(1e3 * wall / steps, 3), "bytes_per_step": sent // steps}
+
+
 def prefix_shape(model_dir: Path, rng: np.random.Generator) -> dict:
     llm = stub_llm(model_dir, num_kv_blocks=4000, max_model_len=4096)
     shared = rng.integers(0, 1000, 2000).tolist()
@@ -79,7 +98,7 @@ def main() -> None:
         config["max_position_embeddings"] = 4096
         (Path(tmp) / "config.json").write_text(json.dumps(config))
         result = {"bench": "host_overhead"}
-        for name, fn in (("throughput", throughput_shape), ("prefix", prefix_shape)):
+        for name, fn in (("throughput", throughput_shape), ("serve", serve_shape), ("prefix", prefix_shape)):
             prof = cProfile.Profile() if ns.profile else None
             if prof:
                 prof.enable()
