@@ -19,6 +19,7 @@ import statistics
 
 import numpy as np
 import torch
+from bench_decode_attention import time_graph  # scripts/ is on sys.path when a script in it runs
 
 from nanoserve.kernels.prefill_attention import prefill_attention, prefill_attention_ref
 from nanoserve.kernels.split_scratch import SplitScratch
@@ -88,17 +89,6 @@ def make_step(lens: list[tuple[int, int]]) -> dict:
     }
 
 
-def time_graph(graph: torch.cuda.CUDAGraph, calls: int, replays: int = 20) -> float:
-    """Microseconds per call: replays of a graph holding `calls` calls, timed with CUDA events."""
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * calls)
 
 
 def run_paths(step: dict, paths: dict[str, dict]) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
