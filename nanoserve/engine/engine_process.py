@@ -22,8 +22,10 @@ fires). Either way every request in flight gets EngineDeadError and the engine s
 backend does.
 """
 
+import cProfile
 import logging
 import multiprocessing
+import os
 import pickle
 import queue
 import signal
@@ -284,9 +286,19 @@ def run_engine_process(args: EngineArgs, conn: Connection, log_level: int) -> No
     def publish(outputs: list[RequestOutput], errors: list[AddError], stats: EngineStats) -> None:
         conn.send(_Step(encoder.encode(outputs), errors, stats))
 
+    # NANOSERVE_PROFILE_ENGINE=path: cProfile the engine loop and write its stats there when it ends
+    # (`python -m pstats path`), to see where the engine process's host time goes under load.
+    profile_path = os.environ.get("NANOSERVE_PROFILE_ENGINE")
+    profiler = cProfile.Profile() if profile_path else None
+    if profiler is not None:
+        profiler.enable()
     try:
         why = EngineLoop(engine, receive, publish).run()
         if why is not None:
             conn.send(_Failed(why))
     except (EOFError, OSError):
         pass  # the server closed its end of the pipe (it exited): nobody is left to serve
+    finally:
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(profile_path)
