@@ -95,6 +95,9 @@ class AsyncEngine:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
 
     async def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if not isinstance(prompt, str):
+            # Token ids need no tokenizer: the hop to the pool and back would cost two turns of a busy loop.
+            return self.engine.tokenize(prompt)
         return await self._off_loop(self.engine.tokenize, prompt)
 
     async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
