@@ -17,17 +17,12 @@ import triton.language as tl
 from nanoserve.kernels.prefill_split import _publish_and_merge
 from nanoserve.kernels.split_scratch import SplitScratch
 
-# The maps are built on the host, where Triton may be absent (CPU-only installs); re-exported here.
-from nanoserve.kernels.tile_map import (  # noqa: F401
+# The maps are built on the host, where Triton may be absent (CPU-only installs): kernels/tile_map.py.
+from nanoserve.kernels.tile_map import (
     KV_SPLIT_GRANULE,
     SPLIT_MAP_COLUMNS,
     eager_split_map,
-    max_kv_partials,
-    max_prefill_tiles,
     prefill_block_m,
-    prefill_programs_per_sm,
-    prefill_split_map,
-    prefill_tile_map,
     split_slots_used,
 )
 

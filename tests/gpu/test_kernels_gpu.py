@@ -183,13 +183,8 @@ def test_fused_decode_attention_deterministic():
         assert torch.equal(out, first)
 
 def test_prefill_attention_cuda_graph():
-    from nanoserve.kernels.prefill_attention import (
-        max_prefill_tiles,
-        prefill_attention,
-        prefill_attention_ref,
-        prefill_block_m,
-        prefill_tile_map,
-    )
+    from nanoserve.kernels.prefill_attention import prefill_attention, prefill_attention_ref
+    from nanoserve.kernels.tile_map import max_prefill_tiles, prefill_block_m, prefill_tile_map
 
     gen = torch.Generator().manual_seed(0)
     num_q_heads, num_kv_heads, head_dim, block_size = 16, 8, 128, 16

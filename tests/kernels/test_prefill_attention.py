@@ -64,13 +64,8 @@ def _tile_keys(tile_map, cu, seq_lens, block_m):
 @pytest.mark.parametrize("small_tiles", [False, True], ids=["step_block_m", "block_m_16"])
 @pytest.mark.parametrize("case", CASES, ids=range(len(CASES)))
 def test_prefill_tiled_matches_ref(case, small_tiles, make_paged_kv, gen, device, tol):
-    from nanoserve.kernels.prefill_attention import (
-        max_prefill_tiles,
-        prefill_attention,
-        prefill_attention_ref,
-        prefill_block_m,
-        prefill_tile_map,
-    )
+    from nanoserve.kernels.prefill_attention import prefill_attention, prefill_attention_ref
+    from nanoserve.kernels.tile_map import max_prefill_tiles, prefill_block_m, prefill_tile_map
 
     q, k_cache, v_cache, cu, seq, block_tables, max_q, scale = _inputs(case, make_paged_kv, gen, device)
     block_m = 16 if small_tiles else prefill_block_m(q.shape[0])
@@ -90,7 +85,7 @@ def test_prefill_tiled_matches_ref(case, small_tiles, make_paged_kv, gen, device
 
 
 def test_prefill_tile_map_order_and_coverage():
-    from nanoserve.kernels.prefill_attention import prefill_tile_map
+    from nanoserve.kernels.tile_map import prefill_tile_map
 
     q_lens, seq_lens, block_m = [1, 40, 0, 70, 5], [9, 300, 4, 70, 5], 16
     cu = [0, 1, 41, 41, 111, 116]
@@ -107,7 +102,7 @@ def test_prefill_tile_map_order_and_coverage():
 
 
 def test_prefill_tile_map_rejects_overfull_batch():
-    from nanoserve.kernels.prefill_attention import prefill_tile_map
+    from nanoserve.kernels.tile_map import prefill_tile_map
 
     cu, seq_lens = [0, 33, 34], [33, 50]  # 3 + 1 tiles of 16 rows
     assert (prefill_tile_map(cu, seq_lens, 16, num_tiles=4)[:, 0] >= 0).all()
@@ -116,7 +111,7 @@ def test_prefill_tile_map_rejects_overfull_batch():
 
 
 def test_max_prefill_tiles_bounds_random_batches():
-    from nanoserve.kernels.prefill_attention import max_prefill_tiles, prefill_block_m, prefill_tile_map
+    from nanoserve.kernels.tile_map import max_prefill_tiles, prefill_block_m, prefill_tile_map
 
     rng = np.random.default_rng(0)
     for _ in range(300):
@@ -135,12 +130,8 @@ def test_max_prefill_tiles_bounds_random_batches():
 
 def test_prefill_tiled_reused_for_new_batch(make_paged_kv, gen, device, tol):
     """One set of tensors, a second batch written into them in place (as before a graph replay)."""
-    from nanoserve.kernels.prefill_attention import (
-        max_prefill_tiles,
-        prefill_attention,
-        prefill_attention_ref,
-        prefill_tile_map,
-    )
+    from nanoserve.kernels.prefill_attention import prefill_attention, prefill_attention_ref
+    from nanoserve.kernels.tile_map import max_prefill_tiles, prefill_tile_map
 
     dtype, head_dim, num_q_heads, num_kv_heads, block_size = torch.float32, 64, 4, 2, 16
     num_tokens, max_num_seqs = 48, 4
@@ -183,7 +174,8 @@ def test_prefill_padding_tiles_read_nothing(make_paged_kv, gen, device, tol):
     Each tensor is a view one element into a buffer whose leading element describes a real 4-token sequence
     at index -1, written to the 4 rows before out; a padding row that ran would overwrite them.
     """
-    from nanoserve.kernels.prefill_attention import prefill_attention, prefill_attention_ref, prefill_tile_map
+    from nanoserve.kernels.prefill_attention import prefill_attention, prefill_attention_ref
+    from nanoserve.kernels.tile_map import prefill_tile_map
 
     dtype, head_dim, num_heads, block_size, q_len, seq_len = torch.float32, 64, 2, 16, 20, 30
     k_cache, v_cache, tables = make_paged_kv([seq_len], num_heads, head_dim, block_size, dtype, gen)
