@@ -5,9 +5,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from nanoserve.kernels.pdl import use_pdl, wait_for_prior_grids
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_prior_grids(USE_PDL)
     t, b = tl.program_id(0), tl.program_id(1)
     offs = b * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -25,8 +28,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
     block = 1024
     if num_tokens:
+        pdl = use_pdl(x)
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](x, out, x.stride(0), out.stride(0), inter,
-                                                                      BLOCK=block, num_warps=4)
+                                                                      BLOCK=block, USE_PDL=pdl, num_warps=4,
+                                                                      launch_pdl=pdl)
     return out
 
 

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve.kernels.pdl import use_pdl, wait_for_prior_grids
 from nanoserve.kernels.prefill_attention import gather_kv
 
 _BLOCK_N = 64
@@ -123,9 +124,11 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """SPLIT=False: write the output (num_splits is 1). SPLIT, not FUSED: store partials for the reduce
     kernel. SPLIT and FUSED: store partials, and the last program of a (sequence, kv head) merges them."""
+    wait_for_prior_grids(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -234,7 +237,9 @@ def _decode_reduce_kernel(
     num_splits,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_prior_grids(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     row = seq.to(tl.int64) * tl.num_programs(1) + head
@@ -330,6 +335,7 @@ def decode_attention(
     else:
         mid_o = mid_lse = out  # never read or written: the kernel writes the output directly
     block_g = triton.next_power_of_2(group)
+    pdl = use_pdl(q)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -363,6 +369,8 @@ def decode_attention(
         # The fused merge needs no tl.dot, so its head tile is just the group (4 for Llama-3.1-8B).
         BLOCK_G=block_g,
         BLOCK_S=min(triton.next_power_of_2(num_splits), max(1, _MERGE_TILE // (block_g * head_dim))),
+        USE_PDL=pdl,
+        launch_pdl=pdl,
         # Memory bound: 4 warps per 64-key tile and two stages keep the next tile's gather in flight.
         num_warps=4,
         num_stages=2,
@@ -377,6 +385,8 @@ def decode_attention(
             num_splits,
             HEAD_DIM=head_dim,
             BLOCK_S=min(16, triton.next_power_of_2(num_splits)),  # bounds registers at 16 x head_dim fp32
+            USE_PDL=pdl,
+            launch_pdl=pdl,
             num_warps=4,
         )
     return out

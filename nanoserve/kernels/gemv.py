@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.kernels.activation import silu_and_mul_ref
+from nanoserve.kernels.pdl import use_pdl, wait_for_prior_grids
 from nanoserve.kernels.rms_norm import rms_norm_ref
 
 MAX_M = 16
@@ -32,6 +33,16 @@ def _load(ptrs, mask, EVEN_K: tl.constexpr):
         return tl.load(ptrs)
     else:
         return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _load_next(ptrs, k_next, offs_k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The weight tile after the one at ptrs (which starts at column k_next - BLOCK_K)."""
+    if EVEN_K:
+        # Past the last tile, the last one again (a cache hit) rather than a predicate on every load.
+        return tl.load(ptrs + tl.where(k_next < K, BLOCK_K, 0))
+    else:
+        return tl.load(ptrs + BLOCK_K, mask=(k_next + offs_k)[None, :] < K, other=0.0)
 
 
 @triton.jit
@@ -47,8 +58,8 @@ def _residual_sum(x_ptrs, r_ptrs, mask, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.c
 def _skinny_linear_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm,
                           stride_rm, stride_wn, stride_om, eps, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                           SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -60,6 +71,12 @@ def _skinny_linear_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, b_ptr,
     w_ptrs = w_ptr + rows_w.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + rows_x[:, None] * stride_xm + offs_k[None, :]
     act_dtype = x_ptr.dtype.element_ty
+    if not USE_DOT:
+        # The CUDA-core path loads each weight tile one iteration ahead, the first before waiting on the kernels
+        # launched before this one: no kernel writes weights, and under PDL this load overlaps their tail.
+        # (The tensor-core path's loads are pipelined by the compiler, which would hoist x's loads with them.)
+        w = _load(w_ptrs, (offs_k < K)[None, :], EVEN_K)
+    wait_for_prior_grids(USE_PDL)
     if NORM:
         # Prologue RMSNorm(x + residual): every program needs each row's rms before its first tile, so it first
         # walks the rows once (K is at most a few thousand, and the rows stay in L1/L2 for the second walk). The
@@ -84,7 +101,8 @@ def _skinny_linear_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, b_ptr,
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + offs_k) < K
-        w = _load(w_ptrs, k_mask[None, :], EVEN_K)
+        if USE_DOT:
+            w = _load(w_ptrs, k_mask[None, :], EVEN_K)
         if NORM:
             # Rounded where the standalone RMSNorm kernel rounds: its normalized row, then its output.
             h = _residual_sum(x_ptrs, r_ptrs, k_mask[None, :], HAS_RESIDUAL, EVEN_K)
@@ -104,7 +122,9 @@ def _skinny_linear_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, b_ptr,
             # (also K-contiguous), accumulating in fp32.
             acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
         else:
+            w_next = _load_next(w_ptrs, k0 + BLOCK_K, offs_k, K, BLOCK_K, EVEN_K)
             acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            w = w_next
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if USE_DOT:
@@ -165,14 +185,15 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
     m = x.shape[0]
     n, k = weight.shape
     residual, norm_weight, eps, residual_out = norm if norm is not None else (None, None, 0.0, None)
+    pdl = use_pdl(x)
     _skinny_linear_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight,
         residual_out if residual_out is not None else x, weight, bias if bias is not None else weight, out, m, n, k,
         x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0), out.stride(0), eps,
         NORM=norm is not None, HAS_RESIDUAL=residual is not None, SILU_MUL=silu_mul, HAS_BIAS=bias is not None,
         USE_DOT=cfg.use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # tf32 would lose bits
-        EVEN_K=k % cfg.block_k == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        EVEN_K=k % cfg.block_k == 0, USE_PDL=pdl, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
 
 
 def _check(x: torch.Tensor, k: int, weight: torch.Tensor, bias: torch.Tensor | None,

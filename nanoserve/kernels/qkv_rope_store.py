@@ -10,15 +10,18 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve.kernels.pdl import use_pdl, wait_for_prior_grids
+
 
 @triton.jit
 def _qkv_rope_store_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
                            stride_t, stride_c, eps, num_q_heads, num_kv_heads,
                            HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
-                           BLOCK_H: tl.constexpr):
+                           BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
     # One program per token, all its q and k heads at once (q heads first, then k heads, each of which also
     # stores its v head): a program per (token, head) made a 2,100-token prefill take 38 us a layer on an
     # H200, tens of thousands of one-warp programs moving 256 bytes each.
+    wait_for_prior_grids(USE_PDL)
     t = tl.program_id(0)
     heads = tl.arange(0, BLOCK_H)
     valid = heads < num_q_heads + num_kv_heads
@@ -76,11 +79,12 @@ def qkv_rope_store(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, posit
         return
     has_norm = q_weight is not None
     block_h = triton.next_power_of_2(num_q_heads + num_kv_heads)
+    pdl = use_pdl(qkv)
     _qkv_rope_store_kernel[(num_tokens,)](
         qkv, q_weight if has_norm else cos, k_weight if has_norm else cos, cos, sin, positions, slot_mapping,
         k_cache, v_cache, qkv.stride(0), cos.stride(0), eps, num_q_heads, num_kv_heads,
-        HEAD_DIM=head_dim, HALF=head_dim // 2, HAS_NORM=has_norm, BLOCK_H=block_h,
-        num_warps=4 if block_h * head_dim >= 2048 else 1)
+        HEAD_DIM=head_dim, HALF=head_dim // 2, HAS_NORM=has_norm, BLOCK_H=block_h, USE_PDL=pdl,
+        num_warps=4 if block_h * head_dim >= 2048 else 1, launch_pdl=pdl)
 
 
 def qkv_rope_store_ref(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, positions: torch.Tensor,

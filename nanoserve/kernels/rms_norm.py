@@ -8,10 +8,14 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve.kernels.pdl import use_pdl, wait_for_prior_grids
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_xn, stride_xm, stride_rn, stride_on, stride_om,
-                     eps, D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                     eps, D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    wait_for_prior_grids(USE_PDL)
     n, m = tl.program_id(0), tl.program_id(1)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
@@ -41,9 +45,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if residual is not None:
         assert residual.is_contiguous() and residual.shape == x.shape and x.dim() == 2
     block = triton.next_power_of_2(d)
+    pdl = use_pdl(x)
     _rms_norm_kernel[(n, m)](x3, residual if residual is not None else x3, weight, out, x3.stride(0), x3.stride(1),
                              residual.stride(0) if residual is not None else 0, out.stride(0), out.stride(1), eps,
-                             D=d, BLOCK_D=block, HAS_RESIDUAL=residual is not None,
+                             D=d, BLOCK_D=block, HAS_RESIDUAL=residual is not None, USE_PDL=pdl, launch_pdl=pdl,
                              num_warps=min(max(block // 256, 1), 8))  # one warp per 256 elements
     return out.view(x.shape)
 

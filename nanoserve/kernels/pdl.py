@@ -1,0 +1,39 @@
+"""Programmatic dependent launch (PDL, Hopper and later): a kernel launched with it may start while the kernel
+before it in the stream is still running, and waits (griddepcontrol.wait) only where it first needs that
+kernel's results. At batch 1 a decode step is ~170 launches of a few microseconds each, and without PDL each
+one's start-up (scheduling its programs, first loads in flight) is paid in series; with it a GEMM streams part
+of its weight, which no kernel writes, while the kernel before it finishes. Works inside CUDA graphs (the
+launch attribute becomes a programmatic edge on capture).
+
+Rule for every kernel launched with PDL: nothing before `wait_for_prior_grids` may read memory an earlier
+kernel writes or write memory an earlier kernel reads. Waiting is transitive (the kernel before us finished
+only after its own wait), so after it everything earlier in the stream is done and visible.
+"""
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@functools.lru_cache
+def _device_supports_pdl(index: int) -> bool:
+    # NANOSERVE_PDL=0 switches it off, to measure what it gives or to rule it out when chasing a bug.
+    return torch.cuda.get_device_capability(index)[0] >= 9 and os.environ.get("NANOSERVE_PDL", "1") != "0"
+
+
+def use_pdl(t: torch.Tensor) -> bool:
+    """Whether kernels working on t's device launch with PDL: CUDA devices of compute capability 9.0 and up."""
+    return t.is_cuda and _device_supports_pdl(t.device.index if t.device.index is not None else
+                                              torch.cuda.current_device())
+
+
+@triton.jit
+def wait_for_prior_grids(USE_PDL: tl.constexpr):
+    """Wait until the kernels launched before this one are done and their writes visible, then let the next
+    kernel start launching (its programs occupy free SM slots and run up to their own wait)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
