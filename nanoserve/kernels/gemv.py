@@ -36,13 +36,13 @@ def _load(ptrs, mask, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _load_next(ptrs, k_next, offs_k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """The weight tile after the one at ptrs (which starts at column k_next - BLOCK_K)."""
+def _load_tile(w_ptrs, k, K, offs_k, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The weight tile starting at column k of the slab whose first tile is at w_ptrs; past the end, the last tile
+    again (a cache hit, rather than a predicate on every load) or nothing (ragged K, masked anyway)."""
     if EVEN_K:
-        # Past the last tile, the last one again (a cache hit) rather than a predicate on every load.
-        return tl.load(ptrs + tl.where(k_next < K, BLOCK_K, 0))
+        return tl.load(w_ptrs + tl.minimum(k, K - BLOCK_K))
     else:
-        return tl.load(ptrs + BLOCK_K, mask=(k_next + offs_k)[None, :] < K, other=0.0)
+        return tl.load(w_ptrs + k, mask=(k + offs_k)[None, :] < K, other=0.0)
 
 
 @triton.jit
@@ -72,10 +72,13 @@ def _skinny_linear_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, b_ptr,
     x_ptrs = x_ptr + rows_x[:, None] * stride_xm + offs_k[None, :]
     act_dtype = x_ptr.dtype.element_ty
     if not USE_DOT:
-        # The CUDA-core path loads each weight tile one iteration ahead, the first before waiting on the kernels
-        # launched before this one: no kernel writes weights, and under PDL this load overlaps their tail.
-        # (The tensor-core path's loads are pipelined by the compiler, which would hoist x's loads with them.)
-        w = _load(w_ptrs, (offs_k < K)[None, :], EVEN_K)
+        # The CUDA-core path keeps two weight tiles in flight ahead of the one it multiplies, and the first two
+        # are loaded before waiting on the kernels launched before this one: no kernel writes weights, so under
+        # PDL they stream while those kernels finish (slabs of at most two tiles, the common case at batch 1,
+        # are then entirely in flight before x is known). The tensor-core path's loads are pipelined by the
+        # compiler, which would hoist x's loads above the wait with them.
+        w = _load_tile(w_ptrs, 0, K, offs_k, BLOCK_K, EVEN_K)
+        w_ahead = _load_tile(w_ptrs, BLOCK_K, K, offs_k, BLOCK_K, EVEN_K)
     wait_for_prior_grids(USE_PDL)
     if NORM:
         # Prologue RMSNorm(x + residual): every program needs each row's rms before its first tile, so it first
@@ -122,10 +125,12 @@ def _skinny_linear_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, b_ptr,
             # (also K-contiguous), accumulating in fp32.
             acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
         else:
-            w_next = _load_next(w_ptrs, k0 + BLOCK_K, offs_k, K, BLOCK_K, EVEN_K)
+            w_next = _load_tile(w_ptrs, k0 + 2 * BLOCK_K, K, offs_k, BLOCK_K, EVEN_K)
             acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-            w = w_next
-        w_ptrs += BLOCK_K
+            w = w_ahead
+            w_ahead = w_next
+        if USE_DOT:
+            w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if USE_DOT:
         res = tl.trans(acc)
