@@ -11,4 +11,6 @@ class LMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight).float()
+        """Logits in the weight's dtype. The fused sampler reads bf16 logits as they are and the others convert
+        once: an fp32 copy here cost ~120 us per batch-256 step on an H100 (a [256, 152k] write and a re-read)."""
+        return F.linear(hidden, self.weight)

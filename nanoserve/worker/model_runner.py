@@ -213,7 +213,7 @@ class ModelRunner:
             count = min(entry.num_new_tokens, seq.num_prompt_tokens - 1 - start)
             if count <= 0:
                 continue
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[cu[i]:cu[i] + count]), dim=-1)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[cu[i]:cu[i] + count]).float(), dim=-1)
             targets = torch.tensor(seq.token_ids[start + 1:start + 1 + count], device=self.device)
             chosen = logprobs.gather(1, targets[:, None])
             ranks = (logprobs > chosen).sum(dim=1) + 1
