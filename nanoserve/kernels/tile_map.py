@@ -1,17 +1,27 @@
 """The prefill attention kernel's work list, built on the host. Plain Python and numpy, so CPU-only installs (no
 Triton) and the CUDA-graph runner can import it without the kernel.
 
-Two forms, both ordered so that the programs with the most keys to visit launch first:
-- a tile map: int32 rows (sequence, first query row), one per query tile of block_m rows;
-- a split map: int32 rows (sequence, first query row, first key, end key, first slot, split, splits). A tile whose
-  keys are cut into `splits` ranges has one row per range; each writes a partial result into scratch slot
-  first slot + split, and the last of them to finish merges them. An unsplit tile has one row covering keys
-  [0, its end) with first slot -1 and splits 1.
+Query rows. A program of the kernel serves `pack` query heads that share a kv head (GQA packing: their rows go
+through one load of each K/V tile), so a sequence of q_len new tokens has q_len x pack query rows, row r being
+token r // pack and query head (program's first head) + r % pack. pack = 1 gives one row per token and head;
+the default packs the whole group, num_q_heads // num_kv_heads. Tiles are block_m consecutive rows of one
+sequence, so a tile spans about block_m / pack tokens.
+
+A map: int32 rows of SPLIT_MAP_COLUMNS, one per program row of the launch grid (each row runs once per group of
+`pack` query heads), longest key range first, then padding rows (sequence -1) that the kernel skips:
+  0 sequence, 1 first query row of the tile, 2 first key, 3 end key (the keys this row attends to, never past
+  what the tile's last row sees), 4 first scratch slot (-1 unsplit), 5 split, 6 splits, 7 the sequence's first
+  token in q, 8 its query rows (q_len x pack), 9 the position of its first new token (seq_len - q_len).
+A tile whose keys are cut into `splits` ranges has one row per range; each writes a partial result into scratch
+slot first slot + split, and the last of them to finish merges them. An unsplit tile has one row covering keys
+[0, its end) with first slot -1 and splits 1. The kernel reads lengths only from the map, never cu_seqlens_q or
+seq_lens, so the map must be built from the same lengths as the step's tensors.
 """
 
 import numpy as np
 
-SPLIT_MAP_COLUMNS = 7
+SPLIT_MAP_COLUMNS = 10
+PADDING_ROW = (-1, 0, 0, 0, -1, 0, 1, 0, 0, 0)
 # Split boundaries are multiples of this many keys, so every key tile of the kernel (64 or 128 keys) but the
 # last of a range is full and needs no mask.
 KV_SPLIT_GRANULE = 128
@@ -21,7 +31,7 @@ MIN_SPLIT_KEYS = 256
 # Aim for pieces a quarter of a balanced program's share: scheduled longest first over about four waves,
 # the last piece to start ends soon after the rest.
 _SPLIT_WAVES = 4
-# Scratch bound, in (query row, head) pairs: 32K x head_dim 128 x fp32 is 16 MiB, shared by all layers.
+# Scratch bound, in (query row, program head) pairs: 32K x head_dim 128 x fp32 is 16 MiB, shared by all layers.
 _SPLIT_SCRATCH_ROWS = 1 << 15
 
 
@@ -29,45 +39,69 @@ def _next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def prefill_block_m(num_tokens: int) -> int:
-    """Query tile height for a step of num_tokens new tokens (any bound on the longest query run will do)."""
-    # Sized to the tokens at hand so decode-sized entries don't pay for 128-row tiles, and an eighth of them
-    # so a short chunk over a long cached prefix (a prefix-cache hit) still spreads over several tiles per
-    # head: one 128-row tile x 16 heads would leave most of the GPU idle while it walks 2,000 keys (measured
-    # on an H200: 52 us per layer for 100 new tokens over 2,000 cached ones with 32-row tiles).
-    return min(128, max(16, _next_power_of_2(num_tokens) // 8))
+def prefill_block_m(num_tokens: int, pack: int = 1) -> int:
+    """Query rows per tile for a step of num_tokens new tokens (any bound on the longest query run will do)
+    whose programs each serve `pack` query heads."""
+    # A quarter of the step's rows, between 16 and 128 (tl.dot's least and the largest that fits registers):
+    # decode-sized entries don't pay for 128-row tiles, and a short chunk over a long cached prefix is several
+    # tiles per kv head whose long key ranges the split map then cuts (100 tokens x 2 heads: four 64-row tiles).
+    return min(128, max(16, _next_power_of_2(num_tokens * pack) // 4))
 
 
-def max_prefill_tiles(num_tokens: int, max_num_seqs: int, block_m: int) -> int:
+def max_prefill_tiles(num_tokens: int, max_num_seqs: int, block_m: int, pack: int = 1) -> int:
     """Most query tiles any batch of at most num_tokens tokens in at most max_num_seqs sequences can need."""
-    # Sequence b needs ceil(q_b / block_m) <= q_b // block_m + 1 tiles, and only a non-empty one needs any;
-    # summed, the floors are at most num_tokens // block_m and the +1s at most min(num_tokens, max_num_seqs).
-    return num_tokens // block_m + min(num_tokens, max_num_seqs)
+    # Sequence b needs ceil(q_b pack / block_m) <= q_b pack // block_m + 1 tiles, and only a non-empty one needs
+    # any; summed, the floors are at most num_tokens pack // block_m and the +1s at most min(num_tokens, seqs).
+    return num_tokens * pack // block_m + min(num_tokens, max_num_seqs)
+
+
+def prefill_block_n(head_dim: int, element_size: int, block_m: int) -> int:
+    """Keys per inner tile of the prefill kernel for tiles of block_m query rows."""
+    # Measured once on an H200 (bf16, 128-row tiles, no autotuning): 128-key tiles were 5% faster than 64 at
+    # head_dim 128 and 20% slower at head_dim 64. Smaller tiles keep 64: two stages of 128-key K/V tiles take
+    # 128 KB of shared memory, one program per SM, where 64-key ones let two or three share one (as
+    # prefill_programs_per_sm assumes). fp32 128x128 tiles overflow shared memory.
+    return 128 if head_dim == 128 and element_size == 2 and block_m == 128 else 64
 
 
 def prefill_programs_per_sm(block_m: int) -> int:
-    """How many prefill attention programs of block_m query rows one SM runs at once."""
-    # From the kernel compiled for sm_90 (bf16, head_dim 128), registers x threads and shared memory per program
-    # against an SM's 64K registers and 228 KB: 16-row tiles fit 3 (shared memory), 32-row 2, larger ones 1.
-    return {16: 3, 32: 2}.get(block_m, 1)
+    """How many prefill attention programs of block_m query rows one SM runs at once (bf16, head_dim 128, the
+    key tiles of prefill_block_n)."""
+    # Registers x threads and shared memory per program (4 warps and 64-key tiles below 128 rows, 8 warps and
+    # 128-key tiles at 128) against an SM's 64K registers and 228 KB, as ptxas reports them for sm_90 (Triton 3.9,
+    # two query heads per program): 16 rows 118 registers and 38 KB, 32 rows 148 and 44 KB, 64 rows 255 and
+    # 80 KB, 128 rows 255 and 160 KB.
+    return {16: 4, 32: 3, 64: 2}.get(block_m, 1)
 
 
 def max_kv_partials(block_m: int, num_heads: int) -> int:
-    """Scratch slots (one split of one query tile, all heads) that split maps may use: a fixed memory bound."""
+    """Scratch slots (one split of one query tile, all num_heads program heads) that split maps may use: a fixed
+    memory bound."""
     return max(2, _SPLIT_SCRATCH_ROWS // (block_m * num_heads))
 
 
-def _tiles(cu_seqlens_q: list[int], seq_lens: list[int], block_m: int) -> tuple[np.ndarray, ...]:
-    """(sequence, first query row, its position, end of the keys it sees) of every query tile, in sequence order,
-    as four int64 arrays (numpy, not a Python loop: a step's host time is on its critical path)."""
+def _tiles(cu_seqlens_q: list[int], seq_lens: list[int], block_m: int, pack: int) -> dict[str, np.ndarray]:
+    """Every query tile, in sequence order, as int64 arrays (numpy, not a Python loop: a step's host time is on
+    its critical path): seq, first row, the position of its first token, the end of the keys it sees, and its
+    sequence's first token, query rows and first new token's position."""
     cu = np.asarray(cu_seqlens_q, dtype=np.int64)
     lens = np.asarray(seq_lens, dtype=np.int64)
     q_lens = cu[1:] - cu[:-1]
-    per_seq = -(-q_lens // block_m)
+    q_rows = q_lens * pack
+    per_seq = -(-q_rows // block_m)
     seq = np.repeat(np.arange(len(lens)), per_seq)
-    start_m = (np.arange(len(seq)) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)) * block_m
-    first_pos = lens[seq] - q_lens[seq] + start_m
-    return seq, start_m, first_pos, np.minimum(lens[seq], first_pos + block_m)
+    start_r = (np.arange(len(seq)) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)) * block_m
+    pos0 = lens[seq] - q_lens[seq]
+    last_row = np.minimum(start_r + block_m, q_rows[seq]) - 1
+    return {
+        "seq": seq,
+        "start_r": start_r,
+        "first_pos": pos0 + start_r // pack,
+        "kv_end": pos0 + last_row // pack + 1,
+        "q_start": cu[:-1][seq],
+        "q_rows": q_rows[seq],
+        "pos0": pos0,
+    }
 
 
 def _check_fits(num_tiles: int, num_rows: int, block_m: int) -> None:
@@ -75,24 +109,40 @@ def _check_fits(num_tiles: int, num_rows: int, block_m: int) -> None:
         raise ValueError(f"batch needs {num_tiles} query tiles of {block_m} rows, num_tiles is {num_rows}")
 
 
-def prefill_tile_map(cu_seqlens_q: list[int], seq_lens: list[int], block_m: int, num_tiles: int) -> np.ndarray:
-    """int32 [num_tiles, 2] rows (sequence, first query row in it) for prefill_attention's tile_map.
-
-    One row per block_m-row query tile, the tiles visiting the most keys first, then (-1, 0) rows (which the
-    kernel skips) up to num_tiles. Raises ValueError if the batch needs more than num_tiles tiles.
-    """
-    seq, start_m, _, kv_end = _tiles(cu_seqlens_q, seq_lens, block_m)
-    _check_fits(len(seq), num_tiles, block_m)
-    # Longest first: blocks launch in grid order, so the long causal tiles start in the first wave and the
-    # short ones fill in behind them instead of one long tile running alone at the end. Measured once on an
-    # H200 (bf16) against sequence order: 2% faster on one 8k prompt and on decode-heavy batches, 3% slower
-    # on 14 prompts of 100-1024 tokens.
-    order = np.argsort(-kv_end, kind="stable")
-    tile_map = np.zeros((num_tiles, 2), dtype=np.int32)
-    tile_map[:, 0] = -1
-    tile_map[: len(seq), 0] = seq[order]
-    tile_map[: len(seq), 1] = start_m[order]
+def _layout(tiles: dict[str, np.ndarray], n: np.ndarray, num_rows: int) -> np.ndarray:
+    """The map for tiles cut into n[t] key ranges each (1: unsplit), padded to num_rows rows."""
+    kv_end = tiles["kv_end"]
+    # One row per piece: tile t's piece i covers [start_i, start_i+1) of [0, kv_end_t), starts rounded down to
+    # granules (start_0 = 0, the last piece ends at kv_end_t).
+    tile = np.repeat(np.arange(len(n)), n)
+    piece = np.arange(len(tile)) - np.repeat(np.cumsum(n) - n, n)
+    nt, end = n[tile], kv_end[tile]
+    lo = piece * end // nt // KV_SPLIT_GRANULE * KV_SPLIT_GRANULE
+    hi = np.where(piece + 1 < nt, (piece + 1) * end // nt // KV_SPLIT_GRANULE * KV_SPLIT_GRANULE, end)
+    # Pieces are at least a granule long, so every row of the tile sees each range's first key (lo <= first_pos):
+    # no row's running max stays -inf, which would give NaN from -inf - -inf.
+    assert (lo < hi).all() and (lo <= tiles["first_pos"][tile]).all()
+    slots = np.where(n > 1, n, 0)
+    first_slot = np.where(n > 1, np.cumsum(slots) - slots, -1)[tile]
+    # Longest first: blocks launch in grid order, so the long ranges start in the first wave and the short ones
+    # fill in behind them instead of one long range running alone at the end.
+    order = np.argsort(lo - hi, kind="stable")
+    columns = (tiles["seq"][tile], tiles["start_r"][tile], lo, hi, first_slot, piece, nt,
+               tiles["q_start"][tile], tiles["q_rows"][tile], tiles["pos0"][tile])  # fmt: skip
+    tile_map = np.empty((num_rows, SPLIT_MAP_COLUMNS), dtype=np.int32)
+    tile_map[:] = PADDING_ROW
+    for col, values in enumerate(columns):
+        tile_map[: len(tile), col] = values[order]
     return tile_map
+
+
+def prefill_tile_map(cu_seqlens_q: list[int], seq_lens: list[int], block_m: int, num_tiles: int, pack: int = 1
+                     ) -> np.ndarray:  # fmt: skip
+    """A map (module docstring) that splits nothing: one row per tile of block_m query rows, then padding rows up
+    to num_tiles. Raises ValueError if the batch needs more than num_tiles tiles."""
+    tiles = _tiles(cu_seqlens_q, seq_lens, block_m, pack)
+    _check_fits(len(tiles["seq"]), num_tiles, block_m)
+    return _layout(tiles, np.ones_like(tiles["seq"]), num_tiles)
 
 
 def kv_split_keys(
@@ -100,8 +150,8 @@ def kv_split_keys(
 ) -> int | None:
     """Keys per split for a step whose query tiles visit tile_keys keys each, or None to split nothing.
 
-    Every (tile, head) is a program and concurrency of them run at once. Perfectly balanced, each would visit
-    share = sum(tile_keys) x num_heads / concurrency keys, so the step takes about max(longest tile, share);
+    Every (tile, program head) is a program and concurrency of them run at once. Perfectly balanced, each would
+    visit share = sum(tile_keys) x num_heads / concurrency keys, so the step takes about max(longest tile, share);
     cut into pieces of `chunk` keys, about share + chunk. Tiles are split only when that is shorter.
     """
     assert min_keys >= KV_SPLIT_GRANULE, "pieces must span whole granules"
@@ -123,19 +173,20 @@ def prefill_split_map(
     concurrency: int,
     max_partials: int,
     min_keys: int = MIN_SPLIT_KEYS,
+    pack: int = 1,
 ) -> np.ndarray:
-    """int32 [num_rows, SPLIT_MAP_COLUMNS] rows for prefill_attention's tile_map (see the module docstring), for
-    a split_scratch of max_partials slots, then padding rows (sequence -1) that the kernel skips.
+    """A map (module docstring) of num_rows rows for tiles of block_m query rows, each row run by num_heads
+    programs (num_q_heads // pack), for a split_scratch of max_partials slots.
 
     Long tiles are split when kv_split_keys(..., num_heads, concurrency, min_keys) says so, into as many pieces as
     the rows the tiles leave free and the scratch slots allow: a CUDA graph sized for unsplit tiles (num_rows from
     max_prefill_tiles) launches no more programs for it. Raises ValueError if the batch has more than num_rows
     query tiles.
     """
-    seq, start_m, first_pos, kv_end = _tiles(cu_seqlens_q, seq_lens, block_m)
-    num_tiles = len(seq)
+    tiles = _tiles(cu_seqlens_q, seq_lens, block_m, pack)
+    kv_end = tiles["kv_end"]
+    num_tiles = len(kv_end)
     _check_fits(num_tiles, num_rows, block_m)
-    assert KV_SPLIT_GRANULE >= block_m, "a split's first key must be visible to every row of its tile"
     chunk = kv_split_keys(kv_end, num_heads, concurrency, min_keys)
 
     def pieces(chunk: int | None) -> np.ndarray:
@@ -153,24 +204,7 @@ def prefill_split_map(
     while not fits(n):
         chunk *= 2
         n = pieces(chunk)
-    # One row per piece: tile t's piece i covers [start_i, start_i+1) of [0, kv_end_t), starts rounded down to
-    # granules (start_0 = 0, the last piece ends at kv_end_t).
-    tile = np.repeat(np.arange(num_tiles), n)
-    piece = np.arange(len(tile)) - np.repeat(np.cumsum(n) - n, n)
-    nt, end = n[tile], kv_end[tile]
-    lo = piece * end // nt // KV_SPLIT_GRANULE * KV_SPLIT_GRANULE
-    hi = np.where(piece + 1 < nt, (piece + 1) * end // nt // KV_SPLIT_GRANULE * KV_SPLIT_GRANULE, end)
-    # Pieces are at least a granule (>= block_m) long, so every row of the tile sees each range's first key.
-    assert (lo < hi).all() and (lo <= first_pos[tile]).all()
-    slots = np.where(n > 1, n, 0)
-    first_slot = np.where(n > 1, np.cumsum(slots) - slots, -1)[tile]
-    # Longest first, as in prefill_tile_map; a program's work is its key range.
-    order = np.argsort(lo - hi, kind="stable")
-    split_map = np.empty((num_rows, SPLIT_MAP_COLUMNS), dtype=np.int32)
-    split_map[:] = (-1, 0, 0, 0, -1, 0, 1)
-    for col, values in enumerate((seq[tile], start_m[tile], lo, hi, first_slot, piece, nt)):
-        split_map[: len(tile), col] = values[order]
-    return split_map
+    return _layout(tiles, n, num_rows)
 
 
 def split_slots_used(split_map: np.ndarray) -> int:
@@ -178,12 +212,14 @@ def split_slots_used(split_map: np.ndarray) -> int:
     return int((split_map[:, 4] + split_map[:, 6]).max(initial=0))
 
 
-def eager_split_map(cu_seqlens_q: list[int], seq_lens: list[int], block_m: int, num_heads: int, num_sms: int
-                    ) -> np.ndarray:  # fmt: skip
+def eager_split_map(cu_seqlens_q: list[int], seq_lens: list[int], block_m: int, num_heads: int, num_sms: int,
+                    pack: int = 1) -> np.ndarray:  # fmt: skip
     """A split map of just the rows this batch needs, for a launch outside a CUDA graph (no fixed grid): every
-    split the scratch bound allows, on a device of num_sms SMs. Scratch: split_slots_used(map) slots."""
+    split the scratch bound allows, on a device of num_sms SMs, for num_heads programs per row (num_q_heads //
+    pack). Scratch: split_slots_used(map) slots."""
     max_partials = max_kv_partials(block_m, num_heads)
-    num_rows = max_prefill_tiles(cu_seqlens_q[-1], len(seq_lens), block_m) + max_partials
+    num_rows = max_prefill_tiles(cu_seqlens_q[-1], len(seq_lens), block_m, pack) + max_partials
     concurrency = num_sms * prefill_programs_per_sm(block_m)
-    split_map = prefill_split_map(cu_seqlens_q, seq_lens, block_m, num_rows, num_heads, concurrency, max_partials)
+    split_map = prefill_split_map(cu_seqlens_q, seq_lens, block_m, num_rows, num_heads, concurrency, max_partials,
+                                  pack=pack)  # fmt: skip
     return split_map[split_map[:, 0] >= 0]  # real rows come first

@@ -31,6 +31,8 @@ class AttentionMetadata:
     tile_map: torch.Tensor | None = None
     block_m: int | None = None
     split_scratch: SplitScratch | None = None
+    # Query heads per program that tile_map was built for (GQA packing); None: all of a kv head's.
+    pack: int | None = None
     # Zeroed int32 counters (>= decodes x kv heads) that let decode attention merge its splits in the same
     # launch (kernels/decode_attention.py); None: a second launch merges them.
     decode_counters: torch.Tensor | None = None
@@ -95,7 +97,8 @@ class TritonBackend:
             cu = meta.cu_seqlens_q if nd == 0 else meta.cu_seqlens_q[nd:] - nd
             prefill_attention(q[nd:], k_cache, v_cache, cu, meta.seq_lens[nd:],
                               meta.block_tables[nd:], meta.max_seqlen_q, scale, out=out[nd:],
-                              tile_map=meta.tile_map, block_m=meta.block_m, split_scratch=meta.split_scratch)
+                              tile_map=meta.tile_map, block_m=meta.block_m, split_scratch=meta.split_scratch,
+                              pack=meta.pack)
         return out
 
 

@@ -6,9 +6,10 @@ them all in one launch. Two kinds:
 - decode graphs, one per batch size on a ladder, for steps where every sequence brings one token
   (flash-decoding attention). Padded rows get slot -1 (nothing stored) and seq_len 0.
 - prefill graphs, one per token-count bucket, for every other step: attention goes through the
-  prefill kernel's split map for all sequences (a decode is a one-row tile), so the launches depend
+  prefill kernel's split map for all sequences (a decode is a one-token tile), so the launches depend
   only on the bucket; which long tiles have their keys split, and how, is chosen per step on the host
   and copied in with the map. Padded tokens belong to no tile and store nothing; padded sequences are empty.
+  Each attention program serves all the query heads of one kv head (kernels/tile_map.py, GQA packing).
 """
 
 import torch
@@ -125,18 +126,20 @@ class PrefillGraphRunner(_Graphs):
         super().__init__(model, token_ladder(max_num_tokens), "capturing prefill graphs")
         self.max_num_seqs = max_num_seqs
         attn = next(m for m in model.modules() if isinstance(m, Attention))
-        self.num_heads = attn.num_heads
+        # Programs per map row: one per kv head, serving its `pack` query heads.
+        self.pack = attn.num_heads // attn.num_kv_heads
+        self.program_heads = attn.num_kv_heads
         num_sms = num_sms or torch.cuda.get_device_properties(device).multi_processor_count
         t = self.sizes[-1]
         s = self._num_seqs(t)
-        self.block_m = {n: prefill_block_m(n) for n in self.sizes}
-        self.num_tiles = {n: max_prefill_tiles(n, self._num_seqs(n), self.block_m[n]) for n in self.sizes}
+        self.block_m = {n: prefill_block_m(n, self.pack) for n in self.sizes}
+        self.num_tiles = {n: max_prefill_tiles(n, self._num_seqs(n), self.block_m[n], self.pack) for n in self.sizes}
         # Key splits: a bounded number of scratch slots per bucket, in one allocation that every bucket and layer
         # shares (one runs at a time); pieces of split tiles take the map rows that a step's tiles leave free.
-        self.max_partials = {n: max_kv_partials(self.block_m[n], self.num_heads) for n in self.sizes}
+        self.max_partials = {n: max_kv_partials(self.block_m[n], self.program_heads) for n in self.sizes}
         self.concurrency = {n: num_sms * prefill_programs_per_sm(self.block_m[n]) for n in self.sizes}
         scratch = split_scratch_views([(self.max_partials[n], self.block_m[n]) for n in self.sizes],
-                                      self.num_heads, attn.head_dim, device)
+                                      self.program_heads, attn.head_dim, device)
         self.split_scratch = dict(zip(self.sizes, scratch, strict=True))
         self.input_ids = torch.zeros(t, dtype=torch.int64, device=device)
         self.positions = torch.zeros(t, dtype=torch.int64, device=device)
@@ -155,7 +158,7 @@ class PrefillGraphRunner(_Graphs):
         meta = AttentionMetadata(self.slot_mapping[:n], self.cu_seqlens_q[:s + 1], self.seq_lens[:s],
                                  self.block_tables[:s], max_seqlen_q=n, num_decodes=0,
                                  tile_map=self.tile_map[:self.num_tiles[n]], block_m=self.block_m[n],
-                                 split_scratch=self.split_scratch[n])
+                                 split_scratch=self.split_scratch[n], pack=self.pack)
         return self.input_ids[:n], self.positions[:n], meta
 
     def can_run(self, num_tokens: int, num_seqs: int) -> bool:
@@ -176,7 +179,7 @@ class PrefillGraphRunner(_Graphs):
         self.seq_lens[b:s].zero_()
         self.block_tables[:b, :meta.block_tables.shape[1]].copy_(meta.block_tables)
         tiles = prefill_split_map(meta.cu_seqlens_q_cpu, meta.seq_lens_cpu, self.block_m[t], self.num_tiles[t],
-                                  self.num_heads, self.concurrency[t], self.max_partials[t])
+                                  self.program_heads, self.concurrency[t], self.max_partials[t], pack=self.pack)
         self.tile_map[:self.num_tiles[t]].copy_(torch.from_numpy(tiles), non_blocking=True)
         return t
 
@@ -187,19 +190,21 @@ class PrefillGraphRunner(_Graphs):
 
 
 def eager_tile_map(meta: AttentionMetadata, device: torch.device, num_heads: int, head_dim: int,
-                   num_sms: int | None = None) -> None:
+                   num_sms: int | None = None, num_kv_heads: int | None = None) -> None:
     """Give an eager step's prefill part its split map and scratch, so the kernel never reads lengths back.
-    num_sms: the device's SM count, asked of it when None."""
+    num_sms: the device's SM count, asked of it when None. num_kv_heads: with it, each program serves all the
+    query heads of one kv head (GQA packing), as in the graphs; without, one query head."""
     nd = meta.num_decodes
     cu = [c - nd for c in meta.cu_seqlens_q_cpu[nd:]]
     lens = meta.seq_lens_cpu[nd:]
     if not lens:
         return
-    block_m = prefill_block_m(max(cu[i + 1] - cu[i] for i in range(len(lens))))
+    pack = num_heads // num_kv_heads if num_kv_heads else 1
+    block_m = prefill_block_m(max(cu[i + 1] - cu[i] for i in range(len(lens))), pack)
     num_sms = num_sms or torch.cuda.get_device_properties(device).multi_processor_count
-    split_map = eager_split_map(cu, lens, block_m, num_heads, num_sms)
+    split_map = eager_split_map(cu, lens, block_m, num_heads // pack, num_sms, pack)
     meta.tile_map = torch.from_numpy(split_map).to(device, non_blocking=True)
-    meta.block_m = block_m
+    meta.block_m, meta.pack = block_m, pack
     # Eager steps may allocate: just the slots this map uses.
     slots = max(1, split_slots_used(split_map))
-    meta.split_scratch = SplitScratch.allocate(slots, num_heads, block_m, head_dim, device)
+    meta.split_scratch = SplitScratch.allocate(slots, num_heads // pack, block_m, head_dim, device)

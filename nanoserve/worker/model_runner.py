@@ -184,7 +184,8 @@ class ModelRunner:
             hidden = self.prefill_graphs.run(input_ids, positions, meta)
         else:
             if self.device.type == "cuda":
-                eager_tile_map(meta, self.device, self.attn_layers[0].num_heads, self.attn_layers[0].head_dim)
+                eager_tile_map(meta, self.device, self.attn_layers[0].num_heads, self.attn_layers[0].head_dim,
+                               num_kv_heads=self.attn_layers[0].num_kv_heads)
             hidden = self.model(input_ids, positions, meta)
         prompt_logprobs = self._prompt_logprobs(batch, hidden, meta.cu_seqlens_q_cpu)
         seqs = [s for e in batch.scheduled for s in e.sample_seqs]

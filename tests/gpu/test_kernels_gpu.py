@@ -55,7 +55,9 @@ def test_store_kvcache_gpu():
     "num_q_heads,num_kv_heads,head_dim,block_size",
     [(16, 8, 128, 16), (32, 8, 128, 16), (14, 2, 64, 32), (28, 4, 128, 8), (8, 8, 64, 256)],
 )
-def test_prefill_attention_gpu(num_q_heads, num_kv_heads, head_dim, block_size):
+@pytest.mark.parametrize("pack", [None, 1])
+def test_prefill_attention_gpu(num_q_heads, num_kv_heads, head_dim, block_size, pack):
+    """Eager calls (the kernel builds its own split map): a program per kv head (the default) or per query head."""
     from nanoserve.kernels.prefill_attention import prefill_attention, prefill_attention_ref
 
     gen = torch.Generator().manual_seed(0)
@@ -67,7 +69,7 @@ def test_prefill_attention_gpu(num_q_heads, num_kv_heads, head_dim, block_size):
     cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32).cuda()
     seq = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     args = (q, k_cache, v_cache, cu, seq, block_tables, max(q_lens), head_dim**-0.5)
-    out = prefill_attention(*args, out=torch.full_like(q, float("nan")))
+    out = prefill_attention(*args, out=torch.full_like(q, float("nan")), pack=pack)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, prefill_attention_ref(*args), **BF16_TOL)
 
@@ -182,9 +184,10 @@ def test_fused_decode_attention_deterministic():
             torch.testing.assert_close(first, decode_attention_ref(*args), **BF16_TOL)
         assert torch.equal(out, first)
 
-def test_prefill_attention_cuda_graph():
+@pytest.mark.parametrize("pack", [1, 2])
+def test_prefill_attention_cuda_graph(pack):
     from nanoserve.kernels.prefill_attention import prefill_attention, prefill_attention_ref
-    from nanoserve.kernels.tile_map import max_prefill_tiles, prefill_block_m, prefill_tile_map
+    from nanoserve.kernels.tile_map import SPLIT_MAP_COLUMNS, max_prefill_tiles, prefill_block_m, prefill_tile_map
 
     gen = torch.Generator().manual_seed(0)
     num_q_heads, num_kv_heads, head_dim, block_size = 16, 8, 128, 16
@@ -193,13 +196,13 @@ def test_prefill_attention_cuda_graph():
     lens_a = [(1000, 1000), (1, 777), (300, 2100), (17, 4000), (1, 1)]
     lens_b = [(513, 513), (129, 129), (600, 3000), (0, 0), (158, 158)]
     k_cache, v_cache, tables = _paged_kv([s for _, s in lens_a + lens_b], num_kv_heads, head_dim, block_size, gen)
-    block_m = prefill_block_m(num_tokens)
-    num_tiles = max_prefill_tiles(num_tokens, max_num_seqs, block_m)
+    block_m = prefill_block_m(num_tokens, pack)
+    num_tiles = max_prefill_tiles(num_tokens, max_num_seqs, block_m, pack)
     q = torch.empty(num_tokens, num_q_heads, head_dim, device="cuda", dtype=torch.bfloat16)
     cu = torch.empty(max_num_seqs + 1, dtype=torch.int32, device="cuda")
     seq = torch.empty(max_num_seqs, dtype=torch.int32, device="cuda")
     block_tables = torch.empty(max_num_seqs, tables.shape[1], dtype=torch.int32, device="cuda")
-    tile_map = torch.empty(num_tiles, 2, dtype=torch.int32, device="cuda")
+    tile_map = torch.empty(num_tiles, SPLIT_MAP_COLUMNS, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
 
     def write_batch(lens, rows):
@@ -209,15 +212,15 @@ def test_prefill_attention_cuda_graph():
         cu.copy_(torch.tensor(cu_list, dtype=torch.int32))
         seq.copy_(torch.tensor(seq_list, dtype=torch.int32))
         block_tables.copy_(tables[rows])
-        tile_map.copy_(torch.from_numpy(prefill_tile_map(cu_list, seq_list, block_m, num_tiles)))
+        tile_map.copy_(torch.from_numpy(prefill_tile_map(cu_list, seq_list, block_m, num_tiles, pack)))
         out.fill_(7.0)  # rows no tile covers must keep this
 
     args = (q, k_cache, v_cache, cu, seq, block_tables, num_tokens, head_dim**-0.5)
     write_batch(lens_a, slice(0, 5))
-    prefill_attention(*args, out=out, tile_map=tile_map, block_m=block_m)  # compile outside the capture
+    prefill_attention(*args, out=out, tile_map=tile_map, block_m=block_m, pack=pack)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        prefill_attention(*args, out=out, tile_map=tile_map, block_m=block_m)
+        prefill_attention(*args, out=out, tile_map=tile_map, block_m=block_m, pack=pack)
     for lens, rows in ((lens_a, slice(0, 5)), (lens_b, slice(5, 10))):
         write_batch(lens, rows)
         graph.replay()

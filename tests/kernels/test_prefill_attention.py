@@ -38,76 +38,85 @@ def test_prefill_ref_matches_dense(case, make_paged_kv, dense_attention, gen, de
         torch.testing.assert_close(out[lo:hi], want, atol=1e-5, rtol=1e-5)
 
 
+def _packs(case) -> list[int]:
+    """One query head per program, and all of a kv head's (the default), where they differ."""
+    group = case[2] // case[3]
+    return sorted({1, group})
+
+
 @pytest.mark.parametrize("case", CASES, ids=range(len(CASES)))
 def test_prefill_kernel_matches_ref(case, make_paged_kv, gen, device, tol):
+    """Eager calls (the kernel builds its own map), packed by default and unpacked."""
     from nanoserve.kernels.prefill_attention import prefill_attention, prefill_attention_ref
 
     q, k_cache, v_cache, cu, seq, block_tables, max_q, scale = _inputs(case, make_paged_kv, gen, device)
     want = prefill_attention_ref(q, k_cache, v_cache, cu, seq, block_tables, max_q, scale)
-    out = torch.full_like(q, float("nan"))
-    got = prefill_attention(q, k_cache, v_cache, cu, seq, block_tables, max_q, scale, out=out)
-    assert got is out and got.dtype == q.dtype
-    assert torch.isfinite(got).all(), "every output element must be written (and no NaN read from the cache)"
-    torch.testing.assert_close(got, want, **tol[q.dtype])
-
-
-def _tile_keys(tile_map, cu, seq_lens, block_m):
-    """Keys each real row of a tile map visits: up to its last query's position, capped at seq_len."""
-    keys = []
-    for seq, start_m in tile_map.tolist():
-        if seq >= 0:
-            q_len = cu[seq + 1] - cu[seq]
-            keys.append(min(seq_lens[seq], seq_lens[seq] - q_len + start_m + block_m))
-    return keys
+    for pack in [None, *_packs(case)]:
+        out = torch.full_like(q, float("nan"))
+        got = prefill_attention(q, k_cache, v_cache, cu, seq, block_tables, max_q, scale, out=out, pack=pack)
+        assert got is out and got.dtype == q.dtype
+        assert torch.isfinite(got).all(), "every output element must be written (and no NaN read from the cache)"
+        torch.testing.assert_close(got, want, **tol[q.dtype])
 
 
 @pytest.mark.parametrize("small_tiles", [False, True], ids=["step_block_m", "block_m_16"])
 @pytest.mark.parametrize("case", CASES, ids=range(len(CASES)))
 def test_prefill_tiled_matches_ref(case, small_tiles, make_paged_kv, gen, device, tol):
+    """Unsplit maps (prefill_tile_map) with padding rows, packed and unpacked, tiles off the token boundaries."""
     from nanoserve.kernels.prefill_attention import prefill_attention, prefill_attention_ref
-    from nanoserve.kernels.tile_map import max_prefill_tiles, prefill_block_m, prefill_tile_map
+    from nanoserve.kernels.tile_map import PADDING_ROW, max_prefill_tiles, prefill_block_m, prefill_tile_map
 
     q, k_cache, v_cache, cu, seq, block_tables, max_q, scale = _inputs(case, make_paged_kv, gen, device)
-    block_m = 16 if small_tiles else prefill_block_m(q.shape[0])
-    # Padded well past what the batch needs: the (-1, 0) rows must write nothing.
-    num_tiles = max_prefill_tiles(q.shape[0], len(seq), block_m) + 9
-    tile_map_np = prefill_tile_map(cu.tolist(), seq.tolist(), block_m, num_tiles)
-    assert tile_map_np.shape == (num_tiles, 2) and (tile_map_np[-9:] == [-1, 0]).all()
-    tile_map = torch.from_numpy(tile_map_np).to(device)
     want = prefill_attention_ref(q, k_cache, v_cache, cu, seq, block_tables, max_q, scale)
-    out = torch.full_like(q, float("nan"))
-    got = prefill_attention(
-        q, k_cache, v_cache, cu, seq, block_tables, max_q, scale, out=out, tile_map=tile_map, block_m=block_m
-    )
-    assert got is out
-    assert torch.isfinite(got).all(), "every token must be covered by exactly the tiles of its sequence"
-    torch.testing.assert_close(got, want, **tol[q.dtype])
+    for pack in _packs(case):
+        block_m = 16 if small_tiles else prefill_block_m(q.shape[0], pack)
+        # Padded well past what the batch needs: the padding rows must write nothing.
+        num_tiles = max_prefill_tiles(q.shape[0], len(seq), block_m, pack) + 9
+        tile_map_np = prefill_tile_map(cu.tolist(), seq.tolist(), block_m, num_tiles, pack)
+        assert (tile_map_np[-9:] == PADDING_ROW).all() and (tile_map_np[:, 6] == 1).all()
+        tile_map = torch.from_numpy(tile_map_np).to(device)
+        out = torch.full_like(q, float("nan"))
+        got = prefill_attention(q, k_cache, v_cache, cu, seq, block_tables, max_q, scale, out=out,
+                                tile_map=tile_map, block_m=block_m, pack=pack)  # fmt: skip
+        assert got is out
+        assert torch.isfinite(got).all(), "every token must be covered by exactly the tiles of its sequence"
+        torch.testing.assert_close(got, want, **tol[q.dtype])
 
 
-def test_prefill_tile_map_order_and_coverage():
-    from nanoserve.kernels.tile_map import prefill_tile_map
+@pytest.mark.parametrize("pack", [1, 3])
+def test_prefill_tile_map_order_and_coverage(pack):
+    from nanoserve.kernels.tile_map import PADDING_ROW, SPLIT_MAP_COLUMNS, prefill_tile_map
 
     q_lens, seq_lens, block_m = [1, 40, 0, 70, 5], [9, 300, 4, 70, 5], 16
     cu = [0, 1, 41, 41, 111, 116]
-    tile_map = prefill_tile_map(cu, seq_lens, block_m, num_tiles=20)
-    assert tile_map.dtype == np.int32 and tile_map.shape == (20, 2)
-    real = [tuple(r) for r in tile_map.tolist() if r[0] >= 0]
-    want = {(b, s) for b, q_len in enumerate(q_lens) for s in range(0, q_len, block_m)}
-    assert len(real) == len(want) and set(real) == want
-    assert (tile_map[len(real) :] == [-1, 0]).all()
-    keys = _tile_keys(tile_map, cu, seq_lens, block_m)
+    tile_map = prefill_tile_map(cu, seq_lens, block_m, num_tiles=30, pack=pack)
+    assert tile_map.dtype == np.int32 and tile_map.shape == (30, SPLIT_MAP_COLUMNS)
+    real = tile_map[tile_map[:, 0] >= 0]
+    assert (tile_map[len(real) :] == PADDING_ROW).all()
+    # Every query row of every sequence once, in tiles of block_m rows from each sequence's first.
+    want = {(b, r) for b, q_len in enumerate(q_lens) for r in range(0, q_len * pack, block_m)}
+    assert {(b, r) for b, r in real[:, :2].tolist()} == want and len(real) == len(want)
+    for b, start, lo, hi, slot, split, splits, q_start, q_rows, pos0 in real.tolist():
+        assert (lo, slot, split, splits) == (0, -1, 0, 1)
+        assert (q_start, q_rows, pos0) == (cu[b], q_lens[b] * pack, seq_lens[b] - q_lens[b])
+        # Keys up to the last valid row's token position.
+        assert hi == pos0 + (min(start + block_m, q_rows) - 1) // pack + 1
     # The chunk of the 300-key sequence ending at its last key comes first; keys never increase after it.
-    assert real[0] == (1, 32) and keys[0] == 300
+    assert tuple(real[0, :4]) == (1, (40 * pack - 1) // block_m * block_m, 0, 300)
+    keys = real[:, 3].tolist()
     assert keys == sorted(keys, reverse=True)
 
 
 def test_prefill_tile_map_rejects_overfull_batch():
     from nanoserve.kernels.tile_map import prefill_tile_map
 
-    cu, seq_lens = [0, 33, 34], [33, 50]  # 3 + 1 tiles of 16 rows
+    cu, seq_lens = [0, 33, 34], [33, 50]  # 3 + 1 tiles of 16 rows; packed by 2, 5 + 1
     assert (prefill_tile_map(cu, seq_lens, 16, num_tiles=4)[:, 0] >= 0).all()
     with pytest.raises(ValueError, match="4 query tiles"):
         prefill_tile_map(cu, seq_lens, 16, num_tiles=3)
+    assert (prefill_tile_map(cu, seq_lens, 16, num_tiles=6, pack=2)[:, 0] >= 0).all()
+    with pytest.raises(ValueError, match="6 query tiles"):
+        prefill_tile_map(cu, seq_lens, 16, num_tiles=5, pack=2)
 
 
 def test_max_prefill_tiles_bounds_random_batches():
@@ -116,7 +125,8 @@ def test_max_prefill_tiles_bounds_random_batches():
     rng = np.random.default_rng(0)
     for _ in range(300):
         num_tokens, max_num_seqs = int(rng.integers(1, 600)), int(rng.integers(1, 40))
-        block_m = prefill_block_m(num_tokens) if rng.random() < 0.5 else 16
+        pack = int(rng.choice([1, 2, 4, 7, 8]))
+        block_m = prefill_block_m(num_tokens, pack) if rng.random() < 0.5 else 16
         batch = int(rng.integers(1, max_num_seqs + 1))
         # A random split of at most num_tokens tokens, empty entries included.
         total = int(rng.integers(0, num_tokens + 1))
@@ -124,12 +134,15 @@ def test_max_prefill_tiles_bounds_random_batches():
         q_lens = np.diff(cu)
         seq_lens = (q_lens + rng.integers(0, 50, batch)).tolist()
         # Must not raise: the bound holds for every such batch.
-        prefill_tile_map(cu, seq_lens, block_m, max_prefill_tiles(num_tokens, max_num_seqs, block_m))
-    assert [prefill_block_m(n) for n in (1, 100, 300, 600, 5000)] == [16, 16, 64, 128, 128]
+        prefill_tile_map(cu, seq_lens, block_m, max_prefill_tiles(num_tokens, max_num_seqs, block_m, pack), pack)
+    assert [prefill_block_m(n) for n in (1, 100, 300, 600, 5000)] == [16, 32, 128, 128, 128]
+    # Qwen3-0.6B (2 query heads per kv head): the prefix benchmark's 100-token step runs in the 128-token bucket.
+    assert [prefill_block_m(n, 2) for n in (16, 32, 64, 128, 256)] == [16, 16, 32, 64, 128]
 
 
-def test_prefill_tiled_reused_for_new_batch(make_paged_kv, gen, device, tol):
-    """One set of tensors, a second batch written into them in place (as before a graph replay)."""
+@pytest.mark.parametrize("pack", [1, 2])
+def test_prefill_tiled_reused_for_new_batch(pack, make_paged_kv, gen, device, tol):
+    """One set of tensors, a second batch and its map written into them in place (as before a graph replay)."""
     from nanoserve.kernels.prefill_attention import prefill_attention, prefill_attention_ref
     from nanoserve.kernels.tile_map import max_prefill_tiles, prefill_tile_map
 
@@ -141,12 +154,12 @@ def test_prefill_tiled_reused_for_new_batch(make_paged_kv, gen, device, tol):
         [s for _, s in lens_a + lens_b], num_kv_heads, head_dim, block_size, dtype, gen
     )
     block_m = 16  # small tiles, so that sequences span several
-    num_tiles = max_prefill_tiles(num_tokens, max_num_seqs, block_m)
+    num_tiles = max_prefill_tiles(num_tokens, max_num_seqs, block_m, pack)
     q = torch.empty(num_tokens, num_q_heads, head_dim, dtype=dtype, device=device)
     cu = torch.empty(max_num_seqs + 1, dtype=torch.int32, device=device)
     seq = torch.empty(max_num_seqs, dtype=torch.int32, device=device)
     block_tables = torch.empty(max_num_seqs, tables.shape[1], dtype=torch.int32, device=device)
-    tile_map = torch.empty(num_tiles, 2, dtype=torch.int32, device=device)
+    tile_map = torch.empty(num_tiles, 10, dtype=torch.int32, device=device)
     out = torch.empty_like(q)
 
     def write_batch(lens, rows):
@@ -156,13 +169,13 @@ def test_prefill_tiled_reused_for_new_batch(make_paged_kv, gen, device, tol):
         cu.copy_(torch.tensor(cu_list, dtype=torch.int32))
         seq.copy_(torch.tensor(seq_list, dtype=torch.int32))
         block_tables.copy_(tables[rows])
-        tile_map.copy_(torch.from_numpy(prefill_tile_map(cu_list, seq_list, block_m, num_tiles)))
+        tile_map.copy_(torch.from_numpy(prefill_tile_map(cu_list, seq_list, block_m, num_tiles, pack)))
         out.fill_(7.0)  # rows no tile covers must keep this
 
     args = (q, k_cache, v_cache, cu, seq, block_tables, num_tokens, head_dim**-0.5)
     for lens, rows in ((lens_a, slice(0, 4)), (lens_b, slice(4, 8))):
         write_batch(lens, rows)
-        prefill_attention(*args, out=out, tile_map=tile_map, block_m=block_m)
+        prefill_attention(*args, out=out, tile_map=tile_map, block_m=block_m, pack=pack)
         want = prefill_attention_ref(*args, out=torch.full_like(q, 7.0))
         torch.testing.assert_close(out, want, **tol[dtype])
     assert not (out == 7.0).any(), "the second batch covers every token row"

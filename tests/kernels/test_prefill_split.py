@@ -10,6 +10,7 @@ from torch import nn
 from nanoserve.kernels.split_scratch import SplitScratch, split_scratch_views
 from nanoserve.kernels.tile_map import (
     KV_SPLIT_GRANULE,
+    PADDING_ROW,
     SPLIT_MAP_COLUMNS,
     kv_split_keys,
     max_kv_partials,
@@ -36,22 +37,25 @@ def _tile_rows(split_map: np.ndarray) -> dict[tuple[int, int], list[tuple[int, .
     return tiles
 
 
-def _check_split_map(split_map, cu, seq_lens, block_m, num_rows, max_partials):
+def _check_split_map(split_map, cu, seq_lens, block_m, num_rows, max_partials, pack=1):
     """Every invariant the kernel relies on; returns the largest split count of any tile."""
     assert split_map.dtype == np.int32 and split_map.shape == (num_rows, SPLIT_MAP_COLUMNS)
     real = split_map[:, 0] >= 0
     assert real[: real.sum()].all(), "padding rows come last"
-    assert (split_map[~real] == [-1, 0, 0, 0, -1, 0, 1]).all()
+    assert (split_map[~real] == PADDING_ROW).all()
     lengths = (split_map[real, 3] - split_map[real, 2]).tolist()
     assert lengths == sorted(lengths, reverse=True), "the longest key ranges launch first"
     tiles = _tile_rows(split_map)
-    want = {(b, s) for b in range(len(seq_lens)) for s in range(0, cu[b + 1] - cu[b], block_m)}
+    want = {(b, s) for b in range(len(seq_lens)) for s in range(0, (cu[b + 1] - cu[b]) * pack, block_m)}
     assert set(tiles) == want
     slots = []
-    for (b, start_m), rows in tiles.items():
+    for (b, start_r), rows in tiles.items():
         q_len = cu[b + 1] - cu[b]
-        first_pos = seq_lens[b] - q_len + start_m
-        kv_end = min(seq_lens[b], first_pos + block_m)
+        # The sequence's lengths, as the kernel reads them from the map alone.
+        assert all(r[7:] == (cu[b], q_len * pack, seq_lens[b] - q_len) for r in rows)
+        first_pos = seq_lens[b] - q_len + start_r // pack
+        last_row = min(start_r + block_m, q_len * pack) - 1
+        kv_end = seq_lens[b] - q_len + last_row // pack + 1
         rows.sort(key=lambda r: r[5])
         n = len(rows)
         assert [r[5] for r in rows] == list(range(n)) and all(r[6] == n for r in rows)
@@ -74,18 +78,25 @@ def _check_split_map(split_map, cu, seq_lens, block_m, num_rows, max_partials):
 
 
 def test_split_choice_for_benchmark_shapes():
-    """The cached prefix step splits; the uncached prefills and mixed batches the benchmarks run split nothing."""
-    heads = 16  # Qwen3-0.6B
+    """The cached prefix step splits into about one wave of programs; the uncached prefills and mixed batches
+    the benchmarks run split nothing."""
+    heads, pack = 8, 2  # Qwen3-0.6B as the graph runner launches it: a program per kv head, 2 query heads each
+    programs = {}
 
     def max_splits(q_lens, seq_lens, bucket):
-        block_m = prefill_block_m(bucket)
-        num_tiles = max_prefill_tiles(bucket, 256, block_m)
+        block_m = prefill_block_m(bucket, pack)
+        num_tiles = max_prefill_tiles(bucket, 256, block_m, pack)
         max_partials = max_kv_partials(block_m, heads)
         concurrency = H200_SMS * prefill_programs_per_sm(block_m)
-        split_map = prefill_split_map(_cu(q_lens), seq_lens, block_m, num_tiles, heads, concurrency, max_partials)
-        return _check_split_map(split_map, _cu(q_lens), seq_lens, block_m, num_tiles, max_partials)
+        split_map = prefill_split_map(_cu(q_lens), seq_lens, block_m, num_tiles, heads, concurrency, max_partials,
+                                      pack=pack)  # fmt: skip
+        programs[bucket] = (int((split_map[:, 0] >= 0).sum()) * heads, concurrency)
+        return _check_split_map(split_map, _cu(q_lens), seq_lens, block_m, num_tiles, max_partials, pack)
 
-    assert max_splits([100], [2100], 128) > 1  # 100 new tokens over a 2,000-token cached prefix
+    # 100 new tokens over a 2,000-token cached prefix: four 64-row tiles per kv head, each cut into 7-8 ranges
+    # of 256-384 keys, 248 programs for 264 places.
+    assert max_splits([100], [2100], 128) == 8
+    assert programs[128][1] / 2 < programs[128][0] <= programs[128][1]
     assert max_splits([600], [30600], 1024) > 1  # a chunk over a long context
     assert max_splits([2100], [2100], 2560) == 1
     rng = np.random.default_rng(0)
@@ -112,7 +123,8 @@ def test_split_map_bounds_random_batches():
     split_seen = 0
     for _ in range(300):
         num_tokens, max_num_seqs = int(rng.integers(1, 600)), int(rng.integers(1, 40))
-        block_m = prefill_block_m(num_tokens) if rng.random() < 0.5 else 16
+        pack = int(rng.choice([1, 2, 7]))
+        block_m = prefill_block_m(num_tokens, pack) if rng.random() < 0.5 else 16
         num_heads = int(rng.choice([1, 2, 8, 16]))
         max_partials = int(rng.integers(0, 40))
         concurrency = int(rng.integers(1, 600))
@@ -120,9 +132,10 @@ def test_split_map_bounds_random_batches():
         total = int(rng.integers(0, num_tokens + 1))
         cu = [0, *np.sort(rng.integers(0, total + 1, batch - 1)).tolist(), total]
         seq_lens = (np.diff(cu) + rng.integers(0, 3000, batch)).tolist()
-        num_tiles = max_prefill_tiles(num_tokens, max_num_seqs, block_m)
-        split_map = prefill_split_map(cu, seq_lens, block_m, num_tiles, num_heads, concurrency, max_partials, 128)
-        split_seen += _check_split_map(split_map, cu, seq_lens, block_m, num_tiles, max_partials) > 1
+        num_tiles = max_prefill_tiles(num_tokens, max_num_seqs, block_m, pack)
+        split_map = prefill_split_map(cu, seq_lens, block_m, num_tiles, num_heads, concurrency, max_partials, 128,
+                                      pack)  # fmt: skip
+        split_seen += _check_split_map(split_map, cu, seq_lens, block_m, num_tiles, max_partials, pack) > 1
     assert split_seen > 50
 
 
@@ -152,13 +165,20 @@ def test_split_scratch_views_share_memory():
 
 # (dtype, head_dim, num_q_heads, num_kv_heads, block_size, block_m, [(q_len, seq_len), ...]): GQA ratios 1/2/7/8,
 # head_dim 64/128, short chunks over long cached prefixes (split), one-row decode entries with long contexts
-# (split) and short ones, odd lengths off the page and key tile sizes, an empty entry, a fully new prompt.
+# (split) and short ones, odd lengths off the page and key tile sizes, an empty entry, a fully new prompt; the
+# last is the prefix benchmark's step in small (2 query heads per kv head, 64-row tiles, 50 tokens over 900).
 SPLIT_CASES = [
     (torch.float32, 64, 2, 2, 16, 16, [(20, 450), (1, 301), (0, 9), (37, 37)]),
     (torch.float16, 128, 14, 2, 8, 16, [(5, 389), (1, 3), (12, 30)]),
     (torch.float32, 64, 8, 1, 32, 32, [(33, 300), (1, 260)]),
     (torch.float32, 128, 2, 1, 16, 16, [(1, 613), (1, 300), (3, 3), (17, 290)]),
+    (torch.float16, 128, 4, 2, 16, 64, [(50, 950), (1, 390), (3, 3)]),
 ]
+
+
+def _split_packs(case) -> list[int]:
+    """One query head per program, and all of a kv head's, where they differ."""
+    return sorted({1, case[2] // case[3]})
 
 
 def _case_inputs(case, make_paged_kv, gen, device):
@@ -172,42 +192,68 @@ def _case_inputs(case, make_paged_kv, gen, device):
 
 
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=range(len(SPLIT_CASES)))
-def test_split_kernel_matches_ref(case, make_paged_kv, gen, device, tol):
+@pytest.mark.parametrize("packed", [False, True], ids=["pack_1", "pack_group"])
+def test_split_kernel_matches_ref(case, packed, make_paged_kv, gen, device, tol):
     from nanoserve.kernels.prefill_attention import prefill_attention, prefill_attention_ref
 
     args, block_m = _case_inputs(case, make_paged_kv, gen, device)
     q, _, _, cu, seq = args[:5]
-    num_heads, head_dim = q.shape[1:]
-    max_partials = 12
+    pack = max(_split_packs(case)) if packed else 1
+    num_heads, head_dim = q.shape[1] // pack, q.shape[2]
+    max_partials = 24
     # Room for every split, and padding rows past them (which must write nothing).
-    num_rows = max_prefill_tiles(q.shape[0], len(seq), block_m) + max_partials + 3
+    num_rows = max_prefill_tiles(q.shape[0], len(seq), block_m, pack) + max_partials + 3
     # A small GPU (64 programs at once) and 128-key pieces, so that these small inputs split.
-    split_map = prefill_split_map(cu.tolist(), seq.tolist(), block_m, num_rows, num_heads, 64, max_partials, 128)
-    assert _check_split_map(split_map, cu.tolist(), seq.tolist(), block_m, num_rows, max_partials) > 1
+    split_map = prefill_split_map(cu.tolist(), seq.tolist(), block_m, num_rows, num_heads, 64, max_partials, 128,
+                                  pack)  # fmt: skip
+    assert _check_split_map(split_map, cu.tolist(), seq.tolist(), block_m, num_rows, max_partials, pack) > 1
     scratch = SplitScratch.allocate(max_partials, num_heads, block_m, head_dim, device)
     tile_map = torch.from_numpy(split_map).to(device)
     want = prefill_attention_ref(*args)
     for _ in range(2):  # the second call reuses the scratch: its counters must be back at zero
         out = torch.full_like(q, float("nan"))
-        got = prefill_attention(*args, out=out, tile_map=tile_map, block_m=block_m, split_scratch=scratch)
+        got = prefill_attention(*args, out=out, tile_map=tile_map, block_m=block_m, split_scratch=scratch,
+                                pack=pack)  # fmt: skip
         assert got is out
         assert torch.isfinite(got).all(), "every token row must be written exactly by its tile's merge or program"
         torch.testing.assert_close(got, want, **tol[q.dtype])
         assert (scratch.count == 0).all()
 
 
-def test_split_kernel_leaves_uncovered_rows(make_paged_kv, gen, device, tol):
+def test_split_kernel_16_bit_partials(make_paged_kv, gen, device, tol):
+    """Partial outputs kept in the inputs' 16-bit dtype: one more rounding, within the dtype's tolerance."""
+    from nanoserve.kernels.prefill_attention import prefill_attention, prefill_attention_ref
+
+    case = SPLIT_CASES[4]
+    args, block_m = _case_inputs(case, make_paged_kv, gen, device)
+    q, _, _, cu, seq = args[:5]
+    pack = q.shape[1] // args[1].shape[2]
+    num_rows = max_prefill_tiles(q.shape[0], len(seq), block_m, pack) + 12
+    split_map = prefill_split_map(cu.tolist(), seq.tolist(), block_m, num_rows, q.shape[1] // pack, 64, 12, 128,
+                                  pack)  # fmt: skip
+    assert split_map[:, 6].max() > 1
+    scratch = SplitScratch.allocate(12, q.shape[1] // pack, block_m, q.shape[2], device, q.dtype)
+    out = torch.full_like(q, float("nan"))
+    prefill_attention(*args, out=out, tile_map=torch.from_numpy(split_map).to(device), block_m=block_m,
+                      split_scratch=scratch, pack=pack)  # fmt: skip
+    torch.testing.assert_close(out, prefill_attention_ref(*args), **tol[q.dtype])
+    assert (scratch.count == 0).all()
+
+
+@pytest.mark.parametrize("case", [0, 4])
+def test_split_kernel_leaves_uncovered_rows(case, make_paged_kv, gen, device, tol):
     """Padded token rows past the batch's last sequence keep their contents, split tiles or not."""
     from nanoserve.kernels.prefill_attention import prefill_attention, prefill_attention_ref
 
-    args, block_m = _case_inputs(SPLIT_CASES[0], make_paged_kv, gen, device)
+    args, block_m = _case_inputs(SPLIT_CASES[case], make_paged_kv, gen, device)
     q, k_cache, v_cache, cu, seq, block_tables, max_q, scale = args
+    pack = q.shape[1] // k_cache.shape[2]  # the default
     n, pad = q.shape[0], 5
     q_pad = torch.cat([q, torch.randn(pad, *q.shape[1:], generator=gen).to(q.device, q.dtype)])
-    split_map = prefill_split_map(cu.tolist(), seq.tolist(), block_m, 20, q.shape[1], 64, 10, 128)
+    split_map = prefill_split_map(cu.tolist(), seq.tolist(), block_m, 20, q.shape[1] // pack, 64, 10, 128, pack)
     assert split_map[:, 6].max() > 1
     tile_map = torch.from_numpy(split_map).to(device)
-    scratch = SplitScratch.allocate(10, q.shape[1], block_m, q.shape[2], device)
+    scratch = SplitScratch.allocate(10, q.shape[1] // pack, block_m, q.shape[2], device)
     out = torch.full_like(q_pad, 7.0)
     prefill_attention(q_pad, k_cache, v_cache, cu, seq, block_tables, max_q, scale, out=out, tile_map=tile_map,
                       block_m=block_m, split_scratch=scratch)  # fmt: skip
@@ -221,12 +267,14 @@ def test_eager_call_splits_long_cached_prefix(make_paged_kv, gen, device, tol):
     from nanoserve.kernels.prefill_attention import prefill_attention, prefill_attention_ref
 
     case = (torch.float32, 64, 2, 1, 16, 16, [(20, 1300), (1, 40)])
-    args, block_m = _case_inputs(case, make_paged_kv, gen, device)
+    args, _ = _case_inputs(case, make_paged_kv, gen, device)
     cu, seq = args[3].tolist(), args[4].tolist()
+    # The default: one program per kv head serving both query heads, 40 query rows -> 16-row tiles.
+    pack, block_m = 2, prefill_block_m(20, 2)
     concurrency = H200_SMS * prefill_programs_per_sm(block_m)
-    num_rows, max_partials = 4 + max_kv_partials(block_m, 2), max_kv_partials(block_m, 2)
-    split_map = prefill_split_map(cu, seq, block_m, num_rows, 2, concurrency, max_partials)
-    assert _check_split_map(split_map, cu, seq, block_m, num_rows, max_partials) > 1
+    num_rows, max_partials = 5 + max_kv_partials(block_m, 1), max_kv_partials(block_m, 1)
+    split_map = prefill_split_map(cu, seq, block_m, num_rows, 1, concurrency, max_partials, pack=pack)
+    assert _check_split_map(split_map, cu, seq, block_m, num_rows, max_partials, pack) > 1
     torch.testing.assert_close(prefill_attention(*args), prefill_attention_ref(*args), **tol[torch.float32])
 
 
@@ -280,8 +328,9 @@ def test_graph_runner_maps_match_ref(make_paged_kv, gen, device, tol):
         t = runner.prepare(torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64), meta)
         _, _, bucket_meta = runner._args(t)
         split_map = bucket_meta.tile_map.cpu().numpy()
+        assert runner.pack == bucket_meta.pack == 2
         splits = _check_split_map(split_map, meta.cu_seqlens_q_cpu, seq_lens, runner.block_m[t],
-                                  runner.num_tiles[t], runner.max_partials[t])  # fmt: skip
+                                  runner.num_tiles[t], runner.max_partials[t], runner.pack)  # fmt: skip
         assert (splits > 1) == (i == 0)
         q = torch.randn(t, num_heads, head_dim, generator=gen).to(device)  # rows past n are padding
         got = TritonBackend.attend(q, k_cache, v_cache, bucket_meta, head_dim**-0.5)
@@ -301,20 +350,27 @@ def test_eager_step_with_decodes_matches_ref(make_paged_kv, gen, device, tol):
     lens = [(1, 50), (1, 9), (24, 900), (5, 5)]
     q_lens, seq_lens = [q for q, _ in lens], [s for _, s in lens]
     k_cache, v_cache, tables = make_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, torch.float32, gen)
-    meta = _metadata(q_lens, seq_lens, tables, 2, device)
-    eager_tile_map(meta, torch.device(device), num_heads, head_dim, num_sms=H200_SMS)
-    assert meta.tile_map.shape[1] == SPLIT_MAP_COLUMNS and int(meta.tile_map[:, 6].max()) > 1
-    assert (meta.tile_map[:, 0] >= 0).all(), "an eager launch gets no padding rows"
     q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(device)
-    got = TritonBackend.attend(q, k_cache, v_cache, meta, head_dim**-0.5)
-    want = prefill_attention_ref(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, tables, 24, head_dim**-0.5)
-    torch.testing.assert_close(got, want, **tol[torch.float32])
+    want = prefill_attention_ref(q, k_cache, v_cache, _metadata(q_lens, seq_lens, tables, 2, device).cu_seqlens_q,
+                                 torch.tensor(seq_lens, dtype=torch.int32, device=device), tables, 24,
+                                 head_dim**-0.5)  # fmt: skip
+    # Packed (the model runner passes num_kv_heads), and as a caller that does not.
+    for num_kv, pack in ((num_kv_heads, 2), (None, 1)):
+        meta = _metadata(q_lens, seq_lens, tables, 2, device)
+        eager_tile_map(meta, torch.device(device), num_heads, head_dim, num_sms=H200_SMS, num_kv_heads=num_kv)
+        assert meta.pack == pack and meta.split_scratch.count.shape[1] == num_heads // pack
+        assert meta.tile_map.shape[1] == SPLIT_MAP_COLUMNS and int(meta.tile_map[:, 6].max()) > 1
+        assert (meta.tile_map[:, 0] >= 0).all(), "an eager launch gets no padding rows"
+        got = TritonBackend.attend(q, k_cache, v_cache, meta, head_dim**-0.5)
+        torch.testing.assert_close(got, want, **tol[torch.float32])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_split_kernel_cuda_graph_replays(make_paged_kv, gen):
+@pytest.mark.parametrize("pack", [1, 2])
+def test_split_kernel_cuda_graph_replays(pack, make_paged_kv, gen):
     """One graph captured over a bucket's tensors (bf16, Qwen3-0.6B heads) replays steps that split differently
-    or not at all: each step's split map and lengths are copied in before its replay."""
+    or not at all: each step's split map and lengths are copied in before its replay. A replay gives the same
+    bits every time (the merge's order does not depend on which split finishes last)."""
     from nanoserve.kernels.prefill_attention import prefill_attention, prefill_attention_ref
 
     num_q_heads, num_kv_heads, head_dim, block_size = 16, 8, 128, 16
@@ -322,11 +378,12 @@ def test_split_kernel_cuda_graph_replays(make_paged_kv, gen):
     steps = [[(100, 2100)], [(60, 60), (1, 3000), (1, 17), (30, 4000)], [(128, 128)], [(7, 9000), (2, 2)]]
     all_lens = [s for step in steps for _, s in step]
     k_cache, v_cache, tables = make_paged_kv(all_lens, num_kv_heads, head_dim, block_size, torch.bfloat16, gen)
-    block_m = prefill_block_m(num_tokens)
-    num_rows = max_prefill_tiles(num_tokens, max_num_seqs, block_m)
-    max_partials = max_kv_partials(block_m, num_q_heads)
+    heads = num_q_heads // pack
+    block_m = prefill_block_m(num_tokens, pack)
+    num_rows = max_prefill_tiles(num_tokens, max_num_seqs, block_m, pack)
+    max_partials = max_kv_partials(block_m, heads)
     concurrency = sms * prefill_programs_per_sm(block_m)
-    scratch = SplitScratch.allocate(max_partials, num_q_heads, block_m, head_dim, "cuda")
+    scratch = SplitScratch.allocate(max_partials, heads, block_m, head_dim, "cuda")
     q = torch.empty(num_tokens, num_q_heads, head_dim, dtype=torch.bfloat16, device="cuda")
     cu = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device="cuda")
     seq = torch.zeros(max_num_seqs, dtype=torch.int32, device="cuda")
@@ -336,7 +393,7 @@ def test_split_kernel_cuda_graph_replays(make_paged_kv, gen):
     args = (q, k_cache, v_cache, cu, seq, block_tables, num_tokens, head_dim**-0.5)
 
     def call():
-        prefill_attention(*args, out=out, tile_map=tile_map, block_m=block_m, split_scratch=scratch)
+        prefill_attention(*args, out=out, tile_map=tile_map, block_m=block_m, split_scratch=scratch, pack=pack)
 
     call()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -352,7 +409,8 @@ def test_split_kernel_cuda_graph_replays(make_paged_kv, gen):
         seq.copy_(torch.tensor(seq_lens + [0] * (max_num_seqs - b), dtype=torch.int32))
         block_tables[:b].copy_(tables[first : first + b])
         first += b
-        split_map = prefill_split_map(cu_list, seq_lens, block_m, num_rows, num_q_heads, concurrency, max_partials)
+        split_map = prefill_split_map(cu_list, seq_lens, block_m, num_rows, heads, concurrency, max_partials,
+                                      pack=pack)  # fmt: skip
         split_seen.append(int(split_map[:, 6].max()) > 1)
         tile_map.copy_(torch.from_numpy(split_map))
         out.fill_(float("nan"))
@@ -360,4 +418,8 @@ def test_split_kernel_cuda_graph_replays(make_paged_kv, gen):
         want = prefill_attention_ref(q[:n], k_cache, v_cache, cu[: b + 1], seq[:b], block_tables[:b], n, head_dim**-0.5)
         torch.testing.assert_close(out[:n], want, atol=2e-2, rtol=2e-2)
         assert (scratch.count == 0).all()
+        first_out = out[:n].clone()
+        for _ in range(3):
+            graph.replay()
+            assert torch.equal(out[:n], first_out)
     assert split_seen[0] and not split_seen[2]

@@ -1,0 +1,120 @@
+"""The device side of one row of prefill attention's map (kernels/prefill_attention.py, kernels/tile_map.py): a
+tile's query rows against one range of keys, gathered page by page through the block table, with an online
+softmax; then the rows' output, written out, or for one split of a tile published for the tile's merge
+(kernels/prefill_split.py).
+"""
+
+import triton
+import triton.language as tl
+
+from nanoserve.kernels.prefill_split import _publish_and_merge
+
+
+@triton.jit
+def _attend_tiles(
+    acc,
+    l_i,
+    m_i,
+    q,
+    q_pos,
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_row,
+    kv_head,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    lo,
+    hi,
+    qk_scale,
+    DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Online-softmax accumulation over key tiles [lo, hi); MASKED applies causality and the end bound."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < hi
+        # Gather each key's page through the block table, so BLOCK_N and BLOCK_SIZE need not match.
+        if MASKED:
+            block_ids = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        else:
+            block_ids = tl.load(bt_row + offs_n // BLOCK_SIZE).to(tl.int64)
+        kv_offs = block_ids * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+        if MASKED:
+            k = tl.load(k_cache_ptr + kv_offs[None, :] + offs_d[:, None], mask=n_valid[None, :], other=0.0)
+            v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=n_valid[:, None], other=0.0)
+        else:
+            k = tl.load(k_cache_ptr + kv_offs[None, :] + offs_d[:, None])
+            v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :])
+
+        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            causal = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+            qk = tl.where(causal, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attend_rows(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, split_out_ptr, split_lse_ptr, split_count_ptr,
+    qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
+    kv_head, head, seq, start_r, kv_lo, kv_hi, first_slot, split, num_splits, q_start, q_rows, pos0,
+    PACK: tl.constexpr, SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, SLOT_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """One map row's work: query rows start_r .. start_r + ROWS over keys [kv_lo, kv_hi); a split's partial
+    result goes to scratch slots of SLOT_ROWS rows."""
+    # Rows run in token order, so the first row has the tile's least position.
+    first_pos = pos0 + start_r // PACK
+    # The map starts a range at or below first_pos, so every row of the tile sees its first key and no row max
+    # stays -inf (which would give NaN from -inf - -inf); and on a multiple of the key tile, which written out
+    # lets the compiler see whole pages and contiguous keys in each key tile (else 128-row tiles spill).
+    kv_lo = kv_lo // BLOCK_N * BLOCK_N
+
+    offs_r = start_r + tl.arange(0, ROWS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    r_valid = offs_r < q_rows
+    tok = offs_r // PACK
+    q_pos = pos0 + tok
+    q_tokens = (q_start + tok).to(tl.int64)
+    q_heads = head * PACK + offs_r % PACK
+    q_offs = q_tokens[:, None] * stride_qt + q_heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=r_valid[:, None], other=0.0)
+
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # Whole key tiles below this tile's first position are visible to every row: no masks there. Rows past the
+    # sequence's sit further on and see at least as much.
+    unmasked_end = kv_lo + tl.maximum(tl.minimum(first_pos, kv_hi) - kv_lo, 0) // BLOCK_N * BLOCK_N
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, stride_cb, stride_ct, stride_ch,
+        kv_lo, unmasked_end, qk_scale, DOT_PRECISION, False, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, stride_cb, stride_ct, stride_ch,
+        unmasked_end, kv_hi, qk_scale, DOT_PRECISION, True, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+    )  # fmt: skip
+
+    acc = acc / l_i[:, None]
+    write = r_valid
+    if SPLITS:
+        if num_splits > 1:
+            acc, last = _publish_and_merge(
+                acc, m_i + tl.log2(l_i), split_out_ptr, split_lse_ptr, split_count_ptr, first_slot, split,
+                num_splits, head, tl.num_programs(0), r_valid, HEAD_DIM, ROWS, SLOT_ROWS,
+            )  # fmt: skip
+            write = tl.where(last, r_valid, False)  # (r_valid & last is int32 in the interpreter)
+    out_offs = q_tokens[:, None] * stride_ot + q_heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=write[:, None])
