@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve.kernels.pdl import use_pdl, wait_for_prior_grids
 from nanoserve.kernels.prefill_tile import _attend_rows
 from nanoserve.kernels.split_scratch import SplitScratch
 
@@ -63,6 +64,7 @@ def _prefill_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     head = tl.program_id(0)  # this program's query heads are head * PACK .. head * PACK + PACK - 1
     map_row = tile_map_ptr + tl.program_id(1) * MAP_COLUMNS
@@ -72,6 +74,9 @@ def _prefill_attention_kernel(
     q_start, q_rows, pos0 = tl.load(map_row + 7), tl.load(map_row + 8), tl.load(map_row + 9)
     if seq < 0:
         return
+    # The map is a step input, copied before the step's first kernel, so it was read above without waiting on
+    # the kernel before this one (under PDL, still finishing the q/k/v this launch reads).
+    wait_for_prior_grids(USE_PDL)
     args = (q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, split_out_ptr, split_lse_ptr, split_count_ptr,
             qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
             head * PACK // num_queries_per_kv, head, seq, start_r, kv_lo, kv_hi, first_slot, split, num_splits,
@@ -161,6 +166,7 @@ def prefill_attention(
     # (with tiles fastest, the last head's longest tile would start in the last wave). On an H200 the two
     # orders measured within 2% of each other.
     grid = (heads, tile_map.shape[0])
+    pdl = use_pdl(q)
     _prefill_attention_kernel[grid](
         q,
         k_cache,
@@ -193,6 +199,8 @@ def prefill_attention(
         # is the least a 64-row wgmma needs.
         num_warps=8 if block_m == 128 else 4,
         num_stages=num_stages,
+        USE_PDL=pdl,
+        launch_pdl=pdl,
     )
     return out
 
