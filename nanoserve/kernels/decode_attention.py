@@ -13,7 +13,12 @@ is read once. The partials are merged in one of two ways:
 With num_splits == 1 the single program per (sequence, kv head) writes the output directly. The grid
 depends only on shapes and num_splits, so a call can be captured in a CUDA graph; splits past a sequence's
 end hold no keys and are skipped by the merge (in the fused path they still bump the counter).
+
+The pieces of a split program (its key range, the key loop, handing its result on) and the launch planning
+are shared with decode_rope_attention.py, which does qkv_rope_store's work in the same launch.
 """
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -23,6 +28,7 @@ from nanoserve.kernels.pdl import use_pdl, wait_for_prior_grids
 from nanoserve.kernels.prefill_attention import gather_kv
 
 _BLOCK_N = 64
+LOG2E = 1.4426950408889634  # the kernels use exp2/log2: scores are scaled by scale * log2(e)
 # The fused merge loads [group, splits, head_dim] fp32 partials at once (one round trip to L2 rather than
 # one per split, on the critical path of every batch-1 layer); tiles are capped at this many elements, 64
 # registers a thread at 4 warps, and more splits than fit are merged a chunk at a time. Compiled offline for
@@ -32,26 +38,14 @@ _MERGE_TILE = 8192
 
 
 @triton.jit
-def _merge_splits(
-    mid_o_ptr,
-    mid_lse_ptr,
-    out_ptr,
-    first_row,
-    out_offset,
-    stride_oh,
-    seq_len,
-    chunk,
-    num_queries_per_kv,
-    num_splits,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
+def _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, first_row, out_offset, stride_oh, seq_len, chunk,
+                  num_queries_per_kv, num_splits,
+                  HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr):
     """Merge the partials of the query heads first_row.. (rows of [.., num_splits, HEAD_DIM]) into out.
 
     Only splits that hold keys (split * chunk < seq_len) are read: the others never stored anything. The
     loads use .cg (L2, not L1) because the partials were written by other programs on other SMs; see the
-    ordering argument in _decode_split_kernel."""
+    ordering argument in write_split."""
     offs_g = tl.arange(0, BLOCK_G)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -70,12 +64,8 @@ def _merge_splits(
         used = g_valid[:, None] & ((splits < num_splits) & (splits * chunk < seq_len))[None, :]
         mid_rows = offs_g[:, None] * num_splits + splits[None, :]  # [BLOCK_G, BLOCK_S]
         lse = tl.load(lse_base + mid_rows, mask=used, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(
-            o_base + mid_rows[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-            mask=used[:, :, None],
-            other=0.0,
-            cache_modifier=".cg",
-        )
+        o = tl.load(o_base + mid_rows[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=used[:, :, None],
+                    other=0.0, cache_modifier=".cg")
         m_new = tl.maximum(m_i, tl.max(lse, 1))
         # A sequence of length 0 (a CUDA-graph padding row) or a padded head has no used split: m stays
         # -inf, so subtract 0 instead to get weights of 0 rather than NaN, and zeros out.
@@ -86,103 +76,85 @@ def _merge_splits(
         acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 1)
         m_i = m_new
     result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(
-        out_ptr + out_offset + offs_g[:, None] * stride_oh + offs_d[None, :],
-        result.to(out_ptr.dtype.element_ty),
-        mask=g_valid[:, None],
-    )
+    tl.store(out_ptr + out_offset + offs_g[:, None] * stride_oh + offs_d[None, :],
+             result.to(out_ptr.dtype.element_ty), mask=g_valid[:, None])
 
 
 @triton.jit
-def _decode_split_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    seq_lens_ptr,
-    block_tables_ptr,
-    mid_o_ptr,
-    mid_lse_ptr,
-    out_ptr,
-    counters_ptr,
-    qk_scale,
-    stride_qb,
-    stride_qh,
-    stride_cb,
-    stride_ct,
-    stride_ch,
-    stride_bt,
-    stride_ob,
-    stride_oh,
-    num_queries_per_kv,
-    num_splits,
-    SPLIT: tl.constexpr,
-    FUSED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """SPLIT=False: write the output (num_splits is 1). SPLIT, not FUSED: store partials for the reduce
-    kernel. SPLIT and FUSED: store partials, and the last program of a (sequence, kv head) merges them."""
-    wait_for_prior_grids(USE_PDL)
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    num_kv_heads = tl.num_programs(1)
-    num_q_heads = num_kv_heads * num_queries_per_kv
-
-    offs_g = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, HEAD_DIM)
-    heads = kv_head * num_queries_per_kv + offs_g
-    h_valid = offs_g < num_queries_per_kv
-    q = tl.load(
-        q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=h_valid[:, None],
-        other=0.0,
-    )
-
+def split_range(seq_lens_ptr, seq, split, num_splits, BLOCK_N: tl.constexpr):
+    """seq_len, the split size (chunk) and this split's keys [kv_start, kv_end) of sequence seq."""
     # Chunks are whole BLOCK_N tiles so that every tile but a sequence's last is full.
     seq_len = tl.load(seq_lens_ptr + seq)
     chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     kv_start = split * chunk
-    kv_end = tl.minimum(kv_start + chunk, seq_len)
+    return seq_len, chunk, kv_start, tl.minimum(kv_start + chunk, seq_len)
 
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for start_n in range(kv_start, kv_end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < kv_end
-        block_ids = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-        kv_offs = block_ids * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
-        k = tl.load(k_cache_ptr + kv_offs[None, :] + offs_d[:, None], mask=n_valid[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=n_valid[:, None], other=0.0)
 
-        # Every tile in [kv_start, kv_end) holds at least one valid key, so m_new is finite.
-        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
-        qk = tl.where(n_valid[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+@triton.jit
+def load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, kv_head, start_n, kv_end, new_pos, stride_cb, stride_ct,
+                 stride_ch, NEW_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """Keys start_n.. of one kv head from the paged cache (bt_row: the sequence's block table row): K as
+    [HEAD_DIM, BLOCK_N], V as [BLOCK_N, HEAD_DIM], zeros from kv_end on and, with NEW_KV, at new_pos."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    n_valid = offs_n < kv_end
+    block_ids = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+    if NEW_KV:
+        n_valid = n_valid & (offs_n != new_pos)
+    kv_offs = block_ids * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+    k = tl.load(k_cache_ptr + kv_offs[None, :] + offs_d[:, None], mask=n_valid[None, :], other=0.0)
+    v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=n_valid[:, None], other=0.0)
+    return k, v
 
+
+@triton.jit
+def attend_tile(q, k, v, start_n, kv_end, m_i, l_i, acc, qk_scale, new_pos, qk_new, new_v,
+                NEW_KV: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One online-softmax step of q [BLOCK_H, HEAD_DIM] over a tile of keys start_n.. holding at least one
+    below kv_end (so m_new is finite). NEW_KV: the key at position new_pos, if in the tile, is not the cache's
+    (load_kv_tile left zeros there) but one given by its scaled scores qk_new [BLOCK_H] and value new_v
+    [1, HEAD_DIM]. Patching the scores and the sums, rather than the K/V tiles, keeps the tiles' loads going
+    straight to shared memory in the pipelined loop: a select on the tiles cost ~100 registers a thread."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+    if NEW_KV:
+        is_new = (offs_n == new_pos)[None, :]
+        qk = tl.where(is_new, qk_new[:, None], qk)
+    qk = tl.where((offs_n < kv_end)[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(v.dtype)  # the dot's inputs are in the cache's dtype: p is rounded here, the new key's weight too
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+    if NEW_KV:
+        p_new = tl.sum(tl.where(is_new, p.to(tl.float32), 0.0), 1)  # the new key's column (or zeros)
+        acc += p_new[:, None] * new_v.to(v.dtype).to(tl.float32)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def write_split(acc, m_i, l_i, seq, kv_head, split, seq_len, chunk, kv_start, mid_o_ptr, mid_lse_ptr, out_ptr,
+                counters_ptr, stride_ob, stride_oh, num_queries_per_kv, num_splits, SPLIT: tl.constexpr,
+                FUSED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr,
+                BLOCK_S: tl.constexpr):
+    """Hand a (sequence, kv head, split) program's result on. SPLIT=False: it is the output (num_splits is 1).
+    SPLIT, not FUSED: a partial for the reduce kernel. SPLIT and FUSED: a partial, and the last program of the
+    (sequence, kv head) merges them all."""
+    num_kv_heads = tl.num_programs(1)
+    num_q_heads = num_kv_heads * num_queries_per_kv
+    offs_g = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * num_queries_per_kv + offs_g
+    h_valid = offs_g < num_queries_per_kv
     # An empty split (kv_start >= seq_len) leaves l_i = 0: o = 0 and lse = -inf.
     nonempty = l_i > 0
     acc = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     if not SPLIT:
         # The only split: acc is the output (zeros for a length-0 padding row).
-        tl.store(
-            out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-            acc.to(out_ptr.dtype.element_ty),
-            mask=h_valid[:, None],
-        )
+        tl.store(out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=h_valid[:, None])
     else:
         lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
         mid_rows = (seq * num_q_heads + heads).to(tl.int64) * num_splits + split
@@ -210,35 +182,70 @@ def _decode_split_kernel(
                 # it, so a plain store resets it; the kernel boundary publishes it to the next launch (the
                 # next layer, or the next replay of a CUDA graph).
                 tl.store(counter, 0)
-                _merge_splits(
-                    mid_o_ptr,
-                    mid_lse_ptr,
-                    out_ptr,
-                    seq * num_q_heads + kv_head * num_queries_per_kv,
-                    seq.to(tl.int64) * stride_ob + (kv_head * num_queries_per_kv) * stride_oh,
-                    stride_oh,
-                    seq_len,
-                    chunk,
-                    num_queries_per_kv,
-                    num_splits,
-                    HEAD_DIM=HEAD_DIM,
-                    BLOCK_G=BLOCK_G,
-                    BLOCK_S=BLOCK_S,
-                )
+                _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, seq * num_q_heads + kv_head * num_queries_per_kv,
+                              seq.to(tl.int64) * stride_ob + (kv_head * num_queries_per_kv) * stride_oh,
+                              stride_oh, seq_len, chunk, num_queries_per_kv, num_splits,
+                              HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_S=BLOCK_S)
 
 
 @triton.jit
-def _decode_reduce_kernel(
-    mid_o_ptr,
-    mid_lse_ptr,
-    out_ptr,
-    stride_ob,
-    stride_oh,
-    num_splits,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
+def attend_split(q, k0, v0, k_cache_ptr, v_cache_ptr, bt_row, mid_o_ptr, mid_lse_ptr, out_ptr, counters_ptr, seq,
+                 kv_head, split, seq_len, chunk, kv_start, kv_end, qk_scale, stride_cb, stride_ct, stride_ch,
+                 stride_ob, stride_oh, num_queries_per_kv, num_splits, new_pos, qk_new, new_v,
+                 PREFETCHED: tl.constexpr, NEW_KV: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr):
+    """A (sequence, kv head, split) program's work once its queries q [BLOCK_H, HEAD_DIM] are known: the online
+    softmax over its keys [kv_start, kv_end) (PREFETCHED: the first tile is k0/v0, loaded by the caller), then
+    the result handed on (write_split). NEW_KV: see attend_tile."""
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    begin = kv_start
+    if PREFETCHED:
+        if kv_start < kv_end:  # an empty split has no tile
+            m_i, l_i, acc = attend_tile(q, k0, v0, kv_start, kv_end, m_i, l_i, acc, qk_scale, new_pos, qk_new, new_v,
+                                        NEW_KV, DOT_PRECISION, BLOCK_N)
+        begin = kv_start + BLOCK_N
+    for start_n in range(begin, kv_end, BLOCK_N):
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, kv_head, start_n, kv_end, new_pos, stride_cb,
+                            stride_ct, stride_ch, NEW_KV, HEAD_DIM, BLOCK_SIZE, BLOCK_N)
+        m_i, l_i, acc = attend_tile(q, k, v, start_n, kv_end, m_i, l_i, acc, qk_scale, new_pos, qk_new, new_v,
+                                    NEW_KV, DOT_PRECISION, BLOCK_N)
+    write_split(acc, m_i, l_i, seq, kv_head, split, seq_len, chunk, kv_start, mid_o_ptr, mid_lse_ptr, out_ptr,
+                counters_ptr, stride_ob, stride_oh, num_queries_per_kv, num_splits, SPLIT, FUSED, HEAD_DIM, BLOCK_H,
+                BLOCK_G, BLOCK_S)
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_ptr, mid_o_ptr, mid_lse_ptr,
+                         out_ptr, counters_ptr, qk_scale, stride_qb, stride_qh, stride_cb, stride_ct, stride_ch,
+                         stride_bt, stride_ob, stride_oh, num_queries_per_kv, num_splits,
+                         SPLIT: tl.constexpr, FUSED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    """One (sequence, kv head, split): the group's query heads over the split's keys."""
+    wait_for_prior_grids(USE_PDL)
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    offs_g = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * num_queries_per_kv + offs_g
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=(offs_g < num_queries_per_kv)[:, None], other=0.0)
+    seq_len, chunk, kv_start, kv_end = split_range(seq_lens_ptr, seq, split, num_splits, BLOCK_N)
+    attend_split(q, None, None, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt, mid_o_ptr,
+                 mid_lse_ptr, out_ptr, counters_ptr, seq, kv_head, split, seq_len, chunk, kv_start, kv_end, qk_scale,
+                 stride_cb, stride_ct, stride_ch, stride_ob, stride_oh, num_queries_per_kv, num_splits, -1, None, None,
+                 False, False, SPLIT, FUSED, DOT_PRECISION, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_N, BLOCK_G, BLOCK_S)
+
+
+@triton.jit
+def _decode_reduce_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
+                          HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_prior_grids(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -269,10 +276,7 @@ def _decode_reduce_kernel(
         acc += tl.sum(o * w[:, None], 0)
     w_total = tl.sum(w_sum, 0)
     result = acc / tl.where(w_total > 0, w_total, 1.0)
-    tl.store(
-        out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + offs_d,
-        result.to(out_ptr.dtype.element_ty),
-    )
+    tl.store(out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + offs_d, result.to(out_ptr.dtype.element_ty))
 
 
 def default_num_splits(batch_size: int, num_kv_heads: int, max_context_len: int) -> int:
@@ -287,17 +291,79 @@ def default_num_splits(batch_size: int, num_kv_heads: int, max_context_len: int)
     return max(1, min(wanted, triton.cdiv(max_context_len, _BLOCK_N)))
 
 
-def decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    num_splits: int | None = None,
-    out: torch.Tensor | None = None,
-    counters: torch.Tensor | None = None,
-) -> torch.Tensor:
+class SplitLaunch(NamedTuple):
+    """A split kernel's launch: its grid (sequences, kv heads, splits), the partials' fp32 scratch, the counters
+    pointer (seq_lens stands in when there are none), and the constexprs and options every split kernel takes."""
+
+    grid: tuple[int, int, int]
+    mid_o: torch.Tensor
+    mid_lse: torch.Tensor
+    counters: torch.Tensor
+    options: dict
+
+
+def plan_split_launch(dtype: torch.dtype, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      seq_lens: torch.Tensor, block_tables: torch.Tensor, num_splits: int | None,
+                      counters: torch.Tensor | None) -> SplitLaunch | None:
+    """Check the arguments (as decode_attention takes them) against out [B, num_q_heads, head_dim] and plan the
+    launch; dtype is the queries' (fp32 gets an exact dot). None when there is nothing to launch (B == 0)."""
+    batch, num_q_heads, head_dim = out.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert head_dim in (64, 128), "head_dim must be 64 or 128"
+    assert block_size >= 8 and block_size & (block_size - 1) == 0, "block_size must be a power of 2 >= 8"
+    assert num_q_heads % num_kv_heads == 0 and out.stride(2) == 1
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert seq_lens.shape == (batch,) and block_tables.shape[0] == batch
+    if counters is not None:
+        assert counters.dtype == torch.int32 and counters.is_contiguous(), "counters must be contiguous int32"
+        assert counters.numel() >= batch * num_kv_heads, "counters needs one slot per (sequence, kv head)"
+        assert counters.device == out.device
+    if batch == 0:
+        return None
+    if num_splits is None:
+        num_splits = default_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size)
+    group = num_q_heads // num_kv_heads
+    split = num_splits > 1
+    fused = split and counters is not None
+    if split:
+        mid_o = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=out.device)
+        mid_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=out.device)
+    else:
+        mid_o = mid_lse = out  # never read or written: the kernel writes the output directly
+    block_g = triton.next_power_of_2(group)
+    pdl = use_pdl(out)
+    options = dict(
+        SPLIT=split, FUSED=fused,
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",  # tf32 would lose fp32 inputs' bits
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        # tl.dot needs M >= 16: small groups are padded with zero queries, free since decode is memory bound.
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=_BLOCK_N,
+        # The fused merge needs no tl.dot, so its head tile is just the group (4 for Llama-3.1-8B).
+        BLOCK_G=block_g,
+        BLOCK_S=min(triton.next_power_of_2(num_splits), max(1, _MERGE_TILE // (block_g * head_dim))),
+        USE_PDL=pdl, launch_pdl=pdl,
+        # Memory bound: 4 warps per 64-key tile and two stages keep the next tile's gather in flight.
+        num_warps=4, num_stages=2,
+    )
+    return SplitLaunch((batch, num_kv_heads, num_splits), mid_o, mid_lse, counters if fused else seq_lens, options)
+
+
+def launch_reduce(launch: SplitLaunch, out: torch.Tensor) -> None:
+    """The second launch, merging the partials, where the split kernel stored some and did not merge them."""
+    if not launch.options["SPLIT"] or launch.options["FUSED"]:
+        return
+    num_splits, pdl = launch.grid[2], launch.options["USE_PDL"]
+    _decode_reduce_kernel[(out.shape[0], out.shape[1])](
+        launch.mid_o, launch.mid_lse, out, out.stride(0), out.stride(1), num_splits,
+        HEAD_DIM=out.shape[2],
+        BLOCK_S=min(16, triton.next_power_of_2(num_splits)),  # bounds registers at 16 x head_dim fp32
+        USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+                     block_tables: torch.Tensor, scale: float, num_splits: int | None = None,
+                     out: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, num_q_heads, head_dim], one token per sequence at position seq_lens[b] - 1; returns q's shape.
 
     num_splits must not depend on tensor values when the call is captured in a CUDA graph; by default it
@@ -309,100 +375,25 @@ def decode_attention(
     by the kernel, so one buffer serves every layer and replay. Calls sharing a buffer must not run
     concurrently (on two streams). Without it the partials are merged by a second launch.
     """
-    batch, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    assert head_dim in (64, 128), "head_dim must be 64 or 128"
-    assert block_size >= 8 and block_size & (block_size - 1) == 0, "block_size must be a power of 2 >= 8"
-    assert num_q_heads % num_kv_heads == 0
-    assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert seq_lens.shape == (batch,) and block_tables.shape[0] == batch
+    assert q.stride(2) == 1
     out = torch.empty_like(q) if out is None else out
-    assert out.shape == q.shape and out.stride(2) == 1
-    if counters is not None:
-        assert counters.dtype == torch.int32 and counters.is_contiguous(), "counters must be contiguous int32"
-        assert counters.numel() >= batch * num_kv_heads, "counters needs one slot per (sequence, kv head)"
-        assert counters.device == q.device
-    if batch == 0:
+    assert out.shape == q.shape
+    launch = plan_split_launch(q.dtype, out, k_cache, v_cache, seq_lens, block_tables, num_splits, counters)
+    if launch is None:
         return out
-    if num_splits is None:
-        num_splits = default_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size)
-    group = num_q_heads // num_kv_heads
-    split = num_splits > 1
-    fused = split and counters is not None
-    if split:
-        mid_o = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-        mid_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
-    else:
-        mid_o = mid_lse = out  # never read or written: the kernel writes the output directly
-    block_g = triton.next_power_of_2(group)
-    pdl = use_pdl(q)
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q,
-        k_cache,
-        v_cache,
-        seq_lens,
-        block_tables,
-        mid_o,
-        mid_lse,
-        out,
-        counters if fused else seq_lens,  # seq_lens stands in for an unused pointer
-        scale * 1.4426950408889634,  # log2(e): the kernels use exp2/log2
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        group,
-        # A runtime value, not constexpr: one compiled kernel serves every batch size's split count.
-        num_splits,
-        SPLIT=split,
-        FUSED=fused,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 would lose fp32 inputs' bits
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
-        # tl.dot needs M >= 16: small groups are padded with zero queries, free since decode is memory bound.
-        BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=_BLOCK_N,
-        # The fused merge needs no tl.dot, so its head tile is just the group (4 for Llama-3.1-8B).
-        BLOCK_G=block_g,
-        BLOCK_S=min(triton.next_power_of_2(num_splits), max(1, _MERGE_TILE // (block_g * head_dim))),
-        USE_PDL=pdl,
-        launch_pdl=pdl,
-        # Memory bound: 4 warps per 64-key tile and two stages keep the next tile's gather in flight.
-        num_warps=4,
-        num_stages=2,
-    )
-    if split and not fused:
-        _decode_reduce_kernel[(batch, num_q_heads)](
-            mid_o,
-            mid_lse,
-            out,
-            out.stride(0),
-            out.stride(1),
-            num_splits,
-            HEAD_DIM=head_dim,
-            BLOCK_S=min(16, triton.next_power_of_2(num_splits)),  # bounds registers at 16 x head_dim fp32
-            USE_PDL=pdl,
-            launch_pdl=pdl,
-            num_warps=4,
-        )
+    _decode_split_kernel[launch.grid](
+        q, k_cache, v_cache, seq_lens, block_tables, launch.mid_o, launch.mid_lse, out, launch.counters,
+        scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1), q.shape[1] // k_cache.shape[2],
+        launch.grid[2],  # num_splits as a runtime value: one compiled kernel serves every batch's split count
+        **launch.options)
+    launch_reduce(launch, out)
     return out
 
 
-def decode_attention_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    num_splits: int | None = None,
-    out: torch.Tensor | None = None,
-    counters: torch.Tensor | None = None,
-) -> torch.Tensor:
+def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+                         block_tables: torch.Tensor, scale: float, num_splits: int | None = None,
+                         out: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
     """Plain PyTorch version of decode_attention, in fp32; num_splits and counters are accepted and ignored."""
     group = q.shape[1] // k_cache.shape[2]
     out = torch.empty_like(q) if out is None else out

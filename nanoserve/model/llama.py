@@ -1,15 +1,22 @@
 """The Llama family: Llama 2/3, Mistral and Qwen2 (q/k/v bias); Qwen3 adds q/k norms (qwen3.py)."""
 
+import os
+
 import torch
 from torch import nn
 
 from nanoserve.config import ModelConfig
 from nanoserve.layers.activation import SiluAndMul
-from nanoserve.layers.attention import Attention, AttentionMetadata
+from nanoserve.layers.attention import Attention, AttentionMetadata, TritonBackend
 from nanoserve.layers.embedding import LMHead
 from nanoserve.layers.linear import GateUpLinear, Linear, QKVLinear
 from nanoserve.layers.norm import RMSNorm
 from nanoserve.layers.rotary import RotaryEmbedding
+
+# Steps that are all decodes do q/k norm, rotary and the KV store inside decode attention's launch
+# (kernels/decode_rope_attention.py); NANOSERVE_FUSED_ROPE_DECODE=0 keeps them in a launch of their own
+# (qkv_rope_store), as other steps do, to compare the two. Read once, at import.
+FUSED_ROPE_DECODE = os.environ.get("NANOSERVE_FUSED_ROPE_DECODE", "1") != "0"
 
 
 class LlamaAttention(nn.Module):
@@ -31,13 +38,22 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Attention from qkv_proj's output (which the decoder layer computes, fused with its input norm)."""
         if qkv.is_cuda:
+            norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+            rope_args = (qkv, self.num_heads, self.num_kv_heads, positions, self.rotary.cos_half, self.rotary.sin_half,
+                         *norms, self.q_norm.eps if self.q_norm is not None else 0.0, self.attn.k_cache,
+                         self.attn.v_cache, meta.slot_mapping)
+            if FUSED_ROPE_DECODE and meta.num_decodes == qkv.shape[0] and self.attn.backend is TritonBackend:
+                # Every sequence brings one token: the work below and attention in one launch, not two. (Only with
+                # the Triton backend: a reference run may put the PyTorch one on a GPU.)
+                from nanoserve.kernels.decode_rope_attention import decode_rope_attention
+
+                out = decode_rope_attention(*rope_args, meta.seq_lens, meta.block_tables, self.attn.scale,
+                                            counters=meta.decode_counters)
+                return self.o_proj(out.flatten(1))
             # One launch for q/k norm, rotary and the KV store (four separately): decode is launch-bound.
             from nanoserve.kernels.qkv_rope_store import qkv_rope_store
 
-            norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
-            qkv_rope_store(qkv, self.num_heads, self.num_kv_heads, positions, self.rotary.cos_half,
-                           self.rotary.sin_half, *norms, self.q_norm.eps if self.q_norm is not None else 0.0,
-                           self.attn.k_cache, self.attn.v_cache, meta.slot_mapping)
+            qkv_rope_store(*rope_args)
             q = qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim)
             return self.o_proj(self.attn.attend(q, meta).flatten(1))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
