@@ -13,10 +13,12 @@ from nanoserve.layers.linear import GateUpLinear, Linear, QKVLinear
 from nanoserve.layers.norm import RMSNorm
 from nanoserve.layers.rotary import RotaryEmbedding
 
-# Steps that are all decodes do q/k norm, rotary and the KV store inside decode attention's launch
-# (kernels/decode_rope_attention.py); NANOSERVE_FUSED_ROPE_DECODE=0 keeps them in a launch of their own
-# (qkv_rope_store), as other steps do, to compare the two. Read once, at import.
-FUSED_ROPE_DECODE = os.environ.get("NANOSERVE_FUSED_ROPE_DECODE", "1") != "0"
+# NANOSERVE_FUSED_ROPE_DECODE=1: steps that are all decodes do q/k norm, rotary and the KV store inside decode
+# attention's launch (kernels/decode_rope_attention.py) instead of a launch of their own (qkv_rope_store). Off by
+# default: measured on an H100 (BENCHMARKS.md, e01b115) it took Llama-3.1-8B batch-1 decode from 6.11 to 5.99
+# ms/token, but Qwen3-0.6B (with q/k norms) from 1.04 to 1.17, and the throughput run from 76 to 73 % of bound.
+# Read once, at import.
+FUSED_ROPE_DECODE = os.environ.get("NANOSERVE_FUSED_ROPE_DECODE", "0") == "1"
 
 
 class LlamaAttention(nn.Module):

@@ -83,7 +83,7 @@ def test_matches_unfused_references(case, prefetch, make_paged_kv, gen, device, 
 @pytest.mark.parametrize("case", CASES[1:4], ids=range(1, 4))
 def test_matches_unfused_kernels(case, make_paged_kv, gen, device, tol):
     """Against qkv_rope_store then decode_attention with the same splits and merge, as llama.py runs them
-    when NANOSERVE_FUSED_ROPE_DECODE=0; with a length-0 row that has a slot (stored by both)."""
+    without NANOSERVE_FUSED_ROPE_DECODE=1; with a length-0 row that has a slot (stored by both)."""
     rope, k_cache, v_cache, slots, seq, tables, splits, counters = _rope_inputs(
         case, make_paged_kv, gen, device, spare_slot_for_empty=True)
     qkv, hq = rope[0], rope[1]
