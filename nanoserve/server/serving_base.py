@@ -3,19 +3,26 @@ engine requests, and turning the engine's cumulative outputs into per-choice del
 
 The engine reports each sample's text, token ids and logprobs cumulatively; a stream sends only what
 is new since the last chunk, so `ChoiceState` remembers how much of each choice was sent.
+
+A stream's body is written by one coroutine (ServingBase.stream) that reads the engine outputs, feeds
+the metrics, and has a StreamChunks turn each output into SSE text: every chunk an output makes goes out
+in one write, and the last output's chunks go out with the usage chunk and [DONE].
 """
 
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
+
+from starlette.types import Send
 
 from nanoserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestGroup
 from nanoserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.errors import APIError, bad_request, error_body
-from nanoserve.server.metrics import ServerMetrics
+from nanoserve.server.metrics import RequestTracker, ServerMetrics
 from nanoserve.server.streaming import SSE_DONE, sse
 
 logger = logging.getLogger(__name__)
@@ -59,6 +66,7 @@ class Generation:
     prompts: list[list[int]]
     n: int
     group: RequestGroup
+    tracker: RequestTracker
     choices: dict[int, ChoiceState] = field(default_factory=dict)
 
     def choice_index(self, prompt_index: int, sample_index: int) -> int:
@@ -70,6 +78,11 @@ class Generation:
             usage.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
             usage.cached_tokens += out.num_cached_tokens
         return usage
+
+    def usage_chunk(self, obj: str, finals: dict[int, RequestOutput]) -> str:
+        """The stream's closing chunk that stream_options.include_usage asks for."""
+        return sse({"id": self.response_id, "object": obj, "created": self.created, "model": self.model,
+                    "choices": [], "usage": self.usage(finals).to_dict()})
 
 
 class ServingBase:
@@ -125,26 +138,22 @@ class ServingBase:
             group = self.engine.submit(requests)
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_dead") from None
-        return Generation(response_id, int(time.time()), self.model_name, prompts, params.n, group)
+        return Generation(response_id, int(time.time()), self.model_name, prompts, params.n, group,
+                          self.metrics.tracker())
 
     def close(self, gen: Generation) -> None:
         """The HTTP side is done with `gen` (finished, client gone, or failed): abort what still runs."""
+        gen.tracker.flush()
         aborted = gen.group.abort()
         if aborted:  # their last outputs have no reader, so the tracker never sees them finish
             self.metrics.finished.labels(finish_reason="abort").inc(aborted * gen.n)
-
-    async def outputs(self, gen: Generation) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """The merged (prompt index, output) stream, observed by the metrics."""
-        tracker = self.metrics.tracker()
-        async for prompt_index, out in gen.group:
-            tracker.observe(out)
-            yield prompt_index, out
 
     async def collect(self, gen: Generation) -> dict[int, RequestOutput]:
         """Every prompt's final output. Engine failure becomes a 500 in OpenAI's shape."""
         finals: dict[int, RequestOutput] = {}
         try:
-            async for prompt_index, out in self.outputs(gen):
+            async for prompt_index, out in gen.group:
+                gen.tracker.observe(out)
                 if out.finished:
                     finals[prompt_index] = out
         except EngineDeadError as exc:
@@ -153,16 +162,40 @@ class ServingBase:
             raise bad_request(exc) from None
         return finals
 
+    async def stream(self, gen: Generation, chunks: "StreamChunks", send: Send) -> None:
+        """Send a streamed request's SSE body, ending with [DONE] in the message that has more_body=False; an
+        engine failure mid-stream becomes an error event, so the client raises instead of waiting forever. A
+        coroutine, not an async generator of the body's parts: each layer of those costs a good part of what
+        sending a chunk does."""
+        finals: dict[int, RequestOutput] = {}
+        last = ""  # the final output's chunks, held to go out in one write with the end of the stream
+        try:
+            async for prompt_index, out in gen.group:
+                gen.tracker.observe(out)
+                text = chunks.render(prompt_index, out)
+                if out.finished:
+                    finals[prompt_index] = out
+                    if len(finals) == len(gen.prompts):
+                        last = text
+                        continue
+                if text:
+                    await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
+            last += chunks.end(gen, finals)
+        except OSError:
+            raise  # a send failed, the client is gone: no one to tell
+        except EngineDeadError as exc:
+            last += sse(error_body(500, str(exc), code="engine_dead"))
+        except Exception as exc:  # a bug here must still end the stream with an error, not a cut
+            logger.exception("stream failed")
+            last += sse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"))
+        await send({"type": "http.response.body", "body": (last + SSE_DONE).encode(), "more_body": False})
 
-async def sse_with_errors(events: AsyncIterator[dict]) -> AsyncIterator[str]:
-    """Frame chunks as SSE and end with [DONE]; an engine failure mid-stream becomes an error
-    event, so the client raises instead of waiting forever."""
-    try:
-        async for event in events:
-            yield sse(event)
-    except EngineDeadError as exc:
-        yield sse(error_body(500, str(exc), code="engine_dead"))
-    except Exception as exc:  # a bug here must still end the stream with an error, not a cut
-        logger.exception("stream failed")
-        yield sse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"))
-    yield SSE_DONE
+
+class StreamChunks(Protocol):
+    """Turns one streamed request's engine outputs into SSE text."""
+
+    def render(self, prompt_index: int, out: RequestOutput) -> str:
+        """The chunks for what `out` adds (possibly none: "")."""
+
+    def end(self, gen: Generation, finals: dict[int, RequestOutput]) -> str:
+        """What follows the last output's chunks, before [DONE] (the usage chunk, when asked for)."""

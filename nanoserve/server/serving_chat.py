@@ -9,19 +9,25 @@ sample and streamed like sampled text, in chunks of its own whose delta says "to
 """
 
 import functools
-from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from nanoserve.chat_engine import ToolLoop
 from nanoserve.engine.async_engine import AsyncEngine
-from nanoserve.outputs import CompletionOutput, TokenLogprobs
+from nanoserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from nanoserve.server.errors import APIError, bad_request
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.protocol import ChatCompletionRequest
-from nanoserve.server.serving_base import ChoiceState, Generation, ServingBase, sse_with_errors
-from nanoserve.server.streaming import EngineStreamResponse, run_until_disconnected
+from nanoserve.server.serving_base import ChoiceState, Generation, ServingBase
+from nanoserve.server.streaming import (
+    CHUNK_END,
+    ChunkHead,
+    EngineStreamResponse,
+    json_str,
+    json_value,
+    run_until_disconnected,
+)
 
 # Chat request ids start with this (ServingBase.start adds "-<hex>-<i>"); the tool loop tracks exactly these.
 ID_PREFIX = "chatcmpl"
@@ -55,35 +61,10 @@ class ServingChat(ServingBase):
         self.check_prompt(prompt_ids, max_tokens, param="messages")
         gen = self.start(ID_PREFIX, [prompt_ids], params)
         if req.stream:
-            return EngineStreamResponse(sse_with_errors(self._chunks(gen, req)), lambda: self.close(gen))
+            chunks = ChatChunks(gen, req.include_usage, req.top_logprobs or 0)
+            return EngineStreamResponse(lambda send: self.stream(gen, chunks, send), lambda: self.close(gen))
         finals = await run_until_disconnected(raw, self.collect(gen), lambda: self.close(gen))
         return JSONResponse(self._response(gen, finals, req))
-
-    async def _chunks(self, gen: Generation, req: ChatCompletionRequest) -> AsyncIterator[dict]:
-        finals = {}
-        async for prompt_index, out in self.outputs(gen):
-            if out.finished:
-                finals[prompt_index] = out
-            for c in out.outputs:
-                index = gen.choice_index(prompt_index, c.index)
-                if index not in gen.choices:
-                    gen.choices[index] = ChoiceState()
-                    yield _chunk(gen, index, {"role": "assistant", "content": ""}, None, None)
-                state = gen.choices[index]
-                if state.finished:
-                    continue
-                start = state.num_tokens
-                text, ids, logprobs = state.delta(c)
-                if not text and not ids and c.finish_reason is None:
-                    continue
-                block = _logprobs(ids, logprobs, req.top_logprobs or 0) if logprobs is not None else None
-                delta = {"content": text} if text else {}
-                if ids and _all_forced(c, start):
-                    delta["tool_output"] = True
-                yield _chunk(gen, index, delta, block, c.finish_reason)
-        if req.include_usage:
-            yield {"id": gen.response_id, "object": "chat.completion.chunk", "created": gen.created,
-                   "model": gen.model, "choices": [], "usage": gen.usage(finals).to_dict()}
 
     def _response(self, gen: Generation, finals: dict, req: ChatCompletionRequest) -> dict:
         choices = []
@@ -107,10 +88,52 @@ def _all_forced(c: CompletionOutput, start: int) -> bool:
     return masks is not None and not any(masks[start:])
 
 
-def _chunk(gen: Generation, index: int, delta: dict, logprobs: dict | None, finish_reason) -> dict:
-    return {"id": gen.response_id, "object": "chat.completion.chunk", "created": gen.created,
-            "model": gen.model, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                             "finish_reason": finish_reason}]}
+class ChatChunks:
+    """A chat stream's chunks (StreamChunks): {"id", "object": "chat.completion.chunk", "created", "model",
+    "choices": [{"index", "delta", "logprobs", "finish_reason"}]}, one choice per chunk."""
+
+    def __init__(self, gen: Generation, include_usage: bool, top_logprobs: int) -> None:
+        self.gen = gen
+        self.head = ChunkHead(gen.response_id, "chat.completion.chunk", gen.created, gen.model)
+        self.include_usage = include_usage
+        self.top_logprobs = top_logprobs
+
+    def render(self, prompt_index: int, out: RequestOutput) -> str:
+        gen, text_out = self.gen, ""
+        for c in out.outputs:
+            index = prompt_index * gen.n + c.index
+            state = gen.choices.get(index)
+            if state is None:
+                state = gen.choices[index] = ChoiceState()
+                text_out += self.chunk(index, _ROLE_DELTA, None, None)
+            if state.finished:
+                continue
+            start = state.num_tokens
+            text, ids, logprobs = state.delta(c)
+            if not text and not ids and c.finish_reason is None:
+                continue
+            block = _logprobs(ids, logprobs, self.top_logprobs) if logprobs is not None else None
+            if ids and _all_forced(c, start):
+                delta = json_value({"content": text, "tool_output": True} if text else {"tool_output": True})
+            else:
+                delta = f'{{"content": {json_str(text)}}}' if text else "{}"
+            text_out += self.chunk(index, delta, block, c.finish_reason)
+        return text_out
+
+    def chunk(self, index: int, delta_json: str, logprobs: dict | None, finish_reason: str | None) -> str:
+        if logprobs is None and finish_reason is None:
+            return f"{self.head[index]}\"delta\": {delta_json}{_PLAIN_END}"
+        return (f"{self.head[index]}\"delta\": {delta_json}, \"logprobs\": {json_value(logprobs)}, "
+                f"\"finish_reason\": {json_value(finish_reason)}{CHUNK_END}")
+
+    def end(self, gen: Generation, finals: dict[int, RequestOutput]) -> str:
+        return gen.usage_chunk("chat.completion.chunk", finals) if self.include_usage else ""
+
+
+# The delta of a choice's first chunk, as OpenAI sends it.
+_ROLE_DELTA = '{"role": "assistant", "content": ""}'
+# How a chunk with no logprobs or finish_reason ends: most chunks of a stream.
+_PLAIN_END = f', "logprobs": null, "finish_reason": null{CHUNK_END}'
 
 
 def _logprobs(ids: list[int], entries: list[TokenLogprobs], top_n: int) -> dict:

@@ -5,17 +5,23 @@ its prompt; with echo and logprobs, the prompt's tokens are scored too (the firs
 before it, so its logprob is null), as OpenAI does.
 """
 
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from nanoserve.outputs import TokenLogprobs
+from nanoserve.outputs import RequestOutput, TokenLogprobs
 from nanoserve.server.errors import bad_request
 from nanoserve.server.protocol import CompletionRequest
-from nanoserve.server.serving_base import ChoiceState, Generation, ServingBase, sse_with_errors
-from nanoserve.server.streaming import EngineStreamResponse, run_until_disconnected
+from nanoserve.server.serving_base import ChoiceState, Generation, ServingBase
+from nanoserve.server.streaming import (
+    CHUNK_END,
+    ChunkHead,
+    EngineStreamResponse,
+    json_str,
+    json_value,
+    run_until_disconnected,
+)
 
 
 class ServingCompletions(ServingBase):
@@ -34,40 +40,14 @@ class ServingCompletions(ServingBase):
         echoes = [await self._echo(p) for p in prompts] if req.echo else None
         gen = self.start("cmpl", prompts, params)
         if req.stream:
-            return EngineStreamResponse(sse_with_errors(self._chunks(gen, req, echoes)), lambda: self.close(gen))
+            chunks = CompletionChunks(gen, req.include_usage, echoes)
+            return EngineStreamResponse(lambda send: self.stream(gen, chunks, send), lambda: self.close(gen))
         finals = await run_until_disconnected(raw, self.collect(gen), lambda: self.close(gen))
         return JSONResponse(self._response(gen, finals, req, echoes))
 
     async def _echo(self, prompt_ids: list[int]) -> "Echo":
         text = await self.engine.detokenize(prompt_ids) if self.engine.engine.tokenizer else ""
         return Echo(prompt_ids, text, await self.engine.decode_each(prompt_ids))
-
-    async def _chunks(self, gen: Generation, req: CompletionRequest, echoes) -> AsyncIterator[dict]:
-        finals = {}
-        offsets: dict[int, int] = {}  # choice index -> text offset of its next token
-        async for prompt_index, out in self.outputs(gen):
-            if out.finished:
-                finals[prompt_index] = out
-            for c in out.outputs:
-                index = gen.choice_index(prompt_index, c.index)
-                state = gen.choices.setdefault(index, ChoiceState())
-                if state.finished:
-                    continue
-                first = state.num_tokens == 0 and state.text_len == 0
-                text, ids, logprobs = state.delta(c)
-                if not text and not ids and c.finish_reason is None:
-                    continue
-                block = None
-                if logprobs is not None:
-                    block, offsets[index] = _logprobs(ids, logprobs, offsets.get(index, 0))
-                if first and echoes is not None:
-                    echo = echoes[prompt_index]
-                    text = echo.text + text
-                    block = echo.join(block, out.prompt_logprobs)
-                yield _chunk(gen, index, text, block, c.finish_reason, c.stop_reason)
-        if req.include_usage:
-            yield {"id": gen.response_id, "object": "text_completion", "created": gen.created,
-                   "model": gen.model, "choices": [], "usage": gen.usage(finals).to_dict()}
 
     def _response(self, gen: Generation, finals: dict, req: CompletionRequest, echoes) -> dict:
         choices = []
@@ -87,10 +67,54 @@ class ServingCompletions(ServingBase):
                 "model": gen.model, "choices": choices, "usage": gen.usage(finals).to_dict()}
 
 
-def _chunk(gen: Generation, index: int, text: str, logprobs: dict | None, finish_reason, stop_reason) -> dict:
-    return {"id": gen.response_id, "object": "text_completion", "created": gen.created, "model": gen.model,
-            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
-                         "stop_reason": stop_reason}]}
+class CompletionChunks:
+    """A completion stream's chunks (StreamChunks): {"id", "object": "text_completion", "created", "model",
+    "choices": [{"index", "text", "logprobs", "finish_reason", "stop_reason"}]}, one choice per chunk."""
+
+    def __init__(self, gen: Generation, include_usage: bool, echoes: list["Echo"] | None) -> None:
+        self.gen = gen
+        self.head = ChunkHead(gen.response_id, "text_completion", gen.created, gen.model)
+        self.include_usage = include_usage
+        self.echoes = echoes
+        self.offsets: dict[int, int] = {}  # choice index -> text offset of its next token
+
+    def render(self, prompt_index: int, out: RequestOutput) -> str:
+        gen, text_out = self.gen, ""
+        for c in out.outputs:
+            index = prompt_index * gen.n + c.index
+            state = gen.choices.get(index)
+            if state is None:
+                state = gen.choices[index] = ChoiceState()
+            if state.finished:
+                continue
+            first = state.num_tokens == 0 and state.text_len == 0
+            text, ids, logprobs = state.delta(c)
+            if not text and not ids and c.finish_reason is None:
+                continue
+            block = None
+            if logprobs is not None:
+                block, self.offsets[index] = _logprobs(ids, logprobs, self.offsets.get(index, 0))
+            if first and self.echoes is not None:
+                echo = self.echoes[prompt_index]
+                text = echo.text + text
+                block = echo.join(block, out.prompt_logprobs)
+            text_out += self.chunk(index, text, block, c.finish_reason, c.stop_reason)
+        return text_out
+
+    def chunk(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None,
+              stop_reason: int | str | None) -> str:
+        if logprobs is None and finish_reason is None and stop_reason is None:
+            return f"{self.head[index]}\"text\": {json_str(text)}{_PLAIN_END}"
+        return (f"{self.head[index]}\"text\": {json_str(text)}, \"logprobs\": {json_value(logprobs)}, "
+                f"\"finish_reason\": {json_value(finish_reason)}, \"stop_reason\": {json_value(stop_reason)}"
+                f"{CHUNK_END}")
+
+    def end(self, gen: Generation, finals: dict[int, RequestOutput]) -> str:
+        return gen.usage_chunk("text_completion", finals) if self.include_usage else ""
+
+
+# How a chunk with no logprobs, finish_reason or stop_reason ends: most chunks of a stream.
+_PLAIN_END = f', "logprobs": null, "finish_reason": null, "stop_reason": null{CHUNK_END}'
 
 
 def _logprobs(ids: list[int], entries: list[TokenLogprobs], offset: int) -> tuple[dict, int]:
