@@ -22,6 +22,29 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, type=base, default=f.default)
 
 
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """The HTTP server's own flags (`nanoserve serve` and `python -m nanoserve.server.app`)."""
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--max-waiting-requests", type=int, default=1024)
+    parser.add_argument("--drain-timeout", type=float, default=30.0)
+    parser.add_argument("--api-server-count", type=_at_least_one, default=1,
+                        help="API server processes (HTTP, tokenizing, streaming) in front of one engine process; "
+                             "more than 1 runs the engine in a process of its own")
+
+
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**{name: getattr(ns, name) for name in EngineArgs.field_names()})
 
@@ -112,10 +135,9 @@ def cmd_chat(ns: argparse.Namespace) -> int:
 def cmd_serve(ns: argparse.Namespace) -> int:
     from nanoserve.server.app import run_server
 
-    run_server(engine_args_from(ns), host=ns.host, port=ns.port, api_key=ns.api_key,
-               max_waiting_requests=ns.max_waiting_requests, drain_timeout=ns.drain_timeout,
-               served_model_name=ns.served_model_name)
-    return 0
+    return run_server(engine_args_from(ns), host=ns.host, port=ns.port, api_key=ns.api_key,
+                      max_waiting_requests=ns.max_waiting_requests, drain_timeout=ns.drain_timeout,
+                      served_model_name=ns.served_model_name, api_server_count=ns.api_server_count)
 
 
 def cmd_bench(ns: argparse.Namespace, rest: list[str]) -> int:
@@ -130,12 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None)
-    serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--max-waiting-requests", type=int, default=1024)
-    serve.add_argument("--drain-timeout", type=float, default=30.0)
+    add_server_args(serve)
     gen = sub.add_parser("generate", help="one completion, streamed to stdout")
     add_engine_args(gen)
     gen.add_argument("--prompt", required=True)

@@ -1,21 +1,24 @@
 """The OpenAI-compatible HTTP server: routes, app assembly, and run_server.
 
 build_app wires an AsyncEngine into a FastAPI app (tests build one around any engine); run_server
-builds the engine from EngineArgs and serves it with uvicorn until SIGTERM / SIGINT, draining first.
+builds the engine from EngineArgs and serves it with uvicorn until SIGTERM / SIGINT, draining first, or
+with --api-server-count N > 1 hands over to api_servers.py (N server processes, one engine process).
 `python -m nanoserve.server.app --model DIR --port P` runs it without the CLI.
 """
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
+import sys
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import nanoserve
-from nanoserve.cli import add_engine_args
+from nanoserve.cli import add_engine_args, add_server_args
 from nanoserve.config import EngineArgs
 from nanoserve.engine.async_engine import AsyncEngine
 from nanoserve.server.errors import APIError, bad_request, install_error_handlers
@@ -34,11 +37,14 @@ BUNDLED_MODEL_NAME = "nanoserve-tiny"
 
 def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
               max_waiting_requests: int | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-              gate: GateState | None = None) -> FastAPI:
-    """The app around a running AsyncEngine. `gate` is shared with serve_with_drain for shutdown."""
+              gate: GateState | None = None, api_server: int | None = None) -> FastAPI:
+    """The app around a running AsyncEngine. `gate` is shared with serve_with_drain for shutdown;
+    `api_server`: this process's index among several API servers (a response header names it)."""
     gate = gate or GateState()
     app = FastAPI(title="nanoserve", version=nanoserve.__version__, docs_url=None, redoc_url=None)
     app.add_middleware(GateMiddleware, state=gate, api_key=api_key, max_body_bytes=max_body_bytes)
+    if api_server is not None:
+        app.add_middleware(ApiServerHeader, index=api_server)  # added last: outermost, so every response has it
     install_error_handlers(app)
     metrics = ServerMetrics(async_engine)
     completions = ServingCompletions(async_engine, served_model_name, metrics, max_waiting_requests)
@@ -110,6 +116,27 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     return app
 
 
+class ApiServerHeader:
+    """Plain ASGI middleware: every response says which API server process answered it
+    (`x-nanoserve-api-server: <index>`), so a client (or a test) can see how the load was spread."""
+
+    def __init__(self, app, index: int) -> None:
+        self.app = app
+        self.header = (b"x-nanoserve-api-server", str(index).encode())
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_header(message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), self.header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
+
+
 def default_model_name(engine_args: EngineArgs) -> str:
     if engine_args.model is None:
         return BUNDLED_MODEL_NAME
@@ -117,25 +144,42 @@ def default_model_name(engine_args: EngineArgs) -> str:
 
 
 def run_server(engine_args: EngineArgs, host: str, port: int, api_key: str | None, max_waiting_requests: int,
-               drain_timeout: float, served_model_name: str | None) -> None:
-    """Load the model, serve until SIGTERM / SIGINT, drain, and return (the process exits 0)."""
+               drain_timeout: float, served_model_name: str | None, api_server_count: int = 1) -> int:
+    """Load the model, serve until SIGTERM / SIGINT, drain, and return the exit status (0 unless an API
+    server process failed)."""
+    if api_server_count < 1:
+        raise ValueError(f"--api-server-count: must be at least 1, got {api_server_count}")
+    name = served_model_name or default_model_name(engine_args)
+    if api_server_count > 1:
+        from nanoserve.server.api_servers import ServerOptions, run_api_servers
+
+        options = ServerOptions(name, api_key, max_waiting_requests, drain_timeout)
+        return run_api_servers(engine_args, host, port, api_server_count, options)
     async_engine = AsyncEngine.from_engine_args(engine_args)
     gate = GateState()
-    name = served_model_name or default_model_name(engine_args)
     app = build_app(async_engine, name, api_key, max_waiting_requests, gate=gate)
     # The drain happens before uvicorn's shutdown; its own graceful timeout only bounds the last sends.
     config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
                             timeout_graceful_shutdown=5)
     logger.info("serving %r (max_model_len %d%s) on http://%s:%d", name, async_engine.max_model_len,
                 ", engine in its own process" if engine_args.engine_process else "", host, port)
+    freeze_startup_objects()
     try:
-        with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
             runner.run(serve_with_drain(config, gate, async_engine, drain_timeout))
     finally:
         async_engine.shutdown()
+    return 0
 
 
-def _event_loop_factory():
+def freeze_startup_objects() -> None:
+    """Put what start-up allocated (modules, model, tokenizer, app: ~375k objects) out of the garbage
+    collector's reach, so that collections while serving don't walk it again and again between chunks."""
+    gc.collect()
+    gc.freeze()
+
+
+def event_loop_factory():
     """uvloop where it is installed: its event loop costs a fraction of asyncio's per callback and
     socket write, and with hundreds of streams the event loop is what limits the server."""
     try:
@@ -148,23 +192,18 @@ def _event_loop_factory():
 # -- python -m nanoserve.server.app ---------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m nanoserve.server.app", description=__doc__)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--max-waiting-requests", type=int, default=1024)
-    p.add_argument("--drain-timeout", type=float, default=30.0)
-    p.add_argument("--served-model-name", default=None)
+    add_server_args(p)
     add_engine_args(p)
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
     engine_args = EngineArgs(**{name: getattr(args, name) for name in EngineArgs.field_names()})
-    run_server(engine_args, args.host, args.port, args.api_key, args.max_waiting_requests, args.drain_timeout,
-               args.served_model_name)
+    return run_server(engine_args, args.host, args.port, args.api_key, args.max_waiting_requests,
+                      args.drain_timeout, args.served_model_name, args.api_server_count)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

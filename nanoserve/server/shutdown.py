@@ -5,13 +5,18 @@ re-raises the signal after shutdown, so the process would die by SIGTERM instead
 its handlers are replaced: the first signal turns the gate to draining (new requests get 503 while
 the socket stays open), waits for in-flight requests up to drain_timeout, aborts what is left (they
 end with finish_reason "abort"), and only then lets uvicorn shut down. A second signal skips the wait.
+
+An API server process among several (api_servers.py) takes no signals: its parent relays them over a
+control pipe, one message per signal, and the pipe's end of file (the parent is gone) counts as one too.
 """
 
 import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import time
+from multiprocessing.connection import Connection
 
 import uvicorn
 
@@ -29,30 +34,45 @@ class _Server(uvicorn.Server):
         return contextlib.nullcontext()  # serve_with_drain installs its own handlers
 
 
-async def serve_with_drain(config: uvicorn.Config, gate: GateState, engine: AsyncEngine,
-                           drain_timeout: float) -> None:
+async def serve_with_drain(config: uvicorn.Config, gate: GateState, engine: AsyncEngine, drain_timeout: float,
+                           sockets: list[socket.socket] | None = None, control: Connection | None = None) -> None:
+    """Serve (on `sockets` if given, else config's host and port) until told to stop: by SIGTERM / SIGINT,
+    or with `control`, by what arrives on it."""
     server = _Server(config)
     loop = asyncio.get_running_loop()
     drain: asyncio.Task | None = None
 
-    def on_signal(sig: signal.Signals) -> None:
+    def stop(why: str) -> None:
         nonlocal drain
         if drain is None:
-            logger.info("%s: draining %d in-flight requests (up to %.0f s)", sig.name, gate.in_flight,
-                        drain_timeout)
+            logger.info("%s: draining %d in-flight requests (up to %.0f s)", why, gate.in_flight, drain_timeout)
             drain = loop.create_task(_drain(server, gate, engine, drain_timeout))
         else:
-            logger.info("%s again: aborting in-flight requests now", sig.name)
+            logger.info("%s again: aborting in-flight requests now", why)
             engine.abort_all()
             server.should_exit = True
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
-    try:
-        await server.serve()
-    finally:
+    def on_control() -> None:
+        try:
+            why = f"{control.recv()} (from the parent process)"
+        except EOFError:
+            loop.remove_reader(control.fileno())
+            why = "the parent process is gone"
+        stop(why)
+
+    if control is None:
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
+            loop.add_signal_handler(sig, stop, sig.name)
+    else:
+        loop.add_reader(control.fileno(), on_control)
+    try:
+        await server.serve(sockets)
+    finally:
+        if control is None:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+        else:
+            loop.remove_reader(control.fileno())
         if drain is not None:
             drain.cancel()
 

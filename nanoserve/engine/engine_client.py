@@ -1,0 +1,182 @@
+"""EngineClient: an API server's end of its channel to the engine process.
+
+    API server process                                      engine process (engine_channels.py)
+    event loop --commands--> outbox -> writer thread ==pipe==> ChannelMux -> EngineLoop: LLMEngine.step()
+    event loop <-call_soon-- reader thread <======pipe=== per-step deltas + EngineStats
+
+The pipe is a multiprocessing Connection (pickle): no dependency beyond the standard library, and pickle
+takes the messages as they are (dataclasses, SamplingParams, ValueError). Outputs cross as deltas
+(output_delta.py), so a step costs what it produced, not what every request holds so far; the reader
+thread rebuilds the cumulative RequestOutputs the serving code reads, and hands them to the event loop
+with one call_soon_threadsafe per step. Commands go through a writer thread so that the event loop never
+blocks on a full pipe while the engine is busy stepping.
+
+Failures: if step() raises, the engine sends why and exits; if the engine process dies (killed, segfault),
+the pipe reaches end of file, or the `watch` handle (the process's sentinel, or a pidfd) fires. Either way
+every request in flight gets EngineDeadError and the engine stays dead for this client, as with the thread
+backend.
+"""
+
+import logging
+import pickle
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+
+from nanoserve.engine.engine_channels import Failed, Ready, Step
+from nanoserve.engine.engine_loop import AbortAll, AbortRequest, AddRequest, Command, Setup, Stop
+from nanoserve.engine.frontend import EngineFrontend
+from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.output_delta import OutputAssembler
+from nanoserve.engine.streams import EngineDeadError, RequestStream, deliver
+from nanoserve.outputs import RequestOutput
+from nanoserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Live:
+    """A request in flight, as the server sees it: where its outputs go, and what it has so far."""
+
+    stream: RequestStream
+    assembler: OutputAssembler
+
+
+class EngineClient:
+    def __init__(self, conn: Connection, ready: Ready, tokenizer, watch: int | None = None,
+                 stop_timeout: float = 10.0) -> None:
+        """Serve requests over `conn`, a channel of a running engine process that sent `ready`. `watch`: a
+        handle that becomes ready when the engine process ends (its sentinel, or a pidfd), or None."""
+        self.engine = EngineFrontend(ready.config, tokenizer)
+        self.stats = ready.stats  # replaced (never mutated) after every engine step
+        self.error: str | None = None  # why the engine died
+        self.stop_timeout = stop_timeout
+        self._conn = conn
+        self._watch = watch
+        self._live: dict[str, _Live] = {}
+        # Guards _live and error: a submit racing the engine's death is either refused or failed by it.
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._outbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write, name="nanoserve-engine-writer", daemon=True)
+        self._reader = threading.Thread(target=self._read, name="nanoserve-engine-reader", daemon=True)
+        self._writer.start()
+        self._reader.start()
+
+    # -- what AsyncEngine calls (on the event loop) -----------------------------------------------------
+    def add(self, requests: list[tuple[str, list[int], SamplingParams, RequestStream]]) -> None:
+        """Send requests; raises EngineDeadError, sending none, if the engine has died."""
+        with self._lock:
+            if self.error is not None:
+                raise EngineDeadError(self.error)
+            for request_id, ids, _, stream in requests:
+                self._live[request_id] = _Live(stream, OutputAssembler(request_id, ids))
+        for request_id, ids, params, _ in requests:
+            self._outbox.put(AddRequest(request_id, ids, params))
+
+    def abort(self, request_id: str) -> None:
+        self._outbox.put(AbortRequest(request_id))
+
+    def abort_all(self) -> None:
+        """Abort every request of this client (other API servers' requests run on)."""
+        self._outbox.put(AbortAll())
+
+    def setup(self, fn: Callable[[LLMEngine], object]) -> None:
+        """Run fn(engine) in the engine process; fn must pickle (a module-level function, or a
+        functools.partial of one). Checked here, so that the caller sees it, not the writer thread."""
+        pickle.dumps(fn)
+        self._outbox.put(Setup(fn))
+
+    def shutdown(self) -> None:
+        """Close this client's channel: the engine aborts what this client still had running."""
+        self._stopping = True
+        self._outbox.put(Stop())
+        self._reader.join(self.stop_timeout)  # it ends at the channel's end of file, failing what was in flight
+        self._close()
+
+    def _close(self) -> None:
+        if not self._reader.is_alive() and not self._writer.is_alive():
+            self._conn.close()
+
+    # -- the writer and reader threads --------------------------------------------------------------------
+    def _write(self) -> None:
+        while True:
+            batch = [self._outbox.get()]
+            while True:  # all that queued up while the last batch was sent: one message
+                try:
+                    batch.append(self._outbox.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                self._conn.send(batch)
+            except OSError:
+                return  # the engine process is gone: the reader fails what is in flight
+            except Exception as exc:  # a bug: without a writer no request could ever finish
+                logger.exception("sending to the engine process failed")
+                self._fail_all(f"the engine connection failed: {type(exc).__name__}: {exc}")
+                self._on_broken()
+                return
+            if any(isinstance(c, Stop) for c in batch):
+                return
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = self._recv()
+                if isinstance(msg, Failed):
+                    self._fail_all(msg.message)
+                    return
+                self._on_step(msg)
+        except EOFError:
+            if self._stopping:
+                self._fail_all("the engine was shut down")
+            else:
+                why = self._gone()
+                logger.error(why)
+                self._fail_all(why)
+        except Exception as exc:  # a bug here must not leave requests waiting forever
+            logger.exception("reading from the engine process failed")
+            self._fail_all(f"the engine connection failed: {type(exc).__name__}: {exc}")
+            self._on_broken()
+
+    def _gone(self) -> str:
+        """Why the engine's end of the pipe closed, as far as this process can tell."""
+        return "the engine process exited (or was killed)"
+
+    def _on_broken(self) -> None:
+        """The connection is unusable (a bug): the process owner kills the engine process."""
+
+    def _recv(self) -> Step | Failed:
+        # The watch handle as well as the pipe: if a grandchild inherited the engine's end of the pipe, the
+        # engine's death would never show as end of file.
+        ready = wait([self._conn] if self._watch is None else [self._conn, self._watch])
+        if self._conn not in ready:
+            raise EOFError
+        return self._conn.recv()  # EOFError once the engine's end is closed
+
+    def _on_step(self, msg: Step) -> None:
+        items: list[tuple[RequestStream, RequestOutput | BaseException]] = []
+        with self._lock:
+            for request_id, exc in msg.errors:
+                if (live := self._live.pop(request_id, None)) is not None:
+                    items.append((live.stream, exc))
+            lives = []
+            for delta in msg.deltas:
+                request_id, _, finished, *_ = delta
+                # A finished request leaves the table: nothing more will come for it.
+                live = self._live.pop(request_id, None) if finished else self._live.get(request_id)
+                lives.append((live, delta))
+        # Outside the lock: only this thread touches the assemblers.
+        items += [(live.stream, live.assembler.apply(delta)) for live, delta in lives if live is not None]
+        deliver(items)
+        self.stats = msg.stats
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            if self.error is None:  # the first reason is the one to report (a Failed, then the end of file)
+                self.error = message
+            lives, self._live = list(self._live.values()), {}
+        deliver([(live.stream, EngineDeadError(self.error)) for live in lives])

@@ -1,0 +1,281 @@
+"""--api-server-count N: N API server processes in front of one engine process (vLLM's flag).
+
+Under load one server process's event loop is what limits the server: with hundreds of streams it spends
+~150 us of CPU per streamed chunk while the engine process idles. With N > 1, the process that
+`nanoserve serve` runs in supervises the others:
+
+1. it binds the listening sockets (a taken port fails here, before the model loads): one per API server,
+   all on the one port with SO_REUSEPORT, so that the kernel spreads new connections evenly over them. (One
+   shared socket spread a burst of connections badly: uvloop accepts until the backlog is empty, so the
+   first server to wake took most of them, 161 of 200 in a test with two.)
+2. starts the engine process with one channel per API server (engine_channels.py), and N API server
+   processes (spawn) while the engine loads its model (their imports take seconds too);
+3. hands each API server the engine's final configuration once the model is loaded; each builds the app
+   around an EngineClient on its own channel, with its own event loop, tokenizer pool and streams, and
+   says when it is ready;
+4. once all are ready, tells them to serve: each listens on its socket;
+5. relays SIGTERM / SIGINT to every API server over its control pipe: a drain, and a second signal aborts
+   at once, as with one server. The API servers and the engine ignore signals themselves, so a Ctrl-C
+   (which reaches the whole process group) drains once. When the API servers have all exited, it stops
+   the engine process.
+
+An API server that exits on its own makes the supervisor drain the others and exit 1, rather than serve
+on with part of the deployment gone. The engine process dying is handled as with one server: every API
+server fails what it has in flight, says "dead" on /health and refuses new requests (503) until stopped.
+
+/metrics: PROMETHEUS_MULTIPROC_DIR names a temporary directory while the API servers live, so that their
+request counters and latency histograms are summed over all of them, whichever one is scraped. The engine's
+gauges and counters come from the engine's own stats, the same behind every API server.
+"""
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import tempfile
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+
+import uvicorn
+
+from nanoserve.config import EngineArgs
+from nanoserve.engine.async_engine import AsyncEngine
+from nanoserve.engine.engine_channels import Ready
+from nanoserve.engine.engine_client import EngineClient
+from nanoserve.engine.engine_process import EngineProcess
+from nanoserve.engine.frontend import load_tokenizer
+from nanoserve.server.app import build_app, event_loop_factory, freeze_startup_objects
+from nanoserve.server.gate import GateState
+from nanoserve.server.shutdown import serve_with_drain
+
+logger = logging.getLogger(__name__)
+
+_MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@dataclass
+class ServerOptions:
+    """How every API server serves: run_server's arguments besides the engine's and the address."""
+
+    served_model_name: str
+    api_key: str | None
+    max_waiting_requests: int | None
+    drain_timeout: float
+
+
+def run_api_servers(engine_args: EngineArgs, host: str, port: int, count: int, options: ServerOptions) -> int:
+    """Serve with `count` API server processes until SIGTERM / SIGINT; returns the exit status."""
+    engine_args.create_config()  # bad arguments fail here, before any process starts
+    return _Supervisor(count, options).run(engine_args, host, port)
+
+
+@dataclass
+class _ApiServer:
+    index: int
+    process: BaseProcess
+    control: Connection  # the parent's end: the engine's Ready goes out, "ready" comes back, then "serve", signals
+
+
+class _Supervisor:
+    def __init__(self, count: int, options: ServerOptions) -> None:
+        self.count = count
+        self.options = options
+        self.engine: EngineProcess | None = None
+        self.servers: list[_ApiServer] = []
+        self.serving = False
+        self.stopping = False
+        self.signals: list[str] = []  # received, not yet relayed
+        # The signal handler writes here, so that the supervisor's wait() wakes up to relay the signal.
+        self.wake, self.wake_handler_end = socket.socketpair()
+        self.wake_handler_end.setblocking(False)
+
+    def run(self, engine_args: EngineArgs, host: str, port: int) -> int:
+        sockets = _bind(host, port, self.count)
+        address = sockets[0].getsockname()[:2]
+        metrics_dir = tempfile.mkdtemp(prefix="nanoserve-metrics-")
+        previous_env = os.environ.get(_MULTIPROC_ENV)
+        previous_handlers = {sig: signal.signal(sig, self._on_signal) for sig in _SIGNALS}
+        try:
+            self.engine = EngineProcess.spawn(engine_args, self.count)
+            # Set before the API servers start: prometheus_client picks its multiprocess mode on import.
+            os.environ[_MULTIPROC_ENV] = metrics_dir
+            self._start_servers(sockets)
+            ready = self.engine.wait_ready()
+            self._wait_servers(ready)
+            for sock in sockets:  # the API servers hold them now: a dead one's socket must close with it
+                sock.close()
+            for server in self.servers:
+                server.control.send("serve")
+            self.serving = True
+            logger.info("serving %r (max_model_len %d) on http://%s:%d with %d API server processes (pids %s) "
+                        "and the engine in its own process (pid %d)", self.options.served_model_name,
+                        ready.config.max_model_len, *address, self.count,
+                        ", ".join(str(server.process.pid) for server in self.servers), self.engine.process.pid)
+            return self._supervise()
+        finally:
+            for sig, handler in previous_handlers.items():
+                signal.signal(sig, handler)
+            self._stop_all()
+            for sock in sockets:
+                sock.close()
+            self.wake.close()
+            self.wake_handler_end.close()
+            if previous_env is None:
+                os.environ.pop(_MULTIPROC_ENV, None)
+            else:
+                os.environ[_MULTIPROC_ENV] = previous_env
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if not self.serving:
+            raise SystemExit(f"{name} while starting: stopped")  # the finally of run() stops what started
+        self.signals.append(name)
+        try:
+            self.wake_handler_end.send(b"\0")
+        except BlockingIOError:
+            pass  # a wake-up is pending already
+
+    def _start_servers(self, sockets: list[socket.socket]) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        log_level = logging.getLogger().getEffectiveLevel()
+        for index, channel in enumerate(self.engine.channels):
+            control, child_control = ctx.Pipe()
+            process = ctx.Process(target=run_api_server, name=f"nanoserve-api-server-{index}", daemon=True,
+                                  args=(index, sockets[index % len(sockets)], channel, child_control,
+                                        self.engine.process.pid, self.options, log_level))
+            process.start()
+            child_control.close()
+            channel.close()  # the API server's now: its exit must be end of file in the engine
+            self.servers.append(_ApiServer(index, process, control))
+
+    def _wait_servers(self, ready: Ready) -> None:
+        for server in self.servers:
+            try:
+                server.control.send(ready)
+            except OSError:
+                pass  # it died: its sentinel says so below
+        for server in self.servers:
+            handles = wait([server.control, server.process.sentinel, self.engine.process.sentinel])
+            if server.control in handles:
+                try:
+                    if server.control.recv() == "ready":
+                        continue
+                except EOFError:
+                    pass
+            if server.process.sentinel not in handles and self.engine.process.sentinel in handles:
+                raise RuntimeError(f"the engine process {self.engine.exit_status()} while the API servers started")
+            server.process.join(timeout=5)
+            raise RuntimeError(f"API server {server.index} exited with code {server.process.exitcode} while "
+                               "starting (see its log above)")
+
+    def _supervise(self) -> int:
+        """Wait for the API servers to exit, relaying signals; returns the exit status."""
+        failed = False
+        live = {server.process.sentinel: server for server in self.servers}
+        engine_sentinel: int | None = self.engine.process.sentinel
+        while live:
+            for handle in wait([*live, self.wake] + ([engine_sentinel] if engine_sentinel is not None else [])):
+                if handle is self.wake:
+                    self.wake.recv(4096)
+                    signals, self.signals = self.signals, []
+                    for name in signals:
+                        self._relay(name, live.values())
+                elif handle == engine_sentinel:
+                    engine_sentinel = None
+                    self.engine.process.join(timeout=5)
+                    if not self.stopping:  # else it stopped when the last API server closed its channel
+                        logger.error("the engine process %s: the API servers refuse requests (503) until stopped",
+                                     self.engine.exit_status())
+                else:
+                    server = live.pop(handle)
+                    server.process.join()
+                    code = server.process.exitcode
+                    if code != 0 or not self.stopping:
+                        failed = True
+                        logger.error("API server %d exited with code %s%s", server.index, code,
+                                     "" if self.stopping else ": stopping the others")
+                        self._relay(f"API server {server.index} exited", live.values())
+        return 1 if failed else 0
+
+    def _relay(self, why: str, servers) -> None:
+        self.stopping = True
+        for server in servers:
+            try:
+                server.control.send(why)
+            except OSError:
+                pass  # it is exiting: its sentinel will say so
+
+    def _stop_all(self) -> None:
+        for server in self.servers:
+            if server.process.is_alive():  # only on the way out of a failure: on a stop they have exited
+                server.process.kill()
+            server.process.join(timeout=5)
+            server.control.close()
+        if self.engine is not None:
+            self.engine.stop(timeout=10)
+
+
+def _bind(host: str, port: int, count: int) -> list[socket.socket]:
+    """`count` sockets bound to host:port with SO_REUSEPORT (one, shared, where there is none); not yet
+    listening, so that no connection waits for an API server that is still starting."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    reuse_port = hasattr(socket, "SO_REUSEPORT")
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count if reuse_port else 1):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            # Port 0 picks a free port once; the others join it.
+            sock.bind(address if len(sockets) == 1 else (address[0], sockets[0].getsockname()[1], *address[2:]))
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        raise SystemExit(f"error: cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sockets
+
+
+def _pidfd(pid: int) -> int | None:
+    """A handle that becomes readable when process `pid` (not our child) exits; None where Linux has none."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+# -- an API server process ----------------------------------------------------------------------------------
+def run_api_server(index: int, sock: socket.socket, channel: Connection, control: Connection, engine_pid: int,
+                   options: ServerOptions, log_level: int) -> None:
+    """An API server process's main: the app around an EngineClient on `channel`, served on `sock`."""
+    # The supervisor relays signals over `control`; taking them here too would drain twice.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level,
+                        format=f"%(asctime)s %(levelname)s %(name)s (api server {index}): %(message)s")
+    ready: Ready = control.recv()  # once the engine has loaded its model
+    watch = _pidfd(engine_pid)
+    async_engine = AsyncEngine(EngineClient(channel, ready, load_tokenizer(ready.config.tokenizer_dir), watch))
+    try:
+        gate = GateState()
+        app = build_app(async_engine, options.served_model_name, options.api_key, options.max_waiting_requests,
+                        gate=gate, api_server=index)
+        config = uvicorn.Config(app, log_level="info", access_log=False, timeout_graceful_shutdown=5)
+        control.send("ready")
+        control.recv()  # "serve": every API server is ready, and the socket listens
+        freeze_startup_objects()
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+            runner.run(serve_with_drain(config, gate, async_engine, options.drain_timeout, sockets=[sock],
+                                        control=control))
+    finally:
+        async_engine.shutdown()
+        if watch is not None:
+            os.close(watch)
