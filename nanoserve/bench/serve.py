@@ -114,7 +114,9 @@ async def send_one(http: httpx.AsyncClient, model: str, prompt: list[int], outpu
     return result
 
 
-async def run_load(args: argparse.Namespace, base_url: str) -> tuple[dict, list[RequestResult], float]:
+async def run_load(args: argparse.Namespace, base_url: str) -> tuple[dict, list[RequestResult], float, float]:
+    """Send the requests; returns the server's model info, the results, the wall time and this client's CPU time
+    over the same window (near the wall time means the client, not the server, set the pace)."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=None, limits=limits) as http:
@@ -136,17 +138,18 @@ async def run_load(args: argparse.Namespace, base_url: str) -> tuple[dict, list[
             return result
 
         tasks = []
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         for prompt, gap in zip(prompts, arrival_gaps(len(prompts), args.request_rate, args.seed), strict=True):
             await asyncio.sleep(gap)
             tasks.append(asyncio.create_task(limited(prompt)))
         results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+        duration, client_cpu = time.perf_counter() - start, time.process_time() - cpu_start
         bar.close()
-    return info, results, duration
+    return info, results, duration, client_cpu
 
 
-def summarize(args: argparse.Namespace, info: dict, results: list[RequestResult], duration: float) -> dict:
+def summarize(args: argparse.Namespace, info: dict, results: list[RequestResult], duration: float,
+              client_cpu: float) -> dict:
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_len for r in ok)
@@ -158,6 +161,7 @@ def summarize(args: argparse.Namespace, info: dict, results: list[RequestResult]
         "max_concurrency": args.max_concurrency, "duration_s": round(duration, 3),
         "request_throughput": round(len(ok) / duration, 3), "output_throughput": round(out_tokens / duration, 2),
         "total_token_throughput": round((in_tokens + out_tokens) / duration, 2),
+        "client_cpu_s": round(client_cpu, 3),
     }
     for name, values in (("ttft", [r.ttft for r in ok]), ("tpot", tpot), ("itl", [g for r in ok for g in r.itl])):
         ms = np.asarray(values or [float("nan")]) * 1000
@@ -202,7 +206,7 @@ def run(argv: list[str] | None = None) -> dict:
     args, server_args = parse_args(argv)
     proc, base_url = launch_server(server_args, args.launch_timeout) if args.launch else (None, args.base_url)
     try:
-        info, results, duration = asyncio.run(run_load(args, base_url))
+        info, results, duration, client_cpu = asyncio.run(run_load(args, base_url))
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
@@ -210,7 +214,7 @@ def run(argv: list[str] | None = None) -> dict:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    summary = summarize(args, info, results, duration)
+    summary = summarize(args, info, results, duration, client_cpu)
     print(f"{summary['completed']}/{summary['num_prompts']} requests in {summary['duration_s']} s: "
           f"{summary['request_throughput']} req/s, {summary['output_throughput']} output tok/s; "
           f"TTFT p50 {summary['p50_ttft_ms']} ms, TPOT p50 {summary['p50_tpot_ms']} ms, "
