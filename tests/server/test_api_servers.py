@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from processes import child_pids, fail_from_step, is_alive
 
 from nanoserve.bench import serve
 from nanoserve.cli import engine_args_from
@@ -163,32 +164,17 @@ def _finished(events: list) -> bool:
     return events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
 
 
-def _children(pid: int) -> list[int]:
-    tasks = Path(f"/proc/{pid}/task")
-    if not tasks.is_dir():
-        pytest.skip("needs /proc to find the server's child processes")
-    return [int(c) for task in tasks.iterdir() for c in (task / "children").read_text().split()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"  # a zombie has exited; only its parent's wait is missing
-
-
 def _assert_gone(pids: list[int]) -> None:
     deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(is_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [pid for pid in pids if _alive(pid)], "a process of the deployment outlived it"
+    assert not [pid for pid in pids if is_alive(pid)], "a process of the deployment outlived it"
 
 
 def test_sigterm_drains_and_leaves_no_process(pair):
     # Last of the tests on `pair`: it stops it.
     servers, engine = _pids(pair)
-    children = _children(pair.proc.pid)
+    children = child_pids(pair.proc.pid)
     assert set(servers) | {engine} <= set(children)
     http, stream, lines = _open_stream(pair, max_tokens=150)
     pair.proc.send_signal(signal.SIGTERM)
@@ -202,7 +188,7 @@ def test_sigterm_drains_and_leaves_no_process(pair):
 
 def test_killed_engine_reaches_requests_on_both_servers(launch):
     server = launch("--api-server-count", "2")
-    children = _children(server.proc.pid)
+    children = child_pids(server.proc.pid)
     _, engine = _pids(server)
     opened = [_open_stream(server, max_tokens=480, on=index) for index in ("0", "1")]
     os.kill(engine, signal.SIGKILL)
@@ -222,7 +208,7 @@ def test_killed_engine_reaches_requests_on_both_servers(launch):
 
 def test_killed_api_server_stops_the_deployment(launch):
     server = launch("--api-server-count", "2")
-    children = _children(server.proc.pid)
+    children = child_pids(server.proc.pid)
     servers, _ = _pids(server)
     http, stream, lines = _open_stream(server, max_tokens=150, on="1")
     os.kill(servers[0], signal.SIGKILL)
@@ -238,7 +224,7 @@ def test_killed_api_server_stops_the_deployment(launch):
 
 def test_killed_supervisor_leaves_no_process(launch):
     server = launch("--api-server-count", "2")
-    children = _children(server.proc.pid)
+    children = child_pids(server.proc.pid)
     http, stream, lines = _open_stream(server, max_tokens=150)
     server.proc.kill()
     # The API servers see their control pipes close: they drain (this stream finishes), then exit, and the
@@ -329,21 +315,9 @@ def test_channels_keep_their_own_requests(two_clients):
     assert engine.process.exitcode == 0
 
 
-def _fail_from_step(engine, n: int) -> None:
-    """Installed in the engine process through setup(): step() raises from its n-th call on."""
-    real_step, calls = engine.step, itertools.count(1)
-
-    def step(*args, **kwargs):
-        if next(calls) >= n:
-            raise RuntimeError("boom")
-        return real_step(*args, **kwargs)
-
-    engine.step = step
-
-
 def test_step_failure_reaches_both_channels(two_clients):
     engine, (a, b) = two_clients
-    a.setup(functools.partial(_fail_from_step, n=5))
+    a.setup(functools.partial(fail_from_step, n=5))
 
     async def main():
         return await asyncio.gather(_run(a, "x", 100), _run(b, "y", 100), return_exceptions=True)

@@ -6,13 +6,13 @@ client as an error instead of a hang. The shared `server` fixture runs the other
 
 import asyncio
 import functools
-import itertools
 import json
 import os
 import signal
 
 import httpx
 import pytest
+from processes import fail_from_step
 
 from nanoserve.bench import serve
 from nanoserve.cli import engine_args_from
@@ -121,18 +121,6 @@ def test_setup_must_pickle(bundled):
         bundled.setup(lambda engine: None)
 
 
-def _fail_from_step(engine, n: int) -> None:
-    """Installed in the engine process through setup(): step() raises from its n-th call on."""
-    real_step, calls = engine.step, itertools.count(1)
-
-    def step(*args, **kwargs):
-        if next(calls) >= n:
-            raise RuntimeError("boom")
-        return real_step(*args, **kwargs)
-
-    engine.step = step
-
-
 async def _in_flight_then(async_engine: AsyncEngine, end) -> tuple[httpx.Response, ...]:
     """A streamed completion and a plain chat running when end() is called; then /health and one more."""
     async with _client(async_engine) as http:
@@ -145,7 +133,7 @@ async def _in_flight_then(async_engine: AsyncEngine, end) -> tuple[httpx.Respons
 
 
 def test_step_failure_reaches_every_client(fresh):
-    fresh.setup(functools.partial(_fail_from_step, n=5))
+    fresh.setup(functools.partial(fail_from_step, n=5))
     _assert_dead(*asyncio.run(_in_flight_then(fresh, lambda: None)), why="boom")
     assert fresh.core.process.join(timeout=10) is None and fresh.core.process.exitcode == 0
 

@@ -4,10 +4,10 @@ import json
 import signal
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
+from processes import child_pids, is_alive
 
 
 def _stream(server, max_tokens: int, results: list, started: threading.Event, out_index: int) -> None:
@@ -57,7 +57,7 @@ def test_sigterm_drains_in_flight_streams_and_exits_0(launch):
 @pytest.mark.parametrize("engine_flags", [[], ["--engine-process"]], ids=["thread", "process"])
 def test_drain_timeout_aborts_what_is_left_and_exits_0(launch, engine_flags):
     server = launch("--drain-timeout", "0.5", *engine_flags)
-    children = _children(server.proc.pid)  # the engine process, with --engine-process
+    children = child_pids(server.proc.pid)  # the engine process, with --engine-process
     results, threads = _load(server, n=2, max_tokens=480)
     server.proc.send_signal(signal.SIGTERM)
     for t in threads:
@@ -66,21 +66,8 @@ def test_drain_timeout_aborts_what_is_left_and_exits_0(launch, engine_flags):
     assert all(reasons == ["abort"] and done and tokens < 480 for tokens, reasons, done in results), results
     assert server.proc.wait(timeout=30) == 0
     deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+    while any(is_alive(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(pid) for pid in children), "a process of the server outlived it"
+    assert not any(is_alive(pid) for pid in children), "a process of the server outlived it"
 
 
-def _children(pid: int) -> list[int]:
-    tasks = Path(f"/proc/{pid}/task")
-    if not tasks.is_dir():
-        pytest.skip("needs /proc to find the server's child processes")
-    return [int(c) for task in tasks.iterdir() for c in (task / "children").read_text().split()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"  # a zombie has exited; only its parent's wait is missing
