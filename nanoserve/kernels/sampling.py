@@ -29,7 +29,10 @@ def _lowbias32(x):
     return x
 
 
-@triton.jit
+# Triton compiles a separate variant for integer arguments equal to 1 or divisible by 16, and types them by value
+# (int32, or int64 from 2^31): with a key that changes every step, new variants would compile (~1 s each) in the
+# middle of serving. So the key is not specialized, and the caller passes it as a signed 32-bit value.
+@triton.jit(do_not_specialize=["key"])
 def _gumbel_max_kernel(logits_ptr, temps_ptr, part_val_ptr, part_idx_ptr, stride_row, vocab, num_parts, key,
                        BLOCK_V: tl.constexpr):
     row = tl.program_id(0)
@@ -55,6 +58,12 @@ def _gumbel_max_kernel(logits_ptr, temps_ptr, part_val_ptr, part_idx_ptr, stride
     tl.store(part_idx_ptr + row * num_parts + part, idx)
 
 
+def _as_int32(key: int) -> int:
+    """key's low 32 bits as a signed 32-bit int (the kernel uses them as uint32 either way)."""
+    key &= 0xFFFFFFFF
+    return key - (1 << 32) if key >= 1 << 31 else key
+
+
 def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, key: int) -> torch.Tensor:
     """One token per row of logits [rows, vocab] (any float dtype, unit column stride): a draw from
     softmax(logits / T) for rows with T > 0 (temperatures [rows] fp32), the argmax for rows with T = 0.
@@ -66,7 +75,7 @@ def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, key: int
     part_idx = torch.empty(rows, num_parts, dtype=torch.int64, device=logits.device)
     if rows:
         _gumbel_max_kernel[(rows, num_parts)](logits, temperatures, part_val, part_idx, logits.stride(0), vocab,
-                                              num_parts, key & 0xFFFFFFFF, BLOCK_V=_BLOCK_V, num_warps=8)
+                                              num_parts, _as_int32(key), BLOCK_V=_BLOCK_V, num_warps=8)
     # argmax takes the first maximum, so ties between parts also go to the lowest column.
     return part_idx.gather(1, part_val.argmax(dim=1, keepdim=True))[:, 0]
 
