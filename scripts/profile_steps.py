@@ -110,15 +110,23 @@ def profile_prefill_phase(model: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
+    p.add_argument("--parts", default="prefill-phase,big-batch,uncached,cached",
+                   help="comma-separated: prefill-phase, big-batch, uncached (2,100-token prefill and batch-1 "
+                        "decode), cached (100 tokens over a cached 2,000-token prefix)")
     ns = p.parse_args()
+    parts = set(ns.parts.split(","))
     rng = np.random.default_rng(0)
-    profile_prefill_phase(ns.model)
-    gc.collect()
-    torch.cuda.empty_cache()
-    profile_big_batch(ns.model, rng)
-    gc.collect()
-    torch.cuda.empty_cache()
+    if "prefill-phase" in parts:
+        profile_prefill_phase(ns.model)
+        gc.collect()
+        torch.cuda.empty_cache()
+    if "big-batch" in parts:
+        profile_big_batch(ns.model, rng)
+        gc.collect()
+        torch.cuda.empty_cache()
     for caching in (False, True):
+        if ("cached" if caching else "uncached") not in parts:
+            continue
         profile_engine(ns.model, caching, rng)
         gc.collect()  # the engine's objects refer to each other: only gc gives its memory back
         torch.cuda.empty_cache()
