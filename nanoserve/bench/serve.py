@@ -21,10 +21,12 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 import numpy as np
+from aiohttp.http_exceptions import HttpProcessingError
 from tqdm import tqdm
 
 from nanoserve.bench.common import environment
@@ -77,18 +79,21 @@ def arrival_gaps(n: int, rate: float, seed: int) -> list[float]:
     return [rng.expovariate(rate) for _ in range(n)]
 
 
-async def send_one(http: httpx.AsyncClient, model: str, prompt: list[int], output_len: int) -> RequestResult:
+async def send_one(http: aiohttp.ClientSession, url: str, model: str, prompt: list[int],
+                   output_len: int) -> RequestResult:
+    """Stream one completion from url (the server's /v1/completions); a failure comes back as the error text."""
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     result = RequestResult(prompt_len=len(prompt))
     start = last = time.perf_counter()
     try:
-        async with http.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                result.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
+        async with http.post(url, json=body) as r:
+            if r.status != 200:
+                result.error = f"HTTP {r.status}: {(await r.read()).decode(errors='replace')[:200]}"
                 return result
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for raw in r.content:
+                line = raw.rstrip(b"\r\n")
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
@@ -109,7 +114,9 @@ async def send_one(http: httpx.AsyncClient, model: str, prompt: list[int], outpu
         result.ok = result.output_tokens > 0
         if not result.ok:
             result.error = "no usage chunk in the stream"
-    except httpx.HTTPError as exc:
+    # Besides the transport's errors: a line too long for aiohttp's reader (HttpProcessingError; ValueError in
+    # older aiohttp) or one that is not JSON fails this request, not the whole run.
+    except (aiohttp.ClientError, HttpProcessingError, TimeoutError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     return result
 
@@ -118,22 +125,29 @@ async def run_load(args: argparse.Namespace, base_url: str) -> tuple[dict, list[
     """Send the requests; returns the server's model info, the results, the wall time and this client's CPU time
     over the same window (near the wall time means the client, not the server, set the pace)."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=None, limits=limits) as http:
-        info = (await http.get("/v1/models")).json()["data"][0]
+    base_url = base_url.rstrip("/")
+    url = base_url + "/v1/completions"
+    # aiohttp's default cap is 100 connections a session: past it, requests would wait in the client and that wait
+    # would count as TTFT.
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(headers=headers, connector=connector, timeout=timeout) as http:
+        async with http.get(base_url + "/v1/models") as r:
+            r.raise_for_status()
+            info = (await r.json())["data"][0]
         vocab = args.vocab_size or info.get("vocab_size")
         if vocab is None:
             raise SystemExit("the server does not report vocab_size; pass --vocab-size")
         prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.seed)
-        warm = await send_one(http, info["id"], prompts[0][:16], 4)  # first-request costs stay out of the figures
+        warm = await send_one(http, url, info["id"], prompts[0][:16], 4)  # first-request costs stay out of the figures
         if not warm.ok:
             raise SystemExit(f"warm-up request failed: {warm.error}")
         gate = asyncio.Semaphore(args.max_concurrency or len(prompts))
         bar = tqdm(total=len(prompts), desc="requests", disable=args.no_progress, file=sys.stderr)
 
-        async def limited(prompt):
+        async def limited(prompt: list[int]) -> RequestResult:
             async with gate:
-                result = await send_one(http, info["id"], prompt, args.output_len)
+                result = await send_one(http, url, info["id"], prompt, args.output_len)
             bar.update(1)
             return result
 
@@ -175,6 +189,7 @@ def summarize(args: argparse.Namespace, info: dict, results: list[RequestResult]
 
 
 def launch_server(server_args: list[str], timeout: float) -> tuple[subprocess.Popen, str]:
+    """Start the server on a free port; returns the process and its URL once /health answers 200."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -187,9 +202,10 @@ def launch_server(server_args: list[str], timeout: float) -> tuple[subprocess.Po
         if proc.poll() is not None:
             raise SystemExit(f"the server exited with {proc.returncode} before it was ready")
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:  # refused while it starts, and urllib's HTTPError (a 503 while loading) alike
             pass
         time.sleep(0.5)
     proc.kill()
