@@ -121,7 +121,9 @@ class EngineArgs:
     seed: int = 0
     # The server only (AsyncEngine): run the engine in a process of its own, so that its host work
     # (scheduling, detokenizing, building outputs) does not share a GIL with the HTTP event loop.
-    engine_process: bool = False
+    # None (resolve_engine_process): on for CUDA, where that shared GIL is what limited the server
+    # (docs/server.md has the figures); off on the CPU, where it was never measured to help.
+    engine_process: bool | None = None
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -171,6 +173,14 @@ def _check_positive(args: EngineArgs, *names: str) -> None:
         value = getattr(args, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+
+
+def resolve_engine_process(args: EngineArgs) -> bool:
+    """args.engine_process with None decided by the device the engine will run on. The server reads it
+    before any config exists (the process loads its own), so this resolves the device itself."""
+    if args.engine_process is not None:
+        return args.engine_process
+    return _resolve_device(args.device).type == "cuda"
 
 
 def _resolve_device(device: str) -> torch.device:

@@ -3,9 +3,10 @@
 The server talks to one AsyncEngine: it submits requests and reads each one's outputs as an async
 stream (streams.py), and reads `stats` for /health and /metrics. Behind it, a core runs the engine:
 
-- ThreadEngineCore (engine_thread.py, the default): the LLMEngine on a background thread of this process.
-- ProcessEngineCore (engine_process.py, `--engine-process`): the LLMEngine in a process of its own, so
-  that its host work does not take turns with the event loop on one GIL.
+- ThreadEngineCore (engine_thread.py, the default on the CPU, or `--no-engine-process`): the LLMEngine on a
+  background thread of this process.
+- ProcessEngineCore (engine_process.py, the default on CUDA, or `--engine-process`): the LLMEngine in a
+  process of its own, so that its host work does not take turns with the event loop on one GIL.
 
 Both take the same calls (add, abort, abort_all, setup, shutdown) and publish the same stats, error and
 cumulative outputs. `async_engine.engine` is what the serving code asks about the model (config,
@@ -17,11 +18,12 @@ dead: new requests are refused at once instead of hanging.
 """
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-from nanoserve.config import EngineArgs
+from nanoserve.config import EngineArgs, resolve_engine_process
 from nanoserve.engine.engine_loop import EngineStats
 from nanoserve.engine.engine_process import ProcessEngineCore
 from nanoserve.engine.engine_thread import ThreadEngineCore
@@ -61,7 +63,9 @@ class AsyncEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "AsyncEngine":
-        """Load the model and start the engine: in its own process with args.engine_process."""
+        """Load the model and start the engine: in its own process if args.engine_process (None: on CUDA)."""
+        # Resolved once here, so that the config the engine reports says which way it runs.
+        args = dataclasses.replace(args, engine_process=resolve_engine_process(args))
         if args.engine_process:
             return cls(ProcessEngineCore(args))
         return cls(LLMEngine(args.create_config()))

@@ -1,6 +1,6 @@
 """The engine process's pipes: one channel per API server, multiplexed into one EngineLoop.
 
-`nanoserve serve` puts one API server process (with --engine-process) or several (--api-server-count N)
+`nanoserve serve` puts one API server process (on CUDA, or --engine-process) or several (--api-server-count N)
 in front of one engine process. Each API server has a channel of its own to the engine (a multiprocessing
 Connection; engine_client.py holds the other end), and the process that started the engine holds a control
 connection. ChannelMux is the EngineLoop's `receive` and `publish` over all of them:

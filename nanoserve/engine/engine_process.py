@@ -7,8 +7,8 @@ process(es) keep HTTP, tokenizing prompts and the streams.
 
 - EngineProcess: starting the process (spawn) with one channel per API server and a control connection,
   waiting for its model, and stopping it. A load error in the child is raised in the parent.
-- ProcessEngineCore (`--engine-process`): one API server in this process, over channel 0: an EngineClient
-  (engine_client.py) that also owns the process, so it can say how the process ended and stop it.
+- ProcessEngineCore (the default on CUDA, `--engine-process`): one API server in this process, over channel 0:
+  an EngineClient (engine_client.py) that also owns the process, so it can say how the process ended and stop it.
 - run_engine_process: the child's main, the EngineLoop over a ChannelMux (engine_channels.py).
 
 If step() raises, the child sends why on every channel and exits; if the child dies (killed, segfault),

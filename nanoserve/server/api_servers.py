@@ -36,7 +36,7 @@ import shutil
 import signal
 import socket
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
@@ -70,6 +70,7 @@ class ServerOptions:
 
 def run_api_servers(engine_args: EngineArgs, host: str, port: int, count: int, options: ServerOptions) -> int:
     """Serve with `count` API server processes until SIGTERM / SIGINT; returns the exit status."""
+    engine_args = replace(engine_args, engine_process=True)  # implied, whatever was asked
     engine_args.create_config()  # bad arguments fail here, before any process starts
     return _Supervisor(count, options).run(engine_args, host, port)
 

@@ -162,7 +162,7 @@ def run_server(engine_args: EngineArgs, host: str, port: int, api_key: str | Non
     config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
                             timeout_graceful_shutdown=5)
     logger.info("serving %r (max_model_len %d%s) on http://%s:%d", name, async_engine.max_model_len,
-                ", engine in its own process" if engine_args.engine_process else "", host, port)
+                ", engine in its own process" if async_engine.engine.config.args.engine_process else "", host, port)
     freeze_startup_objects()
     try:
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:

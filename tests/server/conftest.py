@@ -122,5 +122,6 @@ def launch(model_dir, tmp_path_factory):
 @pytest.fixture(scope="session", params=["thread", "process"])
 def server(launch, request) -> RunningServer:
     """The shared server, run twice over: the engine on a thread of the server process, and the engine in
-    a process of its own (--engine-process). pytest runs every test of one before starting the other."""
-    return launch(*(["--engine-process"] if request.param == "process" else []))
+    a process of its own (--engine-process). Both are asked for by name: the default depends on the device.
+    pytest runs every test of one before starting the other."""
+    return launch("--engine-process" if request.param == "process" else "--no-engine-process")

@@ -261,7 +261,7 @@ def test_the_flag_reaches_the_server_from_the_command_lines():
     assert app.parse_args([]).api_server_count == 1
     _, server_flags = serve.parse_args(["--launch", "--api-server-count", "2", "--num-prompts", "5"])
     assert server_flags == ["--api-server-count", "2"]
-    assert not engine_args_from(app.parse_args(["--api-server-count", "2"])).engine_process  # implied, not set
+    assert engine_args_from(app.parse_args(["--api-server-count", "2"])).engine_process is None  # implied, not set
 
 
 # -- the engine's side of two channels, in this process ------------------------------------------------------

@@ -75,6 +75,7 @@ def test_final_config_comes_from_the_engine_process(bundled):
     # The engine lowered max_model_len to its KV pool; the server checks prompts against that.
     assert bundled.max_model_len == 256 and bundled.engine.config.max_model_len == 256
     assert bundled.engine.config.model.eos_token_ids  # filled in the engine process
+    assert bundled.engine.config.args.engine_process is True
 
     async def main():
         async with _client(bundled, "nanoserve-tiny") as http:
@@ -151,8 +152,9 @@ def test_load_failure_is_raised_at_startup(model_dir):
 
 
 def test_the_flag_reaches_the_server_from_the_command_lines():
-    assert engine_args_from(app.parse_args(["--engine-process"])).engine_process
-    assert not engine_args_from(app.parse_args([])).engine_process
+    assert engine_args_from(app.parse_args(["--engine-process"])).engine_process is True
+    assert engine_args_from(app.parse_args(["--no-engine-process"])).engine_process is False
+    assert engine_args_from(app.parse_args([])).engine_process is None  # the device decides (tests/test_config.py)
     # bench serve --launch hands the flags it does not know to the server it starts.
     _, server_flags = serve.parse_args(["--launch", "--engine-process", "--num-prompts", "5"])
     assert server_flags == ["--engine-process"]

@@ -54,7 +54,7 @@ def test_sigterm_drains_in_flight_streams_and_exits_0(launch):
     assert server.proc.wait(timeout=30) == 0
 
 
-@pytest.mark.parametrize("engine_flags", [[], ["--engine-process"]], ids=["thread", "process"])
+@pytest.mark.parametrize("engine_flags", [["--no-engine-process"], ["--engine-process"]], ids=["thread", "process"])
 def test_drain_timeout_aborts_what_is_left_and_exits_0(launch, engine_flags):
     server = launch("--drain-timeout", "0.5", *engine_flags)
     children = child_pids(server.proc.pid)  # the engine process, with --engine-process

@@ -1,0 +1,40 @@
+"""EngineArgs' device-dependent defaults, resolved without loading a model."""
+
+import pytest
+import torch
+
+from nanoserve.config import EngineArgs, resolve_engine_process
+from nanoserve.engine.async_engine import AsyncEngine
+from nanoserve.engine.engine_thread import ThreadEngineCore
+
+
+def test_engine_process_is_off_on_the_cpu_unless_asked_for():
+    assert EngineArgs().engine_process is None
+    assert resolve_engine_process(EngineArgs(device="cpu")) is False
+    assert resolve_engine_process(EngineArgs(device="cpu", engine_process=True)) is True
+
+
+def test_engine_process_is_on_on_cuda_unless_turned_off(monkeypatch):
+    # The device is resolved through torch.cuda.is_available(): pretend, since nothing here touches CUDA.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_engine_process(EngineArgs()) is True
+    assert resolve_engine_process(EngineArgs(device="cuda")) is True
+    assert resolve_engine_process(EngineArgs(engine_process=False)) is False
+    assert resolve_engine_process(EngineArgs(device="cpu")) is False
+
+
+@pytest.mark.parametrize("available", [False, True])
+def test_an_explicit_engine_process_is_kept_whatever_the_device(monkeypatch, available):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    assert resolve_engine_process(EngineArgs(engine_process=True)) is True
+    assert resolve_engine_process(EngineArgs(engine_process=False)) is False
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the default here is the thread only without CUDA")
+def test_the_server_runs_the_engine_on_a_thread_by_default_on_the_cpu():
+    engine = AsyncEngine.from_engine_args(EngineArgs(num_kv_blocks=16))
+    try:
+        assert isinstance(engine.core, ThreadEngineCore)
+        assert engine.engine.config.args.engine_process is False  # resolved, as the engine reports it
+    finally:
+        engine.shutdown()
