@@ -21,10 +21,14 @@ for step in $steps; do
     throughput-nohf) timeout 200 python -m nanoserve.cli bench throughput --model "$cfg/qwen3-0.6b" ;;
     latency-qwen) timeout 150 python -m nanoserve.cli bench latency --model "$cfg/qwen3-0.6b" --baseline hf ;;
     latency-llama) timeout 200 python -m nanoserve.cli bench latency --model "$cfg/llama-3.1-8b" --max-model-len 8192 --baseline hf ;;
+    latency-qwen-nohf) timeout 150 python -m nanoserve.cli bench latency --model "$cfg/qwen3-0.6b" --max-model-len 8192 ;;
+    latency-llama-nohf) timeout 200 python -m nanoserve.cli bench latency --model "$cfg/llama-3.1-8b" --max-model-len 8192 ;;
+    gpu-tests) timeout 200 python -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -5 ;;
     prefix) timeout 200 python -m nanoserve.cli bench prefix --model "$cfg/qwen3-0.6b" --max-model-len 4096 ;;
     serve-inf) timeout 300 python -m nanoserve.cli bench serve --launch --no-progress --model "$cfg/qwen3-0.6b" --load-format dummy --dtype bfloat16 ;;
-    serve-inf-proc) timeout 300 python -m nanoserve.cli bench serve --launch --no-progress --model "$cfg/qwen3-0.6b" --load-format dummy --dtype bfloat16 --engine-process ;;
-    serve-16-proc) timeout 300 python -m nanoserve.cli bench serve --launch --no-progress --request-rate 16 --model "$cfg/qwen3-0.6b" --load-format dummy --dtype bfloat16 --engine-process ;;
+    # serve-inf and serve-16 run the default (on CUDA the engine in its own process); -thread keeps it on the server's thread.
+    serve-inf-thread) timeout 300 python -m nanoserve.cli bench serve --launch --no-progress --model "$cfg/qwen3-0.6b" --load-format dummy --dtype bfloat16 --no-engine-process ;;
+    serve-16-thread) timeout 300 python -m nanoserve.cli bench serve --launch --no-progress --request-rate 16 --model "$cfg/qwen3-0.6b" --load-format dummy --dtype bfloat16 --no-engine-process ;;
     timeline) timeout 200 python scripts/step_timeline.py --model "$cfg/qwen3-0.6b" 2>&1 | grep -v Warn | tail -16 ;;
     serve-16) timeout 300 python -m nanoserve.cli bench serve --launch --no-progress --request-rate 16 --model "$cfg/qwen3-0.6b" --load-format dummy --dtype bfloat16 ;;
     profile-prefix) timeout 200 python -m cProfile -s tottime -m nanoserve.cli bench prefix --model "$cfg/qwen3-0.6b" --max-model-len 4096 --num-requests 40 2>&1 | grep -A30 "Ordered by" ;;

@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
         if flag not in argv:
             argv += [flag, value]
     runs = {}
-    for backend, flags in (("thread", []), ("process", ["--engine-process"])):
+    for backend, flags in (("thread", ["--no-engine-process"]), ("process", ["--engine-process"])):
         print(f"--- engine on a {backend}", file=sys.stderr)
         runs[backend] = serve.run(["--launch", "--no-progress", *argv, *flags])
     print(f"{'':22}{'thread':>12}{'process':>12}", file=sys.stderr)
