@@ -17,13 +17,15 @@ for step in $steps; do
   echo "== $step"
   case $step in
     tests) timeout 240 python -m pytest -q -x tests/gpu tests/kernels 2>&1 | tail -15 ;;
-    throughput) timeout 300 python -m nanoserve.cli bench throughput --model "$cfg/qwen3-0.6b" --baseline hf ;;
+    throughput) timeout 540 python -m nanoserve.cli bench throughput --model "$cfg/qwen3-0.6b" --baseline hf ;;
     throughput-nohf) timeout 200 python -m nanoserve.cli bench throughput --model "$cfg/qwen3-0.6b" ;;
     latency-qwen) timeout 150 python -m nanoserve.cli bench latency --model "$cfg/qwen3-0.6b" --baseline hf ;;
     latency-llama) timeout 200 python -m nanoserve.cli bench latency --model "$cfg/llama-3.1-8b" --max-model-len 8192 --baseline hf ;;
     latency-qwen-nohf) timeout 150 python -m nanoserve.cli bench latency --model "$cfg/qwen3-0.6b" --max-model-len 8192 ;;
     latency-llama-nohf) timeout 200 python -m nanoserve.cli bench latency --model "$cfg/llama-3.1-8b" --max-model-len 8192 ;;
-    gpu-tests) timeout 200 python -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -5 ;;
+    # tests/gpu takes ~4-5 minutes on an H100 (fp32 Triton compiles and graph captures of the engine test).
+    gpu-tests) timeout 420 python -m pytest -q -p no:cacheprovider --durations=6 tests/gpu 2>&1 | tail -14 ;;
+    gemm) timeout 200 python scripts/bench_gemm_shapes.py ;;
     prefix) timeout 200 python -m nanoserve.cli bench prefix --model "$cfg/qwen3-0.6b" --max-model-len 4096 ;;
     serve-inf) timeout 300 python -m nanoserve.cli bench serve --launch --no-progress --model "$cfg/qwen3-0.6b" --load-format dummy --dtype bfloat16 ;;
     # serve-inf and serve-16 run the default (on CUDA the engine in its own process); -thread keeps it on the server's thread.
