@@ -184,6 +184,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ms", default="64,100,128,192,256", help="comma-separated row counts")
     parser.add_argument("--interpret-check", action="store_true", help="CPU correctness check of the kernel only")
+    parser.add_argument("--blas", choices=("cublas", "cublaslt"), default="cublas",
+                        help="the library F.linear calls (torch.backends.cuda.preferred_blas_library)")
     args = parser.parse_args()
     if args.interpret_check:
         interpret_check()
@@ -191,6 +193,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_gemm_shapes needs a CUDA GPU (or --interpret-check)")
     ms = [int(m) for m in args.ms.split(",")]
+    torch.backends.cuda.preferred_blas_library(args.blas)
     torch.manual_seed(0)
     cuda = torch.device("cuda")
     bandwidth, flop_rate = measure_bandwidth(cuda), measure_matmul(cuda)
@@ -208,7 +211,8 @@ def main() -> None:
         triton_ms = f"{s['triton_ms']:.3f}" if s["triton_ms"] is not None else "-"
         print(f"M={s['m']:>4}: per step ({LAYERS} layers x 4 GEMMs) cuBLAS {s['cublas_ms']:.3f} ms, best Triton "
               f"{triton_ms} ms, better of the two {s['better_ms']:.3f} ms, bound {s['bound_ms']:.3f} ms")
-    print(json.dumps(dict(bench="gemm_shapes", device=device, dtype="bfloat16", model="qwen3-0.6b", layers=LAYERS,
+    print(json.dumps(dict(bench="gemm_shapes", device=device, blas=args.blas, dtype="bfloat16", model="qwen3-0.6b",
+                          layers=LAYERS,
                           copy_gbs=bandwidth / 1e9, matmul_tflops=flop_rate / 1e12,
                           configs=[cfg._asdict() | dict(name=cfg.name) for cfg in CONFIGS], rows=rows, steps=steps)))
 
