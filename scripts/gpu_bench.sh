@@ -26,6 +26,7 @@ for step in $steps; do
     # tests/gpu takes ~4-5 minutes on an H100 (fp32 Triton compiles and graph captures of the engine test).
     gpu-tests) timeout 420 python -m pytest -q -p no:cacheprovider --durations=6 tests/gpu 2>&1 | tail -14 ;;
     gemm) timeout 200 python scripts/bench_gemm_shapes.py ;;
+    lm-head) timeout 120 python scripts/probe_lm_head_shapes.py ;;
     prefix) timeout 200 python -m nanoserve.cli bench prefix --model "$cfg/qwen3-0.6b" --max-model-len 4096 ;;
     serve-inf) timeout 300 python -m nanoserve.cli bench serve --launch --no-progress --model "$cfg/qwen3-0.6b" --load-format dummy --dtype bfloat16 ;;
     # serve-inf and serve-16 run the default (on CUDA the engine in its own process); -thread keeps it on the server's thread.
