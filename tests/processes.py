@@ -1,6 +1,7 @@
 """Helpers for tests that watch or break the server's processes (tests/ is on sys.path via its conftest)."""
 
 import itertools
+import time
 from pathlib import Path
 
 import pytest
@@ -33,3 +34,17 @@ def fail_from_step(engine, n: int) -> None:
         return real_step(*args, **kwargs)
 
     engine.step = step
+
+
+def pace_steps(engine, seconds: float) -> None:
+    """Installed in the engine process through setup(): every step() first sleeps `seconds`, so a test's requests
+    are still running when it acts on them however fast the machine decodes; 0 puts the real step() back."""
+    vars(engine).pop("step", None)
+    if seconds > 0:
+        real_step = engine.step
+
+        def step(*args, **kwargs):
+            time.sleep(seconds)
+            return real_step(*args, **kwargs)
+
+        engine.step = step

@@ -12,7 +12,7 @@ import signal
 
 import httpx
 import pytest
-from processes import fail_from_step
+from processes import fail_from_step, pace_steps
 
 from nanoserve.bench import serve
 from nanoserve.cli import engine_args_from
@@ -105,6 +105,9 @@ def test_tool_loop_runs_in_the_engine_process(bundled):
 
 
 def test_abort_all_ends_what_runs(bundled):
+    # Paced steps: unpaced, this model can decode all 200 tokens between the wait below and the abort.
+    bundled.setup(functools.partial(pace_steps, seconds=0.02))
+
     async def main():
         async with _client(bundled, "nanoserve-tiny") as http:
             requests = [asyncio.create_task(http.post("/v1/completions", json={**BODY, "max_tokens": 200}))
@@ -113,7 +116,11 @@ def test_abort_all_ends_what_runs(bundled):
             bundled.abort_all()
             return await asyncio.gather(*requests)
 
-    for r in asyncio.run(main()):
+    try:
+        responses = asyncio.run(main())
+    finally:
+        bundled.setup(functools.partial(pace_steps, seconds=0))
+    for r in responses:
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "abort"
 
 
