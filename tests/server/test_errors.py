@@ -113,16 +113,18 @@ def test_waiting_queue_over_limit_is_429(strict):
     async def main():
         async with httpx.AsyncClient(base_url=strict.url, headers=AUTH, timeout=60) as http:
             body = {"prompt": "busy", "max_tokens": 400, "stream": True, "ignore_eos": True}
-            streams = []
+
+            async def accepted_stream() -> httpx.Response:
+                response = await http.send(http.build_request("POST", "/v1/completions", json=body), stream=True)
+                assert response.status_code == 200
+                return response
+
             # One runs (max_num_seqs=1), two wait (the limit): all are accepted. A request counts as waiting
             # until the engine schedules it, so the first must be running before the other two are sent.
-            for i in range(3):
-                request = http.build_request("POST", "/v1/completions", json=body)
-                response = await http.send(request, stream=True)
-                assert response.status_code == 200
-                streams.append(response)
-                while i == 0 and (await http.get("/health")).json()["running"] == 0:
-                    await asyncio.sleep(0.01)
+            streams = [await accepted_stream()]
+            while (await http.get("/health")).json()["running"] == 0:
+                await asyncio.sleep(0.01)
+            streams += [await accepted_stream(), await accepted_stream()]
             r = await http.post("/v1/completions", json={**body, "stream": False})
             err = _error(r, 429)
             assert err["type"] == "rate_limit_error"
