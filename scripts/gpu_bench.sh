@@ -27,6 +27,11 @@ for step in $steps; do
     gpu-tests) timeout 420 python -m pytest -q -p no:cacheprovider --durations=6 tests/gpu 2>&1 | tail -14 ;;
     gemm) timeout 200 python scripts/bench_gemm_shapes.py ;;
     lm-head) timeout 120 python scripts/probe_lm_head_shapes.py ;;
+    # The throughput run's GPU idle time between steps and the host's phases, then with the LM head's rows padded
+    # to the decode ladder and with it warmed at every row count (scripts/step_bubbles.py).
+    bubbles) for mode in "" --pad-logit-rows --warm-lm-head; do
+               timeout 200 python scripts/step_bubbles.py --model "$cfg/qwen3-0.6b" $mode 2>&1 | grep -v Warn | tail -8
+             done ;;
     prefix) timeout 200 python -m nanoserve.cli bench prefix --model "$cfg/qwen3-0.6b" --max-model-len 4096 ;;
     serve-inf) timeout 300 python -m nanoserve.cli bench serve --launch --no-progress --model "$cfg/qwen3-0.6b" --load-format dummy --dtype bfloat16 ;;
     # serve-inf and serve-16 run the default (on CUDA the engine in its own process); -thread keeps it on the server's thread.

@@ -1,0 +1,200 @@
+"""Where the GPU waits for the host in the throughput recipe, and where the host was meanwhile.
+
+Runs `bench throughput`'s workload with light instruments instead of a profiler (which slows the host and so
+moves the very gaps it should measure):
+- On the device, a CUDA event before each step's first kernel (its input copies) and one after its last (the
+  samples' copy to the host). The time between one step's last event and the next step's first is what the GPU
+  sat idle between them: about zero when the host queued the next step in time.
+- On the host, each phase's time: schedule; the launch's prepare (inputs and their copies), forward (graph replay
+  or eager model), LM head, sampler and copy to host; then processing the previous step, split into the wait for
+  its samples and the work after.
+A launch phase that takes milliseconds of host time is one the host was blocked in (a launch that waits for
+room on the device, an allocation that synchronizes), not one that worked that long.
+
+    python scripts/step_bubbles.py --model shared/bench-configs/qwen3-0.6b [--pad-logit-rows | --warm-lm-head]
+--pad-logit-rows pads the LM head's rows up to the decode graphs' batch-size ladder (the row count then takes
+~20 values, not hundreds); --warm-lm-head runs it once at every row count before the run. Either tests whether
+the LM head's new row counts cost the host. Without CUDA (a smoke test: --model nanoserve's bundled model
+with --num-prompts 8 --max-len 64) the device columns are empty. Ends with one JSON line.
+"""
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from functools import wraps
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from nanoserve.bench.throughput import workload
+from nanoserve.layers.sampler import SampledTokens
+from nanoserve.llm import LLM
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.worker.model_runner import LaunchedStep
+
+LAUNCH_PHASES = ("prepare", "forward", "lm_head", "sample", "to_host")
+PHASES = ("schedule", *LAUNCH_PHASES, "launch", "wait", "process")
+
+
+class Recorder:
+    """Host time per phase of the current step, and the step's device events."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.steps: list[dict] = []
+        self.current: dict = {}
+
+    def timed(self, phase: str, fn):
+        @wraps(fn)
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.current[phase] = self.current.get(phase, 0.0) + time.perf_counter() - start
+
+        return wrapper
+
+    def event(self) -> torch.cuda.Event | None:
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+
+def instrument(llm: LLM, rec: Recorder, pad_logit_rows: bool) -> None:
+    engine, runner = llm.engine, llm.engine.runner
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        rec.current = {}
+        rec.steps.append(rec.current)
+        out = schedule()
+        rec.current["decodes"] = sum(1 for e in out.scheduled if e.num_new_tokens == 1)
+        rec.current["prefill_tokens"] = sum(e.num_new_tokens for e in out.scheduled if e.num_new_tokens > 1)
+        rec.current["sampled"] = sum(len(e.sample_seqs) for e in out.scheduled)
+        return out
+
+    engine.scheduler.schedule = rec.timed("schedule", recording_schedule)
+    launch = runner.launch
+
+    def recording_launch(batch, prev=None):
+        rec.current["start"] = rec.event()
+        out = launch(batch, prev)
+        rec.current["end"] = rec.event()
+        return out
+
+    runner.launch = rec.timed("launch", recording_launch)
+    runner.prepare = rec.timed("prepare", runner.prepare)
+    for graphs in (runner.graphs, runner.prefill_graphs):
+        if graphs is not None:
+            graphs.run = rec.timed("forward", graphs.run)
+    model = runner.model
+    forward, lm_head = model.forward, model.compute_logits
+    model.forward = rec.timed("forward", forward)  # eager steps (nn.Module.__call__ looks up self.forward)
+    ladder = runner.graphs.sizes if runner.graphs is not None else []
+
+    def padded_lm_head(hidden: torch.Tensor) -> torch.Tensor:
+        n = hidden.shape[0]
+        bucket = next((s for s in ladder if s >= n), n)
+        return lm_head(F.pad(hidden, (0, 0, 0, bucket - n)))[:n] if bucket > n else lm_head(hidden)
+
+    model.compute_logits = rec.timed("lm_head", padded_lm_head if pad_logit_rows else lm_head)
+    runner.sampler.sample = rec.timed("sample", runner.sampler.sample)
+    to_host = SampledTokens.to_host
+    SampledTokens.to_host = rec.timed("to_host", to_host)
+    result = LaunchedStep.result
+    LaunchedStep.result = rec.timed("wait", result)
+    # _process runs after the next step's launch, so its time lands on that step's record: the host work that
+    # sits between two launches.
+    engine._process = rec.timed("process", engine._process)
+
+
+def warm_lm_head(llm: LLM) -> None:
+    runner = llm.engine.runner
+    hidden = torch.randn(llm.engine.config.args.max_num_seqs, llm.engine.config.model.hidden_size,
+                         device=runner.device, dtype=runner.model.lm_head.weight.dtype)
+    for n in range(1, hidden.shape[0] + 1):
+        runner.model.compute_logits(hidden[:n])
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def group_of(step: dict) -> str:
+    if step["prefill_tokens"]:
+        return "prefill>0"
+    return f"decode {1 << max(step['decodes'] - 1, 0).bit_length():>3}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--max-len", type=int, default=1024, help="longest prompt and output (shortest: 100 or less)")
+    p.add_argument("--seed", type=int, default=0)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--pad-logit-rows", action="store_true")
+    mode.add_argument("--warm-lm-head", action="store_true")
+    ns = p.parse_args()
+    llm = LLM(model=ns.model, load_format="dummy", dtype="bfloat16" if torch.cuda.is_available() else "float32")
+    engine, cfg = llm.engine, llm.engine.config
+    lo = min(100, ns.max_len)
+    prompts, out_lens = workload(ns.num_prompts, lo, ns.max_len, lo, ns.max_len, cfg.model.vocab_size, ns.seed)
+    if ns.warm_lm_head:
+        warm_lm_head(llm)
+    cuda = cfg.device.type == "cuda"
+    rec = Recorder(cuda)
+    instrument(llm, rec, ns.pad_logit_rows)
+    llm.generate(prompts[:8], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)  # warm-up
+    rec.steps.clear()
+    for i, (prompt, n) in enumerate(zip(prompts, out_lens, strict=True)):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n))
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step(final_only=True)
+    wall = time.perf_counter() - start
+    if cuda:
+        torch.cuda.synchronize()
+
+    groups: dict[str, dict] = defaultdict(lambda: defaultdict(float))
+    prev_end = None
+    for step in rec.steps:
+        if "start" not in step:  # scheduled nothing: no launch
+            continue
+        g = groups[group_of(step)]
+        g["steps"] += 1
+        for phase in PHASES:
+            g[phase] += step.get(phase, 0.0) * 1e3
+        if cuda:
+            g["gpu"] += step["start"].elapsed_time(step["end"])
+            if prev_end is not None:
+                g["idle"] += prev_end.elapsed_time(step["start"])
+        prev_end = step["end"]
+
+    cols = ("steps", "gpu", "idle", *PHASES)
+    print(f"{'group':<12}" + "".join(f"{c:>10}" for c in cols))
+    print(f"{'':<12}{'':>10}" + "".join(f"{'ms/step':>10}" for _ in cols[1:]))
+    for key in sorted(groups):
+        g = groups[key]
+        n = g["steps"]
+        print(f"{key:<12}{int(n):>10}" + "".join(f"{g[c] / n:>10.3f}" for c in cols[1:]))
+    total = {c: sum(g[c] for g in groups.values()) for c in cols}
+    n_out = sum(out_lens)
+    print(json.dumps({
+        "script": "step_bubbles", "mode": "pad-logit-rows" if ns.pad_logit_rows else
+        "warm-lm-head" if ns.warm_lm_head else "default", "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "wall_s": round(wall, 3), "output_tok_s": round(n_out / wall, 1), "steps": int(total["steps"]),
+        "gpu_busy_s": round(total["gpu"] / 1e3, 3) if cuda else None,
+        "gpu_idle_s": round(total["idle"] / 1e3, 3) if cuda else None,
+        "idle_by_group_s": {k: round(g["idle"] / 1e3, 3) for k, g in sorted(groups.items())} if cuda else None,
+        "host_s": {c: round(total[c] / 1e3, 3) for c in PHASES},
+        "lm_head_rows_distinct": len({s["sampled"] for s in rec.steps if s.get("sampled")}),
+        "max_phase_ms": {c: round(1e3 * float(np.max([s.get(c, 0.0) for s in rec.steps])), 2) for c in PHASES},
+    }))
+
+
+if __name__ == "__main__":
+    main()
