@@ -15,6 +15,15 @@ from nanoserve.worker.cuda_graphs import CUDAGraphRunner, PrefillGraphRunner, ea
 from nanoserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
 
 
+def chunk_slots(block_table: list[int], start: int, n: int, block_size: int) -> list[int]:
+    """The KV cache slots of positions start .. start + n - 1 through the sequence's block table."""
+    # Whole pages at once: a per-position Python loop cost ~0.6 ms of host time for an 8,192-token chunk.
+    pages = np.asarray(block_table[start // block_size:(start + n - 1) // block_size + 1], dtype=np.int64)
+    first = start % block_size
+    assert len(pages) * block_size >= first + n, "the block table must cover the chunk"
+    return (pages[:, None] * block_size + np.arange(block_size)).ravel()[first:first + n].tolist()
+
+
 @dataclass
 class LaunchedStep:
     """A step whose kernels are queued on the device; result() waits for its samples."""
@@ -129,7 +138,7 @@ class ModelRunner:
                 assert start + n <= len(seq.token_ids)
                 input_ids += seq.token_ids[start:start + n]
                 positions += range(start, start + n)
-                slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+                slots += chunk_slots(table, start, n, bs)
             cu.append(cu[-1] + n)
             lens.append(start + n)
             tables.append(table)
@@ -148,7 +157,10 @@ class ModelRunner:
             row[:len(table)] = table
         sample_all = logit_rows == list(range(num_tokens))  # every row samples once: no gather needed
         gather = [] if sample_all else logit_rows
-        longs = to_device(input_ids + positions + slots + pending_at + pending_rows + gather, torch.int64, self.device)
+        # Through numpy: it converts a long list of Python ints ~3x faster than torch.as_tensor (1.3 vs 0.4 ms for
+        # an 8,192-token step's 24,576 values on this 2-core CPU).
+        longs = to_device(np.array(input_ids + positions + slots + pending_at + pending_rows + gather, dtype=np.int64),
+                          torch.int64, self.device)
         ints = to_device(packed, torch.int32, self.device)
         ids, pos, slot_mapping, pending_at_d, pending_rows_d, rows_d = longs.split(
             [num_tokens, num_tokens, num_tokens, len(pending_at), len(pending_rows),
