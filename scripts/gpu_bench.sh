@@ -26,10 +26,11 @@ for step in $steps; do
     # tests/gpu takes ~4-5 minutes on an H100 (fp32 Triton compiles and graph captures of the engine test).
     gpu-tests) timeout 420 python -m pytest -q -p no:cacheprovider --durations=6 tests/gpu 2>&1 | tail -14 ;;
     gemm) timeout 200 python scripts/bench_gemm_shapes.py ;;
-    lm-head) timeout 120 python scripts/probe_lm_head_shapes.py ;;
-    # The throughput run's GPU idle time between steps and the host's phases, then with the LM head's rows padded
-    # to the decode ladder and with it warmed at every row count (scripts/step_bubbles.py).
-    bubbles) for mode in "" --pad-logit-rows --warm-lm-head; do
+    lm-head) timeout 120 python scripts/probe_lm_head_shapes.py
+             CUDA_MODULE_LOADING=EAGER timeout 180 python scripts/probe_lm_head_shapes.py ;;
+    # The throughput run's GPU idle time between steps and the host's phases, with and without the LM head's
+    # warm-up at start (scripts/step_bubbles.py).
+    bubbles) for mode in "" --no-lm-head-warm-up; do
                timeout 200 python scripts/step_bubbles.py --model "$cfg/qwen3-0.6b" $mode 2>&1 | grep -v Warn | tail -8
              done ;;
     prefix) timeout 200 python -m nanoserve.cli bench prefix --model "$cfg/qwen3-0.6b" --max-model-len 4096 ;;

@@ -3,10 +3,15 @@ count cuBLAS has not seen before, against calls repeating a seen one: a step tha
 sequences pays the first kind.
 
     python scripts/probe_lm_head_shapes.py
-Ends with one JSON line.
+    CUDA_MODULE_LOADING=EAGER python scripts/probe_lm_head_shapes.py
+Two causes would look alike: cuBLAS choosing a kernel per new shape, and CUDA's lazy loading (the default since
+CUDA 12) loading each kernel the first time it runs, which can stall the host for milliseconds. Under
+CUDA_MODULE_LOADING=EAGER every kernel is loaded when the context starts, so a first-call cost that remains there
+is cuBLAS's own. Ends with one JSON line.
 """
 
 import json
+import os
 import time
 
 import torch
@@ -30,6 +35,7 @@ def main() -> None:
     firsts = sorted(first)
     agains = sorted(again)
     result = dict(bench="lm_head_shapes", device=torch.cuda.get_device_name(), torch=torch.__version__,
+                  module_loading=os.environ.get("CUDA_MODULE_LOADING", "default (lazy)"),
                   first_median_ms=firsts[150], first_max_ms=firsts[-1], first_total_ms=sum(first),
                   repeat_median_ms=agains[150], repeat_max_ms=agains[-1], repeat_total_ms=sum(again))
     print(f"new row counts 1..300: median {firsts[150]:.3f} ms, total {sum(first):.0f} ms of host time; "

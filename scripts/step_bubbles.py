@@ -11,11 +11,10 @@ moves the very gaps it should measure):
 A launch phase that takes milliseconds of host time is one the host was blocked in (a launch that waits for
 room on the device, an allocation that synchronizes), not one that worked that long.
 
-    python scripts/step_bubbles.py --model shared/bench-configs/qwen3-0.6b [--pad-logit-rows | --warm-lm-head]
---pad-logit-rows pads the LM head's rows up to the decode graphs' batch-size ladder (the row count then takes
-~20 values, not hundreds); --warm-lm-head runs it once at every row count before the run. Either tests whether
-the LM head's new row counts cost the host. Without CUDA (a smoke test: --model nanoserve's bundled model
-with --num-prompts 8 --max-len 64) the device columns are empty. Ends with one JSON line.
+    python scripts/step_bubbles.py --model shared/bench-configs/qwen3-0.6b [--no-lm-head-warm-up]
+--no-lm-head-warm-up skips ModelRunner.warm_up_lm_head (the LM head run at every row count at start), to see
+what the first call at each new row count costs during the run. Without CUDA (a smoke test: --model nanoserve's
+bundled model with --num-prompts 8 --max-len 64) the device columns are empty. Ends with one JSON line.
 """
 
 import argparse
@@ -26,13 +25,12 @@ from functools import wraps
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from nanoserve.bench.throughput import workload
 from nanoserve.layers.sampler import SampledTokens
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.worker.model_runner import LaunchedStep
+from nanoserve.worker.model_runner import LaunchedStep, ModelRunner
 
 LAUNCH_PHASES = ("prepare", "forward", "lm_head", "sample", "to_host")
 PHASES = ("schedule", *LAUNCH_PHASES, "launch", "wait", "process")
@@ -65,7 +63,7 @@ class Recorder:
         return ev
 
 
-def instrument(llm: LLM, rec: Recorder, pad_logit_rows: bool) -> None:
+def instrument(llm: LLM, rec: Recorder) -> None:
     engine, runner = llm.engine, llm.engine.runner
     schedule = engine.scheduler.schedule
 
@@ -93,16 +91,8 @@ def instrument(llm: LLM, rec: Recorder, pad_logit_rows: bool) -> None:
         if graphs is not None:
             graphs.run = rec.timed("forward", graphs.run)
     model = runner.model
-    forward, lm_head = model.forward, model.compute_logits
-    model.forward = rec.timed("forward", forward)  # eager steps (nn.Module.__call__ looks up self.forward)
-    ladder = runner.graphs.sizes if runner.graphs is not None else []
-
-    def padded_lm_head(hidden: torch.Tensor) -> torch.Tensor:
-        n = hidden.shape[0]
-        bucket = next((s for s in ladder if s >= n), n)
-        return lm_head(F.pad(hidden, (0, 0, 0, bucket - n)))[:n] if bucket > n else lm_head(hidden)
-
-    model.compute_logits = rec.timed("lm_head", padded_lm_head if pad_logit_rows else lm_head)
+    model.forward = rec.timed("forward", model.forward)  # eager steps (nn.Module.__call__ looks up self.forward)
+    model.compute_logits = rec.timed("lm_head", model.compute_logits)
     runner.sampler.sample = rec.timed("sample", runner.sampler.sample)
     to_host = SampledTokens.to_host
     SampledTokens.to_host = rec.timed("to_host", to_host)
@@ -111,16 +101,6 @@ def instrument(llm: LLM, rec: Recorder, pad_logit_rows: bool) -> None:
     # _process runs after the next step's launch, so its time lands on that step's record: the host work that
     # sits between two launches.
     engine._process = rec.timed("process", engine._process)
-
-
-def warm_lm_head(llm: LLM) -> None:
-    runner = llm.engine.runner
-    hidden = torch.randn(llm.engine.config.args.max_num_seqs, llm.engine.config.model.hidden_size,
-                         device=runner.device, dtype=runner.model.lm_head.weight.dtype)
-    for n in range(1, hidden.shape[0] + 1):
-        runner.model.compute_logits(hidden[:n])
-    if runner.device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def group_of(step: dict) -> str:
@@ -135,19 +115,17 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--max-len", type=int, default=1024, help="longest prompt and output (shortest: 100 or less)")
     p.add_argument("--seed", type=int, default=0)
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--pad-logit-rows", action="store_true")
-    mode.add_argument("--warm-lm-head", action="store_true")
+    p.add_argument("--no-lm-head-warm-up", action="store_true")
     ns = p.parse_args()
+    if ns.no_lm_head_warm_up:
+        ModelRunner.warm_up_lm_head = lambda self: None
     llm = LLM(model=ns.model, load_format="dummy", dtype="bfloat16" if torch.cuda.is_available() else "float32")
     engine, cfg = llm.engine, llm.engine.config
     lo = min(100, ns.max_len)
     prompts, out_lens = workload(ns.num_prompts, lo, ns.max_len, lo, ns.max_len, cfg.model.vocab_size, ns.seed)
-    if ns.warm_lm_head:
-        warm_lm_head(llm)
     cuda = cfg.device.type == "cuda"
     rec = Recorder(cuda)
-    instrument(llm, rec, ns.pad_logit_rows)
+    instrument(llm, rec)
     llm.generate(prompts[:8], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)  # warm-up
     rec.steps.clear()
     for i, (prompt, n) in enumerate(zip(prompts, out_lens, strict=True)):
@@ -184,8 +162,8 @@ def main() -> None:
     total = {c: sum(g[c] for g in groups.values()) for c in cols}
     n_out = sum(out_lens)
     print(json.dumps({
-        "script": "step_bubbles", "mode": "pad-logit-rows" if ns.pad_logit_rows else
-        "warm-lm-head" if ns.warm_lm_head else "default", "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "script": "step_bubbles", "lm_head_warm_up": not ns.no_lm_head_warm_up,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
         "wall_s": round(wall, 3), "output_tok_s": round(n_out / wall, 1), "steps": int(total["steps"]),
         "gpu_busy_s": round(total["gpu"] / 1e3, 3) if cuda else None,
         "gpu_idle_s": round(total["idle"] / 1e3, 3) if cuda else None,

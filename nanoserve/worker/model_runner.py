@@ -68,6 +68,24 @@ class ModelRunner:
             pool = self.prefill_graphs.capture()
             self.graphs = CUDAGraphRunner(self.model, min(args.max_num_seqs, 512), max_blocks, self.device)
             self.graphs.capture(pool)
+        if self.device.type == "cuda":
+            self.warm_up_lm_head()
+
+    @torch.inference_mode()
+    def warm_up_lm_head(self) -> None:
+        """Run the LM head once at every row count a step can sample (1 .. max_num_seqs).
+
+        It runs outside the CUDA graphs, and cuBLAS picks its kernel by row count, which changes from step to step
+        while prompts are admitted and as a batch drains. CUDA loads a kernel the first time it runs (lazy loading,
+        the default since CUDA 12.2), and loading one may synchronize the context: the host would wait there for
+        the step just queued, and async scheduling lose its overlap. Loading them all now keeps that out of serving.
+        """
+        cfg = self.config
+        rows = torch.zeros(cfg.args.max_num_seqs, cfg.model.hidden_size, dtype=cfg.dtype, device=self.device)
+        for n in range(1, rows.shape[0] + 1):
+            self.model.compute_logits(rows[:n])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
 
     def _bind_kv_cache(self, kv_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for layer, (k, v) in zip(self.attn_layers, kv_cache, strict=True):
