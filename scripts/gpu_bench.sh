@@ -31,7 +31,8 @@ for step in $steps; do
     # The throughput run's GPU idle time between steps and the host's phases, with and without the LM head's
     # warm-up at start (scripts/step_bubbles.py).
     bubbles) for mode in "" --no-lm-head-warm-up; do
-               timeout 200 python scripts/step_bubbles.py --model "$cfg/qwen3-0.6b" $mode 2>&1 | grep -v Warn | tail -8
+               timeout 200 python scripts/step_bubbles.py --model "$cfg/qwen3-0.6b" $mode \
+                 --dump "$out/bubbles${mode:-default}.jsonl" 2>&1 | grep -v Warn | tail -8
              done ;;
     prefix) timeout 200 python -m nanoserve.cli bench prefix --model "$cfg/qwen3-0.6b" --max-model-len 4096 ;;
     serve-inf) timeout 300 python -m nanoserve.cli bench serve --launch --no-progress --model "$cfg/qwen3-0.6b" --load-format dummy --dtype bfloat16 ;;

@@ -116,6 +116,7 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=1024, help="longest prompt and output (shortest: 100 or less)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-lm-head-warm-up", action="store_true")
+    p.add_argument("--dump", help="write every step's record here, one JSON object a line, for a look later")
     ns = p.parse_args()
     if ns.no_lm_head_warm_up:
         ModelRunner.warm_up_lm_head = lambda self: None
@@ -138,19 +139,25 @@ def main() -> None:
         torch.cuda.synchronize()
 
     groups: dict[str, dict] = defaultdict(lambda: defaultdict(float))
+    rows = []  # per step, in milliseconds
     prev_end = None
     for step in rec.steps:
         if "start" not in step:  # scheduled nothing: no launch
             continue
+        row = {k: step[k] for k in ("decodes", "prefill_tokens", "sampled")}
+        row |= {phase: round(step.get(phase, 0.0) * 1e3, 4) for phase in PHASES}
+        if cuda:
+            row["gpu"] = step["start"].elapsed_time(step["end"])
+            row["idle"] = prev_end.elapsed_time(step["start"]) if prev_end is not None else 0.0
+        prev_end = step["end"]
+        rows.append(row)
         g = groups[group_of(step)]
         g["steps"] += 1
-        for phase in PHASES:
-            g[phase] += step.get(phase, 0.0) * 1e3
-        if cuda:
-            g["gpu"] += step["start"].elapsed_time(step["end"])
-            if prev_end is not None:
-                g["idle"] += prev_end.elapsed_time(step["start"])
-        prev_end = step["end"]
+        for col in (*PHASES, "gpu", "idle"):
+            g[col] += row.get(col, 0.0)
+    if ns.dump:
+        with open(ns.dump, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
 
     cols = ("steps", "gpu", "idle", *PHASES)
     print(f"{'group':<12}" + "".join(f"{c:>10}" for c in cols))
