@@ -28,9 +28,9 @@ for step in $steps; do
     gemm) timeout 200 python scripts/bench_gemm_shapes.py ;;
     lm-head) timeout 120 python scripts/probe_lm_head_shapes.py
              CUDA_MODULE_LOADING=EAGER timeout 180 python scripts/probe_lm_head_shapes.py ;;
-    # The throughput run's GPU idle time between steps and the host's phases, with and without the LM head's
-    # warm-up at start (scripts/step_bubbles.py).
-    bubbles) for mode in "" --no-lm-head-warm-up; do
+    # The throughput run's GPU idle time between steps and the host's phases; then without the LM head's warm-up
+    # at start, and with the step inputs copied from pageable memory (scripts/step_bubbles.py).
+    bubbles) for mode in "" --no-lm-head-warm-up --pageable-copies; do
                timeout 200 python scripts/step_bubbles.py --model "$cfg/qwen3-0.6b" $mode \
                  --dump "$out/bubbles${mode:-default}.jsonl" 2>&1 | grep -v Warn | tail -8
              done ;;

@@ -11,10 +11,12 @@ moves the very gaps it should measure):
 A launch phase that takes milliseconds of host time is one the host was blocked in (a launch that waits for
 room on the device, an allocation that synchronizes), not one that worked that long.
 
-    python scripts/step_bubbles.py --model shared/bench-configs/qwen3-0.6b [--no-lm-head-warm-up]
+    python scripts/step_bubbles.py --model shared/bench-configs/qwen3-0.6b [--no-lm-head-warm-up | --pageable-copies]
 --no-lm-head-warm-up skips ModelRunner.warm_up_lm_head (the LM head run at every row count at start), to see
-what the first call at each new row count costs during the run. Without CUDA (a smoke test: --model nanoserve's
-bundled model with --num-prompts 8 --max-len 64) the device columns are empty. Ends with one JSON line.
+what the first call at each new row count costs during the run. --pageable-copies makes pin_memory() a no-op, so
+the step inputs' copies go from pageable memory, as before nanoserve.utils.to_device pinned them. Without CUDA
+(a smoke test: --model nanoserve's bundled model with --num-prompts 8 --max-len 64) the device columns are
+empty. Ends with one JSON line.
 """
 
 import argparse
@@ -116,10 +118,13 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=1024, help="longest prompt and output (shortest: 100 or less)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-lm-head-warm-up", action="store_true")
+    p.add_argument("--pageable-copies", action="store_true")
     p.add_argument("--dump", help="write every step's record here, one JSON object a line, for a look later")
     ns = p.parse_args()
     if ns.no_lm_head_warm_up:
         ModelRunner.warm_up_lm_head = lambda self: None
+    if ns.pageable_copies:
+        torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
     llm = LLM(model=ns.model, load_format="dummy", dtype="bfloat16" if torch.cuda.is_available() else "float32")
     engine, cfg = llm.engine, llm.engine.config
     lo = min(100, ns.max_len)
@@ -170,6 +175,7 @@ def main() -> None:
     n_out = sum(out_lens)
     print(json.dumps({
         "script": "step_bubbles", "lm_head_warm_up": not ns.no_lm_head_warm_up,
+        "pinned_copies": not ns.pageable_copies,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "wall_s": round(wall, 3), "output_tok_s": round(n_out / wall, 1), "steps": int(total["steps"]),
         "gpu_busy_s": round(total["gpu"] / 1e3, 3) if cuda else None,

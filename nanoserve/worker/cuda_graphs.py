@@ -28,6 +28,7 @@ from nanoserve.kernels.tile_map import (
     split_slots_used,
 )
 from nanoserve.layers.attention import Attention, AttentionMetadata
+from nanoserve.utils import to_device
 
 
 def batch_size_ladder(max_batch_size: int) -> list[int]:
@@ -180,7 +181,8 @@ class PrefillGraphRunner(_Graphs):
         self.block_tables[:b, :meta.block_tables.shape[1]].copy_(meta.block_tables)
         tiles = prefill_split_map(meta.cu_seqlens_q_cpu, meta.seq_lens_cpu, self.block_m[t], self.num_tiles[t],
                                   self.program_heads, self.concurrency[t], self.max_partials[t], pack=self.pack)
-        self.tile_map[:self.num_tiles[t]].copy_(torch.from_numpy(tiles), non_blocking=True)
+        # From pinned memory, so that the copy is only queued (utils.to_device says why).
+        self.tile_map[:self.num_tiles[t]].copy_(torch.from_numpy(tiles).pin_memory(), non_blocking=True)
         return t
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -203,7 +205,7 @@ def eager_tile_map(meta: AttentionMetadata, device: torch.device, num_heads: int
     block_m = prefill_block_m(max(cu[i + 1] - cu[i] for i in range(len(lens))), pack)
     num_sms = num_sms or torch.cuda.get_device_properties(device).multi_processor_count
     split_map = eager_split_map(cu, lens, block_m, num_heads // pack, num_sms, pack)
-    meta.tile_map = torch.from_numpy(split_map).to(device, non_blocking=True)
+    meta.tile_map = to_device(split_map, torch.int32, device)
     meta.block_m, meta.pack = block_m, pack
     # Eager steps may allocate: just the slots this map uses.
     slots = max(1, split_slots_used(split_map))
