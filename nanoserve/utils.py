@@ -12,7 +12,9 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     synchronize with the stream to stage it. So the values go to pinned memory first, whose copy is only
     queued; PyTorch's pinned-memory cache reuses that buffer only once the copy has run.
     """
-    host = torch.as_tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
+    return pinned(torch.as_tensor(values, dtype=dtype), device).to(device, non_blocking=True)
+
+
+def pinned(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` in pinned memory when it is bound for a GPU (to_device says why), else as it is."""
+    return host.pin_memory() if device.type == "cuda" else host

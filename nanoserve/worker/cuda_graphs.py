@@ -28,7 +28,7 @@ from nanoserve.kernels.tile_map import (
     split_slots_used,
 )
 from nanoserve.layers.attention import Attention, AttentionMetadata
-from nanoserve.utils import to_device
+from nanoserve.utils import pinned, to_device
 
 
 def batch_size_ladder(max_batch_size: int) -> list[int]:
@@ -181,8 +181,8 @@ class PrefillGraphRunner(_Graphs):
         self.block_tables[:b, :meta.block_tables.shape[1]].copy_(meta.block_tables)
         tiles = prefill_split_map(meta.cu_seqlens_q_cpu, meta.seq_lens_cpu, self.block_m[t], self.num_tiles[t],
                                   self.program_heads, self.concurrency[t], self.max_partials[t], pack=self.pack)
-        # From pinned memory, so that the copy is only queued (utils.to_device says why).
-        self.tile_map[:self.num_tiles[t]].copy_(torch.from_numpy(tiles).pin_memory(), non_blocking=True)
+        tiles = pinned(torch.from_numpy(tiles), self.tile_map.device)
+        self.tile_map[:self.num_tiles[t]].copy_(tiles, non_blocking=True)
         return t
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
