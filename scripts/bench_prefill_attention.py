@@ -14,7 +14,7 @@ max_model_len (40,960). Cases: (a) 100 new tokens over 2,000 cached ones (the pr
 enough distinct KV caches that the keys are not in L2 from the previous call, as in the model. Both paths are
 checked against the PyTorch reference and each other, and the split counters must end at zero. Each path's
 compiled kernel is listed with its registers, spills and shared memory, and the programs per SM they allow.
-A sweep for (a) and (e) over tile rows (block_m), piece sizes (min_keys), key tiles (block_n) and pipeline
+A sweep for (a), (c) and (e) over tile rows (block_m), piece sizes (min_keys), key tiles (block_n) and pipeline
 stages shows what the defaults leave on the table (--quick skips it). Ends with one JSON line.
 
 The previous path runs on this kernel (the map carries the lengths; merges load two partials per trip). The
@@ -101,7 +101,8 @@ def make_step(lens: list[tuple[int, int]]) -> dict:
     }
 
 
-_RESOURCES: dict[tuple, dict] = {}  # by (block_m, block_n, pack, num_stages, partials' dtype), from first compiles
+# Resources of first compiles, by (block_m, block_n, pack, num_stages, partials' dtype, num_warps).
+_RESOURCES: dict[tuple, dict] = {}
 
 
 def _compiled_kernels() -> dict:
@@ -125,7 +126,7 @@ def _resources(kernel) -> dict:
 
 def run_paths(step: dict, paths: dict[str, dict]) -> tuple[dict[str, float], dict[str, torch.Tensor], dict]:
     """Median microseconds per call, the last call's output and the compiled kernel's resources of each path
-    (keyword arguments for prefill_attention: tile_map, block_m, split_scratch, pack, block_n, num_stages),
+    (keyword arguments for prefill_attention: tile_map, block_m, split_scratch, pack, block_n, num_stages, num_warps),
     captured and replayed interleaved."""
     q, caches = step["q"], step["caches"]
     calls = max(LAYERS, len(caches))
@@ -143,7 +144,8 @@ def run_paths(step: dict, paths: dict[str, dict]) -> tuple[dict[str, float], dic
         call_all()  # compile outside the capture
         torch.cuda.synchronize()
         config = (kwargs["block_m"], kwargs.get("block_n") or prefill_block_n(HEAD_DIM, 2, kwargs["block_m"]),
-                  kwargs["pack"], kwargs.get("num_stages", 2), kwargs["split_scratch"].out.dtype)  # fmt: skip
+                  kwargs["pack"], kwargs.get("num_stages", 2), kwargs["split_scratch"].out.dtype,
+                  kwargs.get("num_warps"))  # fmt: skip
         new = [k for key, k in _compiled_kernels().items() if key not in before]
         if new:
             _RESOURCES[config] = _resources(new[0])
@@ -233,13 +235,17 @@ SWEEP = {
     "a_": [(32, 256, {}), (32, 512, {}), (64, 256, {}), (64, 384, {}), (64, 512, {}), (64, 256, {"block_n": 128}),
            (64, 256, {"num_stages": 3}), (64, 256, {"scratch_dtype": torch.bfloat16}), (128, 256, {}),
            (128, 512, {}), (128, 256, {"block_n": 64}), (128, 256, {"scratch_dtype": torch.bfloat16})],
+    # The throughput recipe's prompt chunks: 128-row tiles by default.
+    "c_": [(128, 256, {}), (128, 256, {"block_n": 64}), (128, 256, {"num_stages": 3}), (128, 256, {"num_warps": 4}),
+           (128, 256, {"block_n": 64, "num_stages": 3}), (64, 256, {}), (64, 256, {"block_n": 128}),
+           (64, 256, {"num_warps": 8}), (64, 256, {"num_stages": 3}), (32, 256, {})],
     "e_": [(64, 256, {}), (128, 256, {}), (128, 256, {"block_n": 64}), (128, 256, {"num_stages": 3}),
            (128, 256, {"scratch_dtype": torch.bfloat16})],
 }  # fmt: skip
 
 
 def sweep_paths(step: dict, name: str) -> dict:
-    """The SWEEP variants of a cached-prefix case, all with a program per kv head."""
+    """The SWEEP variants of a case, all with a program per kv head."""
     pack = HQ // HKV
     paths, stats = {}, {}
     for block_m, min_keys, launch in SWEEP[name[:2]]:
@@ -270,7 +276,7 @@ def main() -> None:
             "new": {**stats["new"], **resources.get("new", {})},
         }
         print(name, json.dumps(results["cases"][name]), flush=True)
-        if not quick and name.startswith(("a_", "e_")):
+        if not quick and name.startswith(tuple(SWEEP)):
             results["sweep"][name] = sweep_paths(step, name)
             for key, row in sorted(results["sweep"][name].items(), key=lambda kv: kv[1]["us"]):
                 print(f"  {name} {key}: {json.dumps(row)}", flush=True)

@@ -34,6 +34,15 @@ for step in $steps; do
                timeout 200 python scripts/step_bubbles.py --model "$cfg/qwen3-0.6b" $mode \
                  --dump "$out/bubbles${mode:-default}.jsonl" 2>&1 | grep -v Warn | tail -8
              done ;;
+    # Decode attention's launch configuration in the whole throughput run (step_bubbles --decode-options), and
+    # alone at the run's batch sizes (sweep_decode_config); prefill attention's defaults and sweeps.
+    decode-ab) n128='{"BLOCK_N": 128, "num_stages": 3}'
+               timeout 200 python scripts/step_bubbles.py --model "$cfg/qwen3-0.6b" 2>&1 | tail -1
+               timeout 200 python scripts/step_bubbles.py --model "$cfg/qwen3-0.6b" --decode-options "$n128" 2>&1 | tail -1
+               timeout 200 python scripts/step_bubbles.py --model "$cfg/qwen3-0.6b" --decode-options "$n128" \
+                 --decode-options-min-batch 129 2>&1 | tail -1 ;;
+    sweep-decode) for b in 256 128; do timeout 200 python scripts/sweep_decode_config.py --batch $b | tail -9; done ;;
+    prefill-attn) timeout 300 python scripts/bench_prefill_attention.py ;;
     prefix) timeout 200 python -m nanoserve.cli bench prefix --model "$cfg/qwen3-0.6b" --max-model-len 4096 ;;
     serve-inf) timeout 300 python -m nanoserve.cli bench serve --launch --no-progress --model "$cfg/qwen3-0.6b" --load-format dummy --dtype bfloat16 ;;
     # serve-inf and serve-16 run the default (on CUDA the engine in its own process); -thread keeps it on the server's thread.

@@ -12,9 +12,12 @@ A launch phase that takes milliseconds of host time is one the host was blocked 
 room on the device, an allocation that synchronizes), not one that worked that long.
 
     python scripts/step_bubbles.py --model shared/bench-configs/qwen3-0.6b [--no-lm-head-warm-up | --pageable-copies]
+        [--decode-options '{"BLOCK_N": 128, "num_stages": 3}' [--decode-options-min-batch 129]]
 --no-lm-head-warm-up skips ModelRunner.warm_up_lm_head (the LM head run at every row count at start), to see
 what the first call at each new row count costs during the run. --pageable-copies makes pin_memory() a no-op, so
-the step inputs' copies go from pageable memory, as before nanoserve.utils.to_device pinned them. Without CUDA
+the step inputs' copies go from pageable memory, as before nanoserve.utils.to_device pinned them.
+--decode-options tries a decode attention launch configuration in the whole run (scripts/sweep_decode_config.py
+times one in isolation). Without CUDA
 (a smoke test: --model nanoserve's bundled model with --num-prompts 8 --max-len 64) the device columns are
 empty. Ends with one JSON line.
 """
@@ -29,6 +32,7 @@ import numpy as np
 import torch
 
 from nanoserve.bench.throughput import workload
+from nanoserve.kernels import decode_attention, decode_rope_attention
 from nanoserve.layers.sampler import SampledTokens
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
@@ -111,6 +115,20 @@ def group_of(step: dict) -> str:
     return f"decode {1 << max(step['decodes'] - 1, 0).bit_length():>3}"
 
 
+def override_decode_options(options: dict, min_batch: int) -> None:
+    """Merge options into every decode split launch of at least min_batch sequences (both attention modules
+    import plan_split_launch by name, so both names are replaced)."""
+    plan = decode_attention.plan_split_launch
+
+    def patched(*args, **kwargs):
+        launch = plan(*args, **kwargs)
+        if launch is None or launch.grid[0] < min_batch:
+            return launch
+        return launch._replace(options=launch.options | options)
+
+    decode_attention.plan_split_launch = decode_rope_attention.plan_split_launch = patched
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
@@ -119,12 +137,18 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-lm-head-warm-up", action="store_true")
     p.add_argument("--pageable-copies", action="store_true")
+    p.add_argument("--decode-options", type=json.loads, default={},
+                   help='JSON merged into decode attention launch options: {"BLOCK_N": 128, "num_stages": 3}')
+    p.add_argument("--decode-options-min-batch", type=int, default=1,
+                   help="apply --decode-options only to launches of at least this many sequences")
     p.add_argument("--dump", help="write every step's record here, one JSON object a line, for a look later")
     ns = p.parse_args()
     if ns.no_lm_head_warm_up:
         ModelRunner.warm_up_lm_head = lambda self: None
     if ns.pageable_copies:
         torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+    if ns.decode_options:
+        override_decode_options(ns.decode_options, ns.decode_options_min_batch)
     llm = LLM(model=ns.model, load_format="dummy", dtype="bfloat16" if torch.cuda.is_available() else "float32")
     engine, cfg = llm.engine, llm.engine.config
     lo = min(100, ns.max_len)
@@ -175,7 +199,8 @@ def main() -> None:
     n_out = sum(out_lens)
     print(json.dumps({
         "script": "step_bubbles", "lm_head_warm_up": not ns.no_lm_head_warm_up,
-        "pinned_copies": not ns.pageable_copies,
+        "pinned_copies": not ns.pageable_copies, "decode_options": ns.decode_options,
+        "decode_options_min_batch": ns.decode_options_min_batch,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "wall_s": round(wall, 3), "output_tok_s": round(n_out / wall, 1), "steps": int(total["steps"]),
         "gpu_busy_s": round(total["gpu"] / 1e3, 3) if cuda else None,

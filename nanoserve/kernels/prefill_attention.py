@@ -108,6 +108,7 @@ def prefill_attention(
     pack: int | None = None,
     block_n: int | None = None,
     num_stages: int = 2,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """q [T, num_q_heads, head_dim] packed by cu_seqlens_q [B+1]; returns [T, num_q_heads, head_dim].
 
@@ -126,7 +127,7 @@ def prefill_attention(
     names (its max_partials), and with its counters at zero (as allocated; every call leaves them so). Without
     split_scratch the map must split nothing (prefill_tile_map).
 
-    block_n (keys per inner tile) and num_stages override the measured defaults, for
+    block_n (keys per inner tile), num_stages and num_warps override the measured defaults, for
     scripts/bench_prefill_attention.py.
     """
     num_tokens, num_q_heads, head_dim = q.shape
@@ -197,7 +198,7 @@ def prefill_attention(
         BLOCK_N=block_n,
         # 8 warps give each warp 16 query rows of a 128-row tile (one mma row block); 4 warps, one warpgroup,
         # is the least a 64-row wgmma needs.
-        num_warps=8 if block_m == 128 else 4,
+        num_warps=num_warps or (8 if block_m == 128 else 4),
         num_stages=num_stages,
         USE_PDL=pdl,
         launch_pdl=pdl,
