@@ -14,7 +14,7 @@ max_model_len (40,960). Cases: (a) 100 new tokens over 2,000 cached ones (the pr
 enough distinct KV caches that the keys are not in L2 from the previous call, as in the model. Both paths are
 checked against the PyTorch reference and each other, and the split counters must end at zero. Each path's
 compiled kernel is listed with its registers, spills and shared memory, and the programs per SM they allow.
-A sweep for (a), (c) and (e) over tile rows (block_m), piece sizes (min_keys), key tiles (block_n) and pipeline
+A sweep for every case but (f) over tile rows (block_m), piece sizes (min_keys), key tiles (block_n) and pipeline
 stages shows what the defaults leave on the table (--quick skips it). Ends with one JSON line.
 
 The previous path runs on this kernel (the map carries the lengths; merges load two partials per trip). The
@@ -235,10 +235,11 @@ SWEEP = {
     "a_": [(32, 256, {}), (32, 512, {}), (64, 256, {}), (64, 384, {}), (64, 512, {}), (64, 256, {"block_n": 128}),
            (64, 256, {"num_stages": 3}), (64, 256, {"scratch_dtype": torch.bfloat16}), (128, 256, {}),
            (128, 512, {}), (128, 256, {"block_n": 64}), (128, 256, {"scratch_dtype": torch.bfloat16})],
-    # The throughput recipe's prompt chunks: 128-row tiles by default.
+    "b_": [(128, 256, {}), (64, 256, {}), (64, 256, {"num_stages": 3})],
     "c_": [(128, 256, {}), (128, 256, {"block_n": 64}), (128, 256, {"num_stages": 3}), (128, 256, {"num_warps": 4}),
            (128, 256, {"block_n": 64, "num_stages": 3}), (64, 256, {}), (64, 256, {"block_n": 128}),
            (64, 256, {"num_warps": 8}), (64, 256, {"num_stages": 3}), (32, 256, {})],
+    "d_": [(128, 256, {}), (64, 256, {}), (64, 256, {"num_stages": 3}), (32, 256, {})],
     "e_": [(64, 256, {}), (128, 256, {}), (128, 256, {"block_n": 64}), (128, 256, {"num_stages": 3}),
            (128, 256, {"scratch_dtype": torch.bfloat16})],
 }  # fmt: skip

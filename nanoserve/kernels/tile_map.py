@@ -42,10 +42,12 @@ def _next_power_of_2(n: int) -> int:
 def prefill_block_m(num_tokens: int, pack: int = 1) -> int:
     """Query rows per tile for a step of num_tokens new tokens (any bound on the longest query run will do)
     whose programs each serve `pack` query heads."""
-    # A quarter of the step's rows, between 16 and 128 (tl.dot's least and the largest that fits registers):
-    # decode-sized entries don't pay for 128-row tiles, and a short chunk over a long cached prefix is several
-    # tiles per kv head whose long key ranges the split map then cuts (100 tokens x 2 heads: four 64-row tiles).
-    return min(128, max(16, _next_power_of_2(num_tokens * pack) // 4))
+    # A quarter of the step's rows, between 16 (tl.dot's least) and 64: decode-sized entries don't pay for large
+    # tiles, and a short chunk over a long cached prefix is several tiles per kv head whose long key ranges the
+    # split map then cuts (100 tokens x 2 heads: four 64-row tiles). 128-row tiles (8 warps, one program per SM)
+    # were slower than 64-row ones (4 warps, two per SM) on an H100 for 14 prompts of 100-1,024 tokens (133 vs
+    # 113 us a layer) and for 600 tokens over 30,000 cached (610 vs 573 us): scripts/bench_prefill_attention.py.
+    return min(64, max(16, _next_power_of_2(num_tokens * pack) // 4))
 
 
 def max_prefill_tiles(num_tokens: int, max_num_seqs: int, block_m: int, pack: int = 1) -> int:

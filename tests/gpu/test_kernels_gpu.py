@@ -79,11 +79,12 @@ def test_prefill_attention_gpu(num_q_heads, num_kv_heads, head_dim, block_size, 
     [(16, 8, 128, 16), (32, 8, 128, 16), (14, 2, 64, 32), (64, 8, 128, 16), (8, 8, 64, 256)],
 )
 @pytest.mark.parametrize("num_splits", [None, 1, 48])
-def test_decode_attention_gpu(num_q_heads, num_kv_heads, head_dim, block_size, num_splits):
+@pytest.mark.parametrize("num_seqs", [43, 70])  # 64 sequences and more take 128-key tiles in three stages
+def test_decode_attention_gpu(num_q_heads, num_kv_heads, head_dim, block_size, num_splits, num_seqs):
     from nanoserve.kernels.decode_attention import decode_attention, decode_attention_ref
 
     gen = torch.Generator().manual_seed(0)
-    seq_lens = torch.randint(1, 3000, (40,), generator=gen).tolist() + [1, 5000, 0]
+    seq_lens = torch.randint(1, 3000, (num_seqs - 3,), generator=gen).tolist() + [1, 5000, 0]
     k_cache, v_cache, block_tables = _paged_kv(seq_lens, num_kv_heads, head_dim, block_size, gen, pad_value=0)
     q = torch.randn(len(seq_lens), num_q_heads, head_dim, device="cuda").bfloat16()
     seq = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")

@@ -11,6 +11,8 @@ CASES = [
     (torch.float32, 128, 4, 2, 16, [5, 0, 150], None),
     (torch.float16, 64, 3, 3, 128, [300, 129], 2),
     (torch.float32, 64, 2, 1, 16, [1100, 3], 20),  # more than 16 splits in use: the reduce loops
+    # 64 sequences in 16 bits: 128-key tiles in three stages; lengths off both tiles, one of them 0.
+    (torch.float16, 64, 2, 1, 16, [i * 37 % 301 for i in range(64)], 2),
 ]
 
 # The one-launch path, one case per batch size 1..9 and then the merge's extremes: GQA ratios 1/2/4/7/8,

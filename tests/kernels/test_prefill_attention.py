@@ -135,9 +135,9 @@ def test_max_prefill_tiles_bounds_random_batches():
         seq_lens = (q_lens + rng.integers(0, 50, batch)).tolist()
         # Must not raise: the bound holds for every such batch.
         prefill_tile_map(cu, seq_lens, block_m, max_prefill_tiles(num_tokens, max_num_seqs, block_m, pack), pack)
-    assert [prefill_block_m(n) for n in (1, 100, 300, 600, 5000)] == [16, 32, 128, 128, 128]
+    assert [prefill_block_m(n) for n in (1, 100, 300, 600, 5000)] == [16, 32, 64, 64, 64]
     # Qwen3-0.6B (2 query heads per kv head): the prefix benchmark's 100-token step runs in the 128-token bucket.
-    assert [prefill_block_m(n, 2) for n in (16, 32, 64, 128, 256)] == [16, 16, 32, 64, 128]
+    assert [prefill_block_m(n, 2) for n in (16, 32, 64, 128, 256)] == [16, 16, 32, 64, 64]
 
 
 @pytest.mark.parametrize("pack", [1, 2])
