@@ -12,7 +12,7 @@ A launch phase that takes milliseconds of host time is one the host was blocked 
 room on the device, an allocation that synchronizes), not one that worked that long.
 
     python scripts/step_bubbles.py --model shared/bench-configs/qwen3-0.6b [--no-lm-head-warm-up | --pageable-copies]
-        [--decode-options '{"BLOCK_N": 128, "num_stages": 3}' [--decode-options-min-batch 129]]
+        [--decode-options '{"BLOCK_N": 128, "num_stages": 3}'] [--decode-splits 1] [--decode-options-min-batch 129]
 --no-lm-head-warm-up skips ModelRunner.warm_up_lm_head (the LM head run at every row count at start), to see
 what the first call at each new row count costs during the run. --pageable-copies makes pin_memory() a no-op, so
 the step inputs' copies go from pageable memory, as before nanoserve.utils.to_device pinned them.
@@ -115,10 +115,16 @@ def group_of(step: dict) -> str:
     return f"decode {1 << max(step['decodes'] - 1, 0).bit_length():>3}"
 
 
-def override_decode_options(options: dict, min_batch: int) -> None:
-    """Merge options into every decode split launch of at least min_batch sequences (both attention modules
-    import plan_split_launch by name, so both names are replaced)."""
-    plan = decode_attention.plan_split_launch
+def override_decode_options(options: dict, splits: int | None, min_batch: int) -> None:
+    """Merge options into every decode split launch of at least min_batch sequences, and give those launches
+    `splits` splits if set (both attention modules import plan_split_launch by name, so both names are replaced;
+    the model never passes num_splits, so every launch asks default_num_splits)."""
+    plan, default_splits = decode_attention.plan_split_launch, decode_attention.default_num_splits
+
+    def splits_for(batch_size: int, num_kv_heads: int, max_context_len: int) -> int:
+        if splits is not None and batch_size >= min_batch:
+            return splits
+        return default_splits(batch_size, num_kv_heads, max_context_len)
 
     def patched(*args, **kwargs):
         launch = plan(*args, **kwargs)
@@ -127,6 +133,7 @@ def override_decode_options(options: dict, min_batch: int) -> None:
         return launch._replace(options=launch.options | options)
 
     decode_attention.plan_split_launch = decode_rope_attention.plan_split_launch = patched
+    decode_attention.default_num_splits = splits_for
 
 
 def main() -> None:
@@ -139,16 +146,17 @@ def main() -> None:
     p.add_argument("--pageable-copies", action="store_true")
     p.add_argument("--decode-options", type=json.loads, default={},
                    help='JSON merged into decode attention launch options: {"BLOCK_N": 128, "num_stages": 3}')
+    p.add_argument("--decode-splits", type=int, help="decode attention's splits per sequence, in place of the default")
     p.add_argument("--decode-options-min-batch", type=int, default=1,
-                   help="apply --decode-options only to launches of at least this many sequences")
+                   help="apply --decode-options and --decode-splits only to launches of at least this many sequences")
     p.add_argument("--dump", help="write every step's record here, one JSON object a line, for a look later")
     ns = p.parse_args()
     if ns.no_lm_head_warm_up:
         ModelRunner.warm_up_lm_head = lambda self: None
     if ns.pageable_copies:
         torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
-    if ns.decode_options:
-        override_decode_options(ns.decode_options, ns.decode_options_min_batch)
+    if ns.decode_options or ns.decode_splits:
+        override_decode_options(ns.decode_options, ns.decode_splits, ns.decode_options_min_batch)
     llm = LLM(model=ns.model, load_format="dummy", dtype="bfloat16" if torch.cuda.is_available() else "float32")
     engine, cfg = llm.engine, llm.engine.config
     lo = min(100, ns.max_len)
@@ -200,7 +208,7 @@ def main() -> None:
     print(json.dumps({
         "script": "step_bubbles", "lm_head_warm_up": not ns.no_lm_head_warm_up,
         "pinned_copies": not ns.pageable_copies, "decode_options": ns.decode_options,
-        "decode_options_min_batch": ns.decode_options_min_batch,
+        "decode_splits": ns.decode_splits, "decode_options_min_batch": ns.decode_options_min_batch,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "wall_s": round(wall, 3), "output_tok_s": round(n_out / wall, 1), "steps": int(total["steps"]),
         "gpu_busy_s": round(total["gpu"] / 1e3, 3) if cuda else None,
