@@ -281,13 +281,18 @@ def _decode_reduce_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_ob, stride_oh,
 
 
 def default_num_splits(batch_size: int, num_kv_heads: int, max_context_len: int) -> int:
-    """About 1024 programs, but 2 to 16 splits, and never a split under 64 keys.
+    """About 1024 programs, but 2 to 16 splits, and never a split under 64 keys; one split past 1024 programs.
 
     Measured on an H200 (scripts/bench_decode_attention.py, bf16, 8 kv heads, graph-captured): at batch 256
     two splits beat one by 4% (3.9 TB/s: long and short sequences balance better); at batch 1 with 128-640
     keys, 4-16 splits took 6.3-6.6 us where 128 took 11.8 us (empty splits and a long reduce are not free),
     and at 4,000 keys 16-32 splits were fastest. A captured graph sizes max_context_len to max_model_len,
     so the count must suit short and long contexts alike."""
+    # Past 1,024 programs the GPU is full without splits, and the reduce launch is saved: on an H100 with
+    # 128-key tiles, one split at batches over 128 (8 kv heads) cut the throughput recipe's GPU time 1.2-1.5 %
+    # (scripts/step_bubbles.py --decode-splits 1 --decode-options-min-batch 129).
+    if batch_size * num_kv_heads > 1024:
+        return 1
     wanted = min(16, max(2, triton.cdiv(1024, batch_size * num_kv_heads)))
     return max(1, min(wanted, triton.cdiv(max_context_len, _BLOCK_N)))
 
