@@ -113,3 +113,13 @@ def test_fused_decode_strided_views(make_paged_kv, gen, device, tol):
     torch.testing.assert_close(out_all[:3], decode_attention_ref(q, k_cache, v_cache, seq, block_tables, scale),
                                **tol[q.dtype])
     assert out_all[3:].isnan().all() and (counters == 0).all()
+
+
+def test_default_num_splits():
+    from nanoserve.kernels.decode_attention import default_num_splits
+
+    # Qwen3-0.6B / Llama-3.1-8B (8 kv heads) in a graph sized for 40,960 keys: 16 splits at batch 1, two up to
+    # 1,024 programs (batch 128), then one: the grid fills the GPU and the reduce launch is saved.
+    assert [default_num_splits(b, 8, 40960) for b in (1, 8, 64, 128, 129, 256)] == [16, 16, 2, 2, 1, 1]
+    # Never a split under 64 keys.
+    assert default_num_splits(1, 8, 100) == 2 and default_num_splits(1, 8, 64) == 1
