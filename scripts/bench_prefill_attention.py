@@ -232,7 +232,8 @@ def check(step: dict, outs: dict[str, torch.Tensor], paths: dict[str, dict]) -> 
 # (block_m, min_keys, launch options) around the defaults: tile rows, piece sizes (and so splits and waves), key
 # tiles, pipeline stages, and partial outputs in bf16 (what the merge's reads cost).
 SWEEP = {
-    "a_": [(32, 256, {}), (32, 512, {}), (64, 256, {}), (64, 384, {}), (64, 512, {}), (64, 256, {"block_n": 128}),
+    "a_": [(32, 128, {}), (32, 256, {}), (32, 512, {}), (64, 128, {}),
+           (64, 256, {}), (64, 384, {}), (64, 512, {}), (64, 256, {"block_n": 128}),
            (64, 256, {"num_stages": 3}), (64, 256, {"scratch_dtype": torch.bfloat16}), (128, 256, {}),
            (128, 512, {}), (128, 256, {"block_n": 64}), (128, 256, {"scratch_dtype": torch.bfloat16})],
     "b_": [(128, 256, {}), (64, 256, {}), (64, 256, {"num_stages": 3})],
