@@ -276,16 +276,15 @@ def two_clients(model_dir):
     engine.stop(timeout=10)
 
 
-async def _run(client: AsyncEngine, request_id: str, max_tokens: int) -> tuple[int, str]:
+async def _run(client: AsyncEngine, request_id: str, max_tokens: int,
+               streaming: asyncio.Event | None = None) -> tuple[int, str]:
+    """Tokens and finish reason of a request; `streaming` is set once its first output has arrived."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
-    outputs = [out async for _, out in client.submit([(request_id, [5, 6, 7], params)])]
-    return len(outputs[-1].outputs[0].token_ids), outputs[-1].outputs[0].finish_reason
-
-
-async def _until_running(client: AsyncEngine, n: int) -> None:
-    async with asyncio.timeout(30):
-        while client.stats.num_running < n:
-            await asyncio.sleep(0.01)
+    async for _, out in client.submit([(request_id, [5, 6, 7], params)]):
+        if streaming is not None:
+            streaming.set()
+        last = out
+    return len(last.outputs[0].token_ids), last.outputs[0].finish_reason
 
 
 def test_channels_keep_their_own_requests(two_clients):
@@ -295,8 +294,12 @@ def test_channels_keep_their_own_requests(two_clients):
         # The same request id on both channels: two requests, each answered on its own channel.
         same = await asyncio.gather(_run(a, "r", 5), _run(b, "r", 9))
         # abort_all (a drain that ran out of time) ends only the requests of the channel that sent it.
-        long_a, long_b = asyncio.create_task(_run(a, "x", 400)), asyncio.create_task(_run(b, "y", 100))
-        await _until_running(a, 2)
+        # Aborted once both stream: waiting on the engine's stats instead let x finish first once in CI.
+        streaming = asyncio.Event(), asyncio.Event()
+        long_a = asyncio.create_task(_run(a, "x", 400, streaming[0]))
+        long_b = asyncio.create_task(_run(b, "y", 100, streaming[1]))
+        async with asyncio.timeout(30):
+            await asyncio.gather(*(e.wait() for e in streaming))
         a.abort_all()
         return same, await long_a, await long_b
 
