@@ -43,6 +43,8 @@ for step in $steps; do
                  --decode-options-min-batch 129 2>&1 | tail -1 ;;
     sweep-decode) for b in 256 128; do timeout 200 python scripts/sweep_decode_config.py --batch $b | tail -9; done ;;
     prefill-attn) timeout 300 python scripts/bench_prefill_attention.py ;;
+    # Where a cached prefix request's TTFT goes: host phases, the rest of LLM.generate, and the step's GPU time.
+    prefix-bubbles) timeout 200 python scripts/prefix_bubbles.py --model "$cfg/qwen3-0.6b" 2>&1 | grep -v Warn | tail -13 ;;
     prefix) timeout 200 python -m nanoserve.cli bench prefix --model "$cfg/qwen3-0.6b" --max-model-len 4096 ;;
     serve-inf) timeout 300 python -m nanoserve.cli bench serve --launch --no-progress --model "$cfg/qwen3-0.6b" --load-format dummy --dtype bfloat16 ;;
     # serve-inf and serve-16 run the default (on CUDA the engine in its own process); -thread keeps it on the server's thread.
