@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from step_bubbles import PHASES, Recorder, instrument  # scripts/ is on sys.path when a script in it runs
 
+from nanoserve.bench.prefix import prefix_prompts
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
 
@@ -38,10 +39,8 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     llm = LLM(model=ns.model, load_format="dummy", dtype="bfloat16" if cuda else "float32",
               max_model_len=ns.max_model_len)
-    rng = np.random.default_rng(ns.seed)
-    vocab = llm.engine.config.model.vocab_size
-    shared = rng.integers(0, vocab, ns.shared_len).tolist()
-    prompts = [shared + rng.integers(0, vocab, ns.suffix_len).tolist() for _ in range(ns.num_requests + 10)]
+    prompts = prefix_prompts(llm.engine.config.model.vocab_size, ns.shared_len, ns.suffix_len,
+                             ns.num_requests + 10, ns.seed)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     rec = Recorder(cuda)
     instrument(llm, rec)

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 
+from nanoserve.bench.prefix import prefix_prompts
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
 
@@ -23,10 +24,7 @@ def main() -> None:
     p.add_argument("--device", default="auto")
     ns = p.parse_args()
     llm = LLM(model=ns.model, load_format="dummy", dtype="bfloat16", max_model_len=4096, device=ns.device)
-    rng = np.random.default_rng(0)
-    vocab = llm.engine.config.model.vocab_size
-    shared = rng.integers(0, vocab, 2000).tolist()
-    prompts = [shared + rng.integers(0, vocab, 100).tolist() for _ in range(ns.num_requests + 10)]
+    prompts = prefix_prompts(llm.engine.config.model.vocab_size, 2000, 100, ns.num_requests + 10, seed=0)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     for prompt in prompts[:10]:
         llm.generate([prompt], params, use_tqdm=False)

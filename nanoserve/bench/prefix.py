@@ -23,6 +23,13 @@ def ttfts(llm: LLM, prompts: list[list[int]]) -> list[float]:
     return out
 
 
+def prefix_prompts(vocab_size: int, shared_len: int, suffix_len: int, n: int, seed: int) -> list[list[int]]:
+    """n prompts of random token ids: one shared prefix, then a unique suffix each."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(0, vocab_size, shared_len).tolist()
+    return [shared + rng.integers(0, vocab_size, suffix_len).tolist() for _ in range(n)]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__)
     p.add_argument("--num-requests", type=int, default=200)
@@ -34,10 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     for caching in (False, True):
         ns.enable_prefix_caching = caching
         llm = LLM(**vars(engine_args(ns)))
-        rng = np.random.default_rng(ns.seed)
-        vocab = llm.engine.config.model.vocab_size
-        shared = rng.integers(0, vocab, ns.shared_len).tolist()
-        prompts = [shared + rng.integers(0, vocab, ns.suffix_len).tolist() for _ in range(ns.num_requests + 1)]
+        prompts = prefix_prompts(llm.engine.config.model.vocab_size, ns.shared_len, ns.suffix_len,
+                                 ns.num_requests + 1, ns.seed)
         times = ttfts(llm, prompts)[1:]  # the first request fills the cache (and warms up)
         key = "cached" if caching else "uncached"
         result |= {f"ttft_{key}_mean_ms": round(1e3 * float(np.mean(times)), 2),

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from processes import child_pids, fail_from_step, is_alive
+from processes import child_pids, fail_from_step, is_alive, pace_steps
 
 from nanoserve.bench import serve
 from nanoserve.cli import engine_args_from
@@ -293,8 +293,9 @@ def test_channels_keep_their_own_requests(two_clients):
     async def main():
         # The same request id on both channels: two requests, each answered on its own channel.
         same = await asyncio.gather(_run(a, "r", 5), _run(b, "r", 9))
-        # abort_all (a drain that ran out of time) ends only the requests of the channel that sent it.
-        # Aborted once both stream: waiting on the engine's stats instead let x finish first once in CI.
+        # abort_all (a drain that ran out of time) ends only the requests of the channel that sent it. Paced
+        # steps and an abort once both stream: unpaced, x once decoded all 400 tokens before the abort landed.
+        a.setup(functools.partial(pace_steps, seconds=0.005))
         streaming = asyncio.Event(), asyncio.Event()
         long_a = asyncio.create_task(_run(a, "x", 400, streaming[0]))
         long_b = asyncio.create_task(_run(b, "y", 100, streaming[1]))
