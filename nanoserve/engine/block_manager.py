@@ -5,10 +5,10 @@ the same first k*block_size tokens share k physical blocks. Blocks whose last us
 the hash map, parked in a free queue, and are evicted least-recently-freed first.
 """
 
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import numpy as np
 import xxhash
 
 from nanoserve.engine.request import Sequence
@@ -19,15 +19,18 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: int | None = None
-    token_ids: tuple[int, ...] = ()  # kept to check a hash hit token by token
+    token_bytes: bytes = b""  # its tokens (token_bytes()), kept to check a hash hit token by token
 
 
-def chain_hash(prev_hash: int | None, token_bytes: bytes) -> int:
-    """The hash of a block: its tokens (int64 little-endian bytes) chained onto the previous block's hash."""
-    h = xxhash.xxh3_64()
-    h.update((prev_hash or 0).to_bytes(8, "little"))
-    h.update(token_bytes)
-    return h.intdigest()
+def token_bytes(token_ids: list[int]) -> bytes:
+    """Tokens as int64 little-endian bytes, what block hashes and hit checks read."""
+    # struct packs a list of Python ints about twice as fast as numpy converts it (17 vs 37 us for 2,096).
+    return struct.pack(f"<{len(token_ids)}q", *token_ids)
+
+
+def chain_hash(prev_hash: int, block_bytes: bytes) -> int:
+    """The hash of a block: its tokens' bytes, seeded with the previous block's hash (0 for the first)."""
+    return xxhash.xxh3_64_intdigest(block_bytes, prev_hash)
 
 
 class BlockManager:
@@ -62,29 +65,40 @@ class BlockManager:
         # prompt_logprobs need every prompt position computed, so such requests skip the cache.
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
-        hits = []
         num_full = (seq.num_tokens - 1) // self.block_size
-        self._extend_hashes(seq, num_full)
-        for i in range(num_full):
-            block_id = self.cached.get(seq.block_hashes[i])
-            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+        # One conversion for hashing and checking: for a long prompt it costs about what the hashing does.
+        data = token_bytes(seq.token_ids[:num_full * self.block_size])
+        self._extend_hashes(seq, num_full, data)
+        hits = []
+        for h in seq.block_hashes[:num_full]:
+            block_id = self.cached.get(h)
+            if block_id is None:
                 break
             hits.append(block_id)
+        # The hits' tokens checked in one comparison; only a mismatch (a hash collision) is found block by block.
+        width = self.block_size * 8
+        cached = b"".join([self.blocks[b].token_bytes for b in hits])
+        if cached != data[:len(cached)]:
+            for i in range(len(hits)):
+                if cached[i * width:(i + 1) * width] != data[i * width:(i + 1) * width]:
+                    return hits[:i]
         return hits
 
-    def _extend_hashes(self, seq: Sequence, num_full: int) -> None:
+    def _extend_hashes(self, seq: Sequence, num_full: int, data: bytes | None = None) -> None:
+        """Hash blocks up to num_full; data: token_bytes of the first num_full blocks, if at hand."""
         start = len(seq.block_hashes)
         if start >= num_full:
             return
-        bs = self.block_size
+        bs, width = self.block_size, self.block_size * 8
         # One conversion for every new block: for a long prompt, converting block by block cost more
         # than the hashing.
-        data = np.asarray(seq.token_ids[start * bs:num_full * bs], dtype="<i8").tobytes()
-        width = bs * 8
-        prev = seq.block_hashes[-1] if start else None
-        for j in range(num_full - start):
-            prev = chain_hash(prev, data[j * width:(j + 1) * width])
+        if data is None:
+            data = token_bytes(seq.token_ids[start * bs:num_full * bs])
+        else:
+            data = data[start * width:num_full * width]
+        prev = seq.block_hashes[-1] if start else 0
+        for j in range(0, len(data), width):
+            prev = chain_hash(prev, data[j:j + width])
             seq.block_hashes.append(prev)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -103,7 +117,7 @@ class BlockManager:
             # request in the same step) is: the cache keeps one copy.
             if block.block_hash is None and h not in self.cached:
                 block.block_hash = h
-                block.token_ids = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+                block.token_bytes = token_bytes(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
                 self.cached[h] = block.block_id
         seq.num_cached_blocks = num_full
 
@@ -177,7 +191,7 @@ class BlockManager:
             if self.cached.get(block.block_hash) == block.block_id:
                 del self.cached[block.block_hash]
             block.block_hash = None
-            block.token_ids = ()
+            block.token_bytes = b""
         block.ref_count = 1
         return block
 
