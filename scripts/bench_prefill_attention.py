@@ -171,9 +171,9 @@ def _old_block_m(num_tokens: int) -> int:
 
 
 def path(step: dict, pack: int, block_m: int, programs_per_sm: int, min_keys: int = MIN_SPLIT_KEYS,
-         scratch_dtype: torch.dtype = torch.float32, **launch) -> tuple[dict, dict]:  # fmt: skip
+         scratch_dtype: torch.dtype = torch.float32, exact: bool = False, **launch) -> tuple[dict, dict]:  # fmt: skip
     """prefill_attention's arguments for a step with this configuration, its map built as the graph runner
-    builds one, and the map's stats."""
+    builds one (exact: cut to its live rows, to see what the padding rows' programs cost), and the map's stats."""
     t, cu, seq_lens = step["bucket"], step["cu"], step["seq_lens"]
     heads = HQ // pack
     num_rows = max_prefill_tiles(t, min(t, MAX_NUM_SEQS), block_m, pack)
@@ -181,6 +181,9 @@ def path(step: dict, pack: int, block_m: int, programs_per_sm: int, min_keys: in
     concurrency = torch.cuda.get_device_properties(0).multi_processor_count * programs_per_sm
     split_map = prefill_split_map(cu, seq_lens, block_m, num_rows, heads, concurrency, max_partials, min_keys, pack)
     real = split_map[split_map[:, 0] >= 0]
+    if exact:
+        split_map = np.ascontiguousarray(split_map[: len(real)])
+        num_rows = len(real)
     kwargs = {
         "tile_map": torch.from_numpy(split_map).cuda(),
         "block_m": block_m,
@@ -235,12 +238,14 @@ SWEEP = {
     "a_": [(32, 128, {}), (32, 256, {}), (32, 512, {}), (64, 128, {}),
            (64, 256, {}), (64, 384, {}), (64, 512, {}), (64, 256, {"block_n": 128}),
            (64, 256, {"num_stages": 3}), (64, 256, {"scratch_dtype": torch.bfloat16}), (128, 256, {}),
-           (128, 512, {}), (128, 256, {"block_n": 64}), (128, 256, {"scratch_dtype": torch.bfloat16})],
+           (128, 512, {}), (128, 256, {"block_n": 64}), (128, 256, {"scratch_dtype": torch.bfloat16}),
+           (64, 256, {"exact": True}), (32, 256, {"exact": True}), (64, 512, {"exact": True})],
     "b_": [(128, 256, {}), (64, 256, {}), (64, 256, {"num_stages": 3})],
     "c_": [(128, 256, {}), (128, 256, {"block_n": 64}), (128, 256, {"num_stages": 3}), (128, 256, {"num_warps": 4}),
            (128, 256, {"block_n": 64, "num_stages": 3}), (64, 256, {}), (64, 256, {"block_n": 128}),
            (64, 256, {"num_warps": 8}), (64, 256, {"num_stages": 3}), (32, 256, {})],
-    "d_": [(128, 256, {}), (64, 256, {}), (64, 256, {"num_stages": 3}), (32, 256, {})],
+    "d_": [(128, 256, {}), (64, 256, {}), (64, 256, {"num_stages": 3}), (32, 256, {}), (64, 256, {"exact": True})],
+    "f_": [(64, 256, {}), (64, 256, {"exact": True})],
     "e_": [(64, 256, {}), (128, 256, {}), (128, 256, {"block_n": 64}), (128, 256, {"num_stages": 3}),
            (128, 256, {"scratch_dtype": torch.bfloat16})],
 }  # fmt: skip

@@ -22,6 +22,8 @@ for step in $steps; do
     latency-qwen) timeout 150 python -m nanoserve.cli bench latency --model "$cfg/qwen3-0.6b" --baseline hf ;;
     latency-llama) timeout 200 python -m nanoserve.cli bench latency --model "$cfg/llama-3.1-8b" --max-model-len 8192 --baseline hf ;;
     latency-qwen-nohf) timeout 150 python -m nanoserve.cli bench latency --model "$cfg/qwen3-0.6b" --max-model-len 8192 ;;
+    # The same with q/k norm, rotary and the KV store inside decode attention's launch (model/llama.py).
+    latency-qwen-fused) NANOSERVE_FUSED_ROPE_DECODE=1 timeout 150 python -m nanoserve.cli bench latency --model "$cfg/qwen3-0.6b" --max-model-len 8192 ;;
     latency-llama-nohf) timeout 200 python -m nanoserve.cli bench latency --model "$cfg/llama-3.1-8b" --max-model-len 8192 ;;
     # tests/gpu takes ~4-5 minutes on an H100 (fp32 Triton compiles and graph captures of the engine test).
     gpu-tests) timeout 420 python -m pytest -q -p no:cacheprovider --durations=6 tests/gpu 2>&1 | tail -14 ;;
@@ -42,9 +44,15 @@ for step in $steps; do
                timeout 200 python scripts/step_bubbles.py --model "$cfg/qwen3-0.6b" --decode-options "$n128" \
                  --decode-options-min-batch 129 2>&1 | tail -1 ;;
     sweep-decode) for b in 256 128; do timeout 200 python scripts/sweep_decode_config.py --batch $b | tail -9; done ;;
+    # A persistent kernel with grid barriers against one launch per GEMV, for the MLP half of a batch-1 layer.
+    probe-mlp) timeout 200 python scripts/probe_persistent_mlp.py ;;
+    # The batch-1 decode of bench latency's shape through step_bubbles: is the GPU ever idle between steps?
+    bubbles-b1) timeout 200 python scripts/step_bubbles.py --model "$cfg/qwen3-0.6b" --num-prompts 1 --max-len 640 2>&1 | grep -v Warn | tail -8 ;;
     prefill-attn) timeout 300 python scripts/bench_prefill_attention.py ;;
     # Where a cached prefix request's TTFT goes: host phases, the rest of LLM.generate, and the step's GPU time.
     prefix-bubbles) timeout 200 python scripts/prefix_bubbles.py --model "$cfg/qwen3-0.6b" 2>&1 | grep -v Warn | tail -13 ;;
+    # Host vs kernel time and the top kernels of an uncached prefill, a cached-prefix prefill and a batch-1 decode.
+    profile-steps) timeout 200 python scripts/profile_steps.py --model "$cfg/qwen3-0.6b" --parts uncached,cached 2>&1 | grep -v Warn ;;
     prefix) timeout 200 python -m nanoserve.cli bench prefix --model "$cfg/qwen3-0.6b" --max-model-len 4096 ;;
     serve-inf) timeout 300 python -m nanoserve.cli bench serve --launch --no-progress --model "$cfg/qwen3-0.6b" --load-format dummy --dtype bfloat16 ;;
     # serve-inf and serve-16 run the default (on CUDA the engine in its own process); -thread keeps it on the server's thread.
