@@ -22,6 +22,7 @@ import numpy as np
 
 SPLIT_MAP_COLUMNS = 10
 PADDING_ROW = (-1, 0, 0, 0, -1, 0, 1, 0, 0, 0)
+_PADDING = np.array(PADDING_ROW, dtype=np.int32)
 # Split boundaries are multiples of this many keys, so every key tile of the kernel (64 or 128 keys) but the
 # last of a range is full and needs no mask.
 KV_SPLIT_GRANULE = 128
@@ -86,22 +87,23 @@ def _tiles(cu_seqlens_q: list[int], seq_lens: list[int], block_m: int, pack: int
     """Every query tile, in sequence order, as int64 arrays (numpy, not a Python loop: a step's host time is on
     its critical path): seq, first row, the position of its first token, the end of the keys it sees, and its
     sequence's first token, query rows and first new token's position."""
+    # Few elements, so each numpy call's fixed cost is what counts: array methods over np.* wrappers, gathers by
+    # seq over repeats.
     cu = np.asarray(cu_seqlens_q, dtype=np.int64)
-    lens = np.asarray(seq_lens, dtype=np.int64)
     q_lens = cu[1:] - cu[:-1]
     q_rows = q_lens * pack
-    per_seq = -(-q_rows // block_m)
-    seq = np.repeat(np.arange(len(lens)), per_seq)
-    start_r = (np.arange(len(seq)) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)) * block_m
-    pos0 = lens[seq] - q_lens[seq]
-    last_row = np.minimum(start_r + block_m, q_rows[seq]) - 1
+    pos0 = np.asarray(seq_lens, dtype=np.int64) - q_lens
+    per_seq = (q_rows + (block_m - 1)) // block_m
+    seq = np.arange(len(q_lens)).repeat(per_seq)
+    start_r = (np.arange(len(seq)) - (per_seq.cumsum() - per_seq)[seq]) * block_m
+    pos0, q_rows = pos0[seq], q_rows[seq]
     return {
         "seq": seq,
         "start_r": start_r,
         "first_pos": pos0 + start_r // pack,
-        "kv_end": pos0 + last_row // pack + 1,
-        "q_start": cu[:-1][seq],
-        "q_rows": q_rows[seq],
+        "kv_end": pos0 + (np.minimum(start_r + block_m, q_rows) - 1) // pack + 1,
+        "q_start": cu[seq],
+        "q_rows": q_rows,
         "pos0": pos0,
     }
 
@@ -113,28 +115,33 @@ def _check_fits(num_tiles: int, num_rows: int, block_m: int) -> None:
 
 def _layout(tiles: dict[str, np.ndarray], n: np.ndarray, num_rows: int) -> np.ndarray:
     """The map for tiles cut into n[t] key ranges each (1: unsplit), padded to num_rows rows."""
-    kv_end = tiles["kv_end"]
     # One row per piece: tile t's piece i covers [start_i, start_i+1) of [0, kv_end_t), starts rounded down to
     # granules (start_0 = 0, the last piece ends at kv_end_t).
-    tile = np.repeat(np.arange(len(n)), n)
-    piece = np.arange(len(tile)) - np.repeat(np.cumsum(n) - n, n)
-    nt, end = n[tile], kv_end[tile]
+    first_piece = n.cumsum() - n
+    tile = np.arange(len(n)).repeat(n)
+    piece = np.arange(len(tile)) - first_piece[tile]
+    nt, end = n[tile], tiles["kv_end"][tile]
     lo = piece * end // nt // KV_SPLIT_GRANULE * KV_SPLIT_GRANULE
-    hi = np.where(piece + 1 < nt, (piece + 1) * end // nt // KV_SPLIT_GRANULE * KV_SPLIT_GRANULE, end)
+    hi = (piece + 1) * end // nt // KV_SPLIT_GRANULE * KV_SPLIT_GRANULE
+    last = piece + 1 == nt
+    hi[last] = end[last]
     # Pieces are at least a granule long, so every row of the tile sees each range's first key (lo <= first_pos):
     # no row's running max stays -inf, which would give NaN from -inf - -inf.
     assert (lo < hi).all() and (lo <= tiles["first_pos"][tile]).all()
-    slots = np.where(n > 1, n, 0)
-    first_slot = np.where(n > 1, np.cumsum(slots) - slots, -1)[tile]
+    # Split tiles own consecutive scratch slots, one per piece; pieces of earlier unsplit tiles take none.
+    unsplit = n == 1
+    first_slot = first_piece - unsplit.cumsum() + unsplit
+    first_slot[unsplit] = -1
     # Longest first: blocks launch in grid order, so the long ranges start in the first wave and the short ones
     # fill in behind them instead of one long range running alone at the end.
-    order = np.argsort(lo - hi, kind="stable")
-    columns = (tiles["seq"][tile], tiles["start_r"][tile], lo, hi, first_slot, piece, nt,
-               tiles["q_start"][tile], tiles["q_rows"][tile], tiles["pos0"][tile])  # fmt: skip
+    order = (lo - hi).argsort(kind="stable")
+    tile = tile[order]
+    columns = (tiles["seq"][tile], tiles["start_r"][tile], lo[order], hi[order], first_slot[tile], piece[order],
+               n[tile], tiles["q_start"][tile], tiles["q_rows"][tile], tiles["pos0"][tile])  # fmt: skip
     tile_map = np.empty((num_rows, SPLIT_MAP_COLUMNS), dtype=np.int32)
-    tile_map[:] = PADDING_ROW
     for col, values in enumerate(columns):
-        tile_map[: len(tile), col] = values[order]
+        tile_map[: len(tile), col] = values
+    tile_map[len(tile):] = _PADDING
     return tile_map
 
 
@@ -157,12 +164,13 @@ def kv_split_keys(
     cut into pieces of `chunk` keys, about share + chunk. Tiles are split only when that is shorter.
     """
     assert min_keys >= KV_SPLIT_GRANULE, "pieces must span whole granules"
+    tile_keys = np.asarray(tile_keys)
     if len(tile_keys) == 0:
         return None
-    share = int(np.sum(tile_keys)) * num_heads / concurrency
+    share = int(tile_keys.sum()) * num_heads / concurrency
     granules = -(-int(share / _SPLIT_WAVES) // KV_SPLIT_GRANULE)
     chunk = max(min_keys, granules * KV_SPLIT_GRANULE)
-    longest = int(np.max(tile_keys))
+    longest = int(tile_keys.max())
     return chunk if longest > share + chunk and longest >= 2 * chunk else None
 
 
@@ -193,13 +201,12 @@ def prefill_split_map(
 
     def pieces(chunk: int | None) -> np.ndarray:
         """Pieces of each tile: kv_end // chunk near-equal ranges, or 1 (unsplit)."""
-        n = np.ones_like(kv_end) if chunk is None else kv_end // chunk
-        return np.where(n > 1, n, 1)
+        return np.ones_like(kv_end) if chunk is None else np.maximum(kv_end // chunk, 1)
 
     def fits(n: np.ndarray) -> bool:
         """Whether the split tiles' pieces fit the scratch slots, and their extra rows the rows left free."""
-        split = n > 1
-        return int(n[split].sum()) <= max_partials and int((n[split] - 1).sum()) <= num_rows - num_tiles
+        extra = int(n.sum()) - num_tiles  # each split tile's pieces but its first
+        return extra + int((n > 1).sum()) <= max_partials and extra <= num_rows - num_tiles
 
     # Coarser pieces until they fit; past the longest tile nothing is split.
     n = pieces(chunk)
