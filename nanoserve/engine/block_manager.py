@@ -110,14 +110,16 @@ class BlockManager:
         if num_full <= seq.num_cached_blocks:
             return
         self._extend_hashes(seq, num_full)
-        for i in range(seq.num_cached_blocks, num_full):
+        start, bs, width = seq.num_cached_blocks, self.block_size, self.block_size * 8
+        data = token_bytes(seq.token_ids[start * bs:num_full * bs])
+        for i in range(start, num_full):
             block = self.blocks[seq.block_table[i]]
             h = seq.block_hashes[i]
             # Skip a block that is cached already, or whose twin (same tokens, filled by another
             # request in the same step) is: the cache keeps one copy.
             if block.block_hash is None and h not in self.cached:
                 block.block_hash = h
-                block.token_bytes = token_bytes(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+                block.token_bytes = data[(i - start) * width:(i - start + 1) * width]
                 self.cached[h] = block.block_id
         seq.num_cached_blocks = num_full
 
@@ -135,7 +137,7 @@ class BlockManager:
         computed = seq.num_computed_tokens or len(prefix) * self.block_size
         needed = self.blocks_needed(computed + num_new_tokens) - len(table)
         # A cached block parked in the free queue is taken out of it by a hit.
-        parked = sum(1 for b in prefix if self.blocks[b].ref_count == 0) if not seq.block_table else 0
+        parked = [self.blocks[b].ref_count for b in prefix].count(0) if not seq.block_table else 0
         # A shared block about to be written is copied first (copy-on-write).
         first, last = computed // self.block_size, (computed + num_new_tokens - 1) // self.block_size
         cow = sum(1 for i in range(first, min(last + 1, len(table))) if self.blocks[table[i]].ref_count > 1)
@@ -150,9 +152,13 @@ class BlockManager:
             self.prefix_hits += len(prefix) * self.block_size
         if not seq.block_table and prefix:
             for block_id in prefix:
-                self._take_hit(block_id)
+                block = self.blocks[block_id]
+                if block.ref_count == 0:  # parked in the free queue
+                    del self.free[block_id]
+                block.ref_count += 1
             seq.block_table = list(prefix)
             seq.num_computed_tokens = len(prefix) * self.block_size
+            seq.num_cached_blocks = len(prefix)  # in the cache already: cache_full_blocks starts after them
         copies = []
         computed = seq.num_computed_tokens
         first, last = computed // self.block_size, (computed + num_new_tokens - 1) // self.block_size
@@ -178,12 +184,6 @@ class BlockManager:
             return False
         table.append(self._take_fresh().block_id)
         return True
-
-    def _take_hit(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
-            del self.free[block_id]
-        block.ref_count += 1
 
     def _take_fresh(self) -> Block:
         block = self.blocks[self.free.popitem(last=False)[0]]
