@@ -1,6 +1,7 @@
 """LLM: offline batch generation, the simplest way to use nanoserve from Python."""
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 from tqdm import tqdm
 
@@ -52,12 +53,14 @@ class LLM:
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="generating", disable=not use_tqdm) as bar:
+        # No bar at all unless asked: even a disabled one costs ~10 us, a few % of a cached prompt's TTFT.
+        with tqdm(total=len(ids), desc="generating") if use_tqdm else nullcontext() as bar:
             while len(done) < len(ids):
                 for out in self.engine.step(final_only=True):
                     if out.finished:
                         done[out.request_id] = out
-                        bar.update(1)
+                        if bar is not None:
+                            bar.update(1)
         return [done[i] for i in ids]
 
     def chat(self, messages: list[dict] | list[list[dict]],
