@@ -46,6 +46,8 @@ for step in $steps; do
     sweep-decode) for b in 256 128; do timeout 200 python scripts/sweep_decode_config.py --batch $b | tail -9; done ;;
     # A persistent kernel with grid barriers against one launch per GEMV, for the MLP half of a batch-1 layer.
     probe-mlp) timeout 200 python scripts/probe_persistent_mlp.py ;;
+    # The batch-1 GEMVs of a Qwen3-0.6B layer chained as in decode, under other block sizes (gemv._config).
+    sweep-gemv) timeout 200 python scripts/sweep_gemv_chain.py ;;
     # The batch-1 decode of bench latency's shape through step_bubbles: is the GPU ever idle between steps?
     bubbles-b1) timeout 200 python scripts/step_bubbles.py --model "$cfg/qwen3-0.6b" --num-prompts 1 --max-len 640 2>&1 | grep -v Warn | tail -8 ;;
     prefill-attn) timeout 300 python scripts/bench_prefill_attention.py ;;

@@ -169,6 +169,11 @@ def _config(m: int, n: int, k: int, elem_size: int) -> _Config:
         # Two-row slabs (small N, or M >= 4) stream the longest K stretch, up to 1024, that keeps the accumulator
         # within 64 registers a thread; wider slabs measured best at 512 (1024 was 5-20% slower at K = 1024).
         block_k = min(1024, 8192 // (block_m * block_n)) if block_n == 2 else 512
+        if block_m == 1 and block_n == 2 and k >= 3072:
+            # A long two-row slab at M = 1 (Qwen3-0.6B's down_proj) is three or more tiles, only two of them
+            # loaded before the PDL wait: four rows in 1024-wide tiles halve the programs and measured 1.0 us
+            # a layer faster in the chained batch-1 GEMVs on an H100 (scripts/sweep_gemv_chain.py: 20.5 vs 21.6).
+            block_n, block_k = 4, 1024
         return _Config(False, block_m, block_n, min(block_k, k_cap), 4, 1)
     # Tensor-core path for M >= 3 (M >= 9 at small N): M FMAs per weight element would make the CUDA-core
     # path compute bound (an H200 has about 67 fp32 TFLOP/s against 4.8 TB/s): at N >= 4096 it measured

@@ -57,3 +57,11 @@ def test_bad_inputs_raise(device, gen):
         skinny_linear(x[:2], w, b[:39])
     with pytest.raises(ValueError, match="^out "):
         skinny_linear(x[:2], w, out=torch.empty(2, 41, device=device))
+
+
+def test_config_rule_at_batch_1():
+    """The measured picks at M = 1 (bf16): two-row slabs for short K, four rows of 1024-wide tiles for K >= 3072."""
+    assert gemv._config(1, 1024, 2048, 2)[2:4] == (2, 1024)  # o_proj: N, K
+    assert gemv._config(1, 1024, 3072, 2)[2:4] == (4, 1024)  # down_proj
+    assert gemv._config(1, 6144, 1024, 2)[2:4] == (8, 512)  # gate_up_proj
+    assert gemv._config(2, 1024, 3072, 2)[2:4] == (2, 1024)  # M = 2 keeps its two-row slabs
