@@ -7,7 +7,8 @@ TTFT) into:
   samples and the processing after;
 - outside: the rest of LLM.generate (adding the request, hashing its blocks, building its output);
 - gpu: the step on the device, from its first input copy to the samples' copy back (CUDA events).
-The wait is where the host stood idle on the GPU; gpu - wait is how much of the step the host's launch overlapped.
+The wait (part of the processing's time) is where the host stood idle on the GPU; gpu - wait is how much of the
+step the host's launch overlapped.
 
     python scripts/prefix_bubbles.py --model shared/bench-configs/qwen3-0.6b [--num-requests 100]
 Without CUDA (a smoke test: --model nanoserve/assets --shared-len 200 --suffix-len 20 --max-model-len 512) gpu is empty.
@@ -57,7 +58,8 @@ def main() -> None:
         step = steps[0]
         # Summed over every record: the step's processing may land on a later schedule call's record.
         row = {"wall": wall * 1e3, **{phase: sum(s.get(phase, 0.0) for s in rec.steps) * 1e3 for phase in PHASES}}
-        row["outside"] = row["wall"] - sum(row[phase] for phase in ("schedule", "launch", "wait", "process"))
+        # The wait happens inside the processing (LLMEngine._process asks for the samples), so it is not added again.
+        row["outside"] = row["wall"] - sum(row[phase] for phase in ("schedule", "launch", "process"))
         if cuda:
             torch.cuda.synchronize()
             row["gpu"] = step["start"].elapsed_time(step["end"])
