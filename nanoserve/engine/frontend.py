@@ -6,11 +6,13 @@ of its own (engine/engine_process.py), the server holds a bare one, built from t
 engine process settled on.
 """
 
+import struct
 from pathlib import Path
 
 import numpy as np
 
 from nanoserve.config import EngineConfig
+from nanoserve.engine.block_manager import token_bytes
 
 
 def load_tokenizer(path: str):
@@ -49,10 +51,14 @@ class EngineFrontend:
         if not prompt_ids:
             raise ValueError("prompt: must not be empty")
         vocab = self.config.model.vocab_size
-        # One numpy pass: a per-token Python check cost ~0.4 ms for a 2,100-token prompt, a fifth of a cached
-        # prefill's TTFT. Lists of ints (and only those) become an integer array; anything else is checked slowly.
-        ids = np.asarray(prompt_ids) if isinstance(prompt_ids, list) else None
-        if ids is None or ids.dtype.kind not in "iu" or ids.ndim != 1 or ids.min() < 0 or ids.max() >= vocab:
+        # One pass in C: a per-token Python check cost ~0.4 ms for a 2,100-token prompt, a fifth of a cached
+        # prefill's TTFT, and np.asarray of the list ~48 us against ~17 us for struct (which accepts only ints that
+        # fit int64). Anything else is checked slowly, which also names the bad token.
+        try:
+            ids = np.frombuffer(token_bytes(prompt_ids), dtype="<i8") if isinstance(prompt_ids, list) else None
+        except (struct.error, TypeError):
+            ids = None
+        if ids is None or ids.min() < 0 or ids.max() >= vocab:
             bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt: token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
