@@ -185,7 +185,8 @@ class ModelRunner:
             row[:len(table)] = table
         dev = to_device(host, torch.int64, self.device)
         ids, pos, slot_mapping = dev[:num_tokens], dev[num_tokens:2 * num_tokens], dev[2 * num_tokens:3 * num_tokens]
-        rows_d = dev[3 * num_tokens + 2 * len(pending_at):len(longs)]
+        at, n_pending = 3 * num_tokens, len(pending_at)  # where pending_at, then pending_rows, then the rows start
+        rows_d = dev[at + 2 * n_pending:len(longs)]
         ints = dev[len(longs):].view(torch.int32)[:num_ints]
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
@@ -197,10 +198,8 @@ class ModelRunner:
             seq_lens_cpu=lens,
             cu_seqlens_q_cpu=cu,
         )
-        if pending_at:
-            at = 3 * num_tokens
-            pending_rows_d = dev[at + len(pending_at):at + 2 * len(pending_at)]
-            ids[dev[at:at + len(pending_at)]] = prev.sampled.token_ids[pending_rows_d]
+        if n_pending:
+            ids[dev[at:at + n_pending]] = prev.sampled.token_ids[dev[at + n_pending:at + 2 * n_pending]]
         return ids, pos, meta, None if sample_all else rows_d
 
     @torch.inference_mode()
