@@ -26,7 +26,10 @@ for step in $steps; do
     latency-qwen-fused) NANOSERVE_FUSED_ROPE_DECODE=1 timeout 150 python -m nanoserve.cli bench latency --model "$cfg/qwen3-0.6b" --max-model-len 8192 ;;
     latency-llama-nohf) timeout 200 python -m nanoserve.cli bench latency --model "$cfg/llama-3.1-8b" --max-model-len 8192 ;;
     # tests/gpu takes ~4-5 minutes on an H100 (fp32 Triton compiles and graph captures of the engine test).
-    gpu-tests) timeout 420 python -m pytest -q -p no:cacheprovider --durations=6 tests/gpu 2>&1 | tail -14 ;;
+    # The whole pytest log is kept: a summary line alone cannot say why a test failed.
+    gpu-tests) timeout 420 python -m pytest -q -rf -p no:cacheprovider --durations=6 tests/gpu > "$out/gpu-tests-full.log" 2>&1
+               grep -E "^(FAILED|ERROR)|Error" "$out/gpu-tests-full.log" | sort | uniq -c | sort -rn | head -20
+               tail -9 "$out/gpu-tests-full.log" ;;
     gemm) timeout 200 python scripts/bench_gemm_shapes.py ;;
     lm-head) timeout 120 python scripts/probe_lm_head_shapes.py
              CUDA_MODULE_LOADING=EAGER timeout 180 python scripts/probe_lm_head_shapes.py ;;

@@ -74,3 +74,34 @@ def test_bf16_runs_and_mostly_agrees(ckpt):
         layer.backend = TorchBackend
     ra, rb = run(a), run(b)
     assert sum(x[0] == y[0] for x, y in zip(ra, rb, strict=True)) >= 60
+
+
+def test_graph_capture_survives_garbage_collection(ckpt, monkeypatch):
+    """Every capture starts with a dead reference cycle holding pinned memory that a copy used, and the collector
+    set to run at nearly every allocation: a collection inside the capture would free it there, which broke
+    captures in tests that built one engine after another (see cuda_graphs.no_garbage_collection)."""
+    import gc
+
+    original_begin = torch.cuda.CUDAGraph.capture_begin
+    planted = []
+
+    def begin_with_garbage(self, *args, **kwargs):
+        host = torch.empty(1 << 12, pin_memory=True)
+        torch.empty(1 << 12, device="cuda").copy_(host, non_blocking=True)
+        cycle = {"host": host}
+        cycle["self"] = cycle
+        del host, cycle  # garbage now; the collector's next run (at the next allocation) would free it
+        planted.append(1)
+        original_begin(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", begin_with_garbage)
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        llm = LLM(str(ckpt), device="cuda", num_kv_blocks=512)
+    finally:
+        gc.set_threshold(*threshold)
+    assert planted and llm.engine.runner.graphs is not None
+    monkeypatch.undo()
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
