@@ -84,8 +84,8 @@ class BlockManager:
                     return hits[:i]
         return hits
 
-    def _extend_hashes(self, seq: Sequence, num_full: int, data: bytes | None = None) -> None:
-        """Hash blocks up to num_full; data: token_bytes of the first num_full blocks, if at hand."""
+    def _extend_hashes(self, seq: Sequence, num_full: int, data: bytes | None = None, first: int = 0) -> None:
+        """Hash blocks up to num_full; data: token_bytes of blocks first..num_full-1, if at hand."""
         start = len(seq.block_hashes)
         if start >= num_full:
             return
@@ -95,7 +95,8 @@ class BlockManager:
         if data is None:
             data = token_bytes(seq.token_ids[start * bs:num_full * bs])
         else:
-            data = data[start * width:num_full * width]
+            assert first <= start, "data must cover every block still to hash"
+            data = data[(start - first) * width:(num_full - first) * width]
         prev = seq.block_hashes[-1] if start else 0
         for j in range(0, len(data), width):
             prev = chain_hash(prev, data[j:j + width])
@@ -109,9 +110,10 @@ class BlockManager:
         num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
         if num_full <= seq.num_cached_blocks:
             return
-        self._extend_hashes(seq, num_full)
         start, bs, width = seq.num_cached_blocks, self.block_size, self.block_size * 8
         data = token_bytes(seq.token_ids[start * bs:num_full * bs])
+        # One conversion serves the hashes still missing (blocks of generated tokens) and the tokens kept below.
+        self._extend_hashes(seq, num_full, data, start)
         for i in range(start, num_full):
             block = self.blocks[seq.block_table[i]]
             h = seq.block_hashes[i]
