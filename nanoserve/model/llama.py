@@ -38,26 +38,32 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Attention from qkv_proj's output (which the decoder layer computes, fused with its input norm)."""
-        if qkv.is_cuda:
-            norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
-            rope_args = (qkv, self.num_heads, self.num_kv_heads, positions, self.rotary.cos_half, self.rotary.sin_half,
-                         *norms, self.q_norm.eps if self.q_norm is not None else 0.0, self.attn.k_cache,
-                         self.attn.v_cache, meta.slot_mapping)
-            if FUSED_ROPE_DECODE and meta.num_decodes == qkv.shape[0] and self.attn.backend is TritonBackend:
-                # Every sequence brings one token: the work below and attention in one launch, not two. (Only with
-                # the Triton backend: a reference run may put the PyTorch one on a GPU.)
-                from nanoserve.kernels.decode_rope_attention import decode_rope_attention
+        """Attention from qkv_proj's output (which the decoder layer computes, fused with its input norm), before
+        o_proj: [T, num_heads, head_dim]."""
+        if (FUSED_ROPE_DECODE and qkv.is_cuda and meta.num_decodes == qkv.shape[0]
+                and self.attn.backend is TritonBackend):
+            # Every sequence brings one token: the work of `store` and attention in one launch, not two. (Only
+            # with the Triton backend: a reference run may put the PyTorch one on a GPU.)
+            from nanoserve.kernels.decode_rope_attention import decode_rope_attention
 
-                out = decode_rope_attention(*rope_args, meta.seq_lens, meta.block_tables, self.attn.scale,
-                                            counters=meta.decode_counters)
-                return self.o_proj(out.flatten(1))
+            return decode_rope_attention(*self._rope_args(positions, qkv, meta), meta.seq_lens, meta.block_tables,
+                                         self.attn.scale, counters=meta.decode_counters)
+        return self.attn.attend(self.store(positions, qkv, meta), meta)
+
+    def _rope_args(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> tuple:
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+        return (qkv, self.num_heads, self.num_kv_heads, positions, self.rotary.cos_half, self.rotary.sin_half,
+                *norms, self.q_norm.eps if self.q_norm is not None else 0.0, self.attn.k_cache, self.attn.v_cache,
+                meta.slot_mapping)
+
+    def store(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q/k norms and rotary, k and v written into the KV cache; returns the queries [T, num_heads, head_dim]."""
+        if qkv.is_cuda:
             # One launch for q/k norm, rotary and the KV store (four separately): decode is launch-bound.
             from nanoserve.kernels.qkv_rope_store import qkv_rope_store
 
-            qkv_rope_store(*rope_args)
-            q = qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim)
-            return self.o_proj(self.attn.attend(q, meta).flatten(1))
+            qkv_rope_store(*self._rope_args(positions, qkv, meta))
+            return qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -65,7 +71,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, meta).flatten(1))
+        self.attn.backend.store(k, v, self.attn.k_cache, self.attn.v_cache, meta.slot_mapping)
+        return q
 
 
 class LlamaMLP(nn.Module):
@@ -99,7 +106,18 @@ class LlamaDecoderLayer(nn.Module):
         # each launch costs 2-3 us while a whole Qwen3-0.6B layer streams its weights in about 7 us. Elsewhere:
         # the norm module, then the projection.
         qkv, residual = self.self_attn.qkv_proj.forward_norm(x, residual, self.input_layernorm)
-        x = self.self_attn(positions, qkv, meta)
+        return self.after_attention(self.self_attn(positions, qkv, meta), residual)
+
+    # The layer in the two pieces around attention (scripts/probe_two_batch.py runs them per half of a batch):
+    # before_attention, then self_attn.attn.attend, then after_attention is the same computation as forward.
+    def before_attention(self, positions, x, residual, meta: AttentionMetadata):
+        """The queries [T, num_heads, head_dim] (this step's K/V now in the cache) and the residual."""
+        qkv, residual = self.self_attn.qkv_proj.forward_norm(x, residual, self.input_layernorm)
+        return self.self_attn.store(positions, qkv, meta), residual
+
+    def after_attention(self, attn_out: torch.Tensor, residual: torch.Tensor):
+        """The layer's output and the residual, from attention's output [T, num_heads, head_dim]."""
+        x = self.self_attn.o_proj(attn_out.flatten(1))
         gate_up, residual = self.mlp.gate_up_proj.forward_norm(x, residual, self.post_attention_layernorm)
         return self.mlp(gate_up), residual
 
