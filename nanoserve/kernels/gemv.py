@@ -1,9 +1,10 @@
 """Skinny GEMM for decode: out[M, N] = x[M, K] @ weight[N, K].T (+ bias) for a handful of rows.
 
-At M <= 16 a linear layer is a pass over its weight, so the kernel is built to stream each weight byte
+At M <= 32 a linear layer is a pass over its weight, so the kernel is built to stream each weight byte
 once at full bandwidth: a program owns BLOCK_N output columns for all M rows and walks its [BLOCK_N, K]
 slab of the weight (contiguous along K) in wide, coalesced [BLOCK_N, BLOCK_K] tiles: on the CUDA cores at
-M <= 2, on the tensor cores (M padded to 16) from M = 3 (from M = 9 when N < 2048). There is one launch and no split-K
+M <= 2, on the tensor cores (M padded to 16 or 32) from M = 3 (from M = 9 when N < 2048). (The grid also tiles M,
+so a config with BLOCK_M < M runs: the probes of scripts/probe_gemm_decode.py.) There is one launch and no split-K
 partials to reduce, so a call adds one node to a CUDA graph, and block sizes come from shapes by an
 explicit rule (no autotuning, which cannot run inside graph capture).
 
@@ -24,7 +25,7 @@ from nanoserve.kernels.activation import silu_and_mul_ref
 from nanoserve.kernels.pdl import use_pdl, wait_for_prior_grids
 from nanoserve.kernels.rms_norm import rms_norm_ref
 
-MAX_M = 16
+MAX_M = 32
 
 
 @triton.jit
@@ -61,7 +62,7 @@ def _skinny_linear_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, b_ptr,
                           DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     # Tail rows and columns read a valid row again instead of being masked, so full tiles load without
@@ -158,7 +159,8 @@ def _pow2_floor(v: int) -> int:
 def _config(m: int, n: int, k: int, elem_size: int) -> _Config:
     """Block sizes from shapes alone, by a rule fitted to a sweep on an H200 (132 SMs, bf16, the Qwen3-0.6B and
     Llama-3.1-8B decode layers at M = 1, 2, 4, 8, 16, in CUDA graphs): the rule's pick was within 5% of the
-    sweep's best config in most cases, 12% at worst (M = 2, N = 6144, where the tensor-core path won)."""
+    sweep's best config in most cases, 12% at worst (M = 2, N = 6144, where the tensor-core path won). M = 17-32
+    was added later from whole decode steps on an H100 (below)."""
     block_m = triton.next_power_of_2(m)
     k_cap = max(16, triton.next_power_of_2(k))
     if block_m <= 2 or (block_m <= 8 and n < 2048):
@@ -182,9 +184,11 @@ def _config(m: int, n: int, k: int, elem_size: int) -> _Config:
     # >= 16, so M is padded to 16 (free: the weight stream dominates). Its loads are asynchronous copies
     # pipelined over 4 stages (32 KB each for a 64 x 256 bf16 tile), so a few programs per SM already keep
     # the memory busy: 64-row slabs measured best wherever that still gives 64+ programs, 16-row ones below.
+    # M = 17-32 pads to 32 rows with the same slabs: in whole Qwen3-0.6B decode steps on an H100 this beat cuBLAS
+    # by 2.8 % at 24 rows and 1.0 % at 32 (scripts/probe_gemm_decode.py --configs narrow), and lost at 48.
     block_n = max(16, min(64, _pow2_floor(n // 64)))
     # fp32 tiles are twice the bytes (4 stages would need 320 KB): two fit in the 227 KB of shared memory.
-    return _Config(True, 16, block_n, min(256, k_cap), 4, 4 if elem_size <= 2 else 2)
+    return _Config(True, max(16, block_m), block_n, min(256, k_cap), 4, 4 if elem_size <= 2 else 2)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, cfg: _Config, *,
@@ -196,7 +200,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
     n, k = weight.shape
     residual, norm_weight, eps, residual_out = norm if norm is not None else (None, None, 0.0, None)
     pdl = use_pdl(x)
-    _skinny_linear_kernel[(triton.cdiv(n, cfg.block_n),)](
+    _skinny_linear_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight,
         residual_out if residual_out is not None else x, weight, bias if bias is not None else weight, out, m, n, k,
         x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0), out.stride(0), eps,

@@ -13,9 +13,12 @@ from nanoserve.layers.norm import RMSNorm
 
 # Measured on an H200 inside CUDA graphs (scripts/bench_gemv.py): at one or two rows the Triton skinny GEMM
 # streams Qwen3-0.6B's weights up to 3.5x faster than cuBLAS, and Llama-8B's qkv and o_proj (50 and 32 MB)
-# 3-9% faster, but its gate_up and down (235 and 117 MB) 4-5% slower. From 4 rows on, or launched eagerly
-# (tens of microseconds of Triton launch cost), cuBLAS is as fast or faster.
-SKINNY_MAX_ROWS = 2
+# 3-9% faster, but its gate_up and down (235 and 117 MB) 4-5% slower. Launched eagerly (tens of microseconds of
+# Triton launch cost) cuBLAS is faster. Timed one GEMM at a time, cuBLAS was as fast from 4 rows on; but in whole
+# decode steps on an H100 (scripts/probe_gemm_decode.py, where the skinny GEMM starts under PDL beside the
+# Triton kernels around it), the skinny GEMM made Qwen3-0.6B's steps 1.0-8.6 % faster at 3-32 rows and
+# Llama-3.1-8B's (qkv and o_proj) 1.3-2.2 % at 4-32, and cuBLAS won from 48 rows.
+SKINNY_MAX_ROWS = 32
 SKINNY_MAX_WEIGHT_BYTES = 64 << 20
 
 
@@ -43,7 +46,7 @@ def takes_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 class Linear(nn.Linear):
-    """nn.Linear that takes the skinny GEMM kernel for batch-1/2 decode steps captured in CUDA graphs.
+    """nn.Linear that takes the skinny GEMM kernel for decode steps of up to 32 sequences captured in CUDA graphs.
 
     At batch 1, kernel launches rather than bytes dominate a layer (each costs 2-3 us against a few us of weight
     streaming), so the elementwise op before a projection runs inside its GEMM: forward_norm for the residual

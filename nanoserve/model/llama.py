@@ -102,7 +102,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions, x, residual, meta: AttentionMetadata):
         # Each norm (with the residual add before it; none in the first layer) is applied by the projection that
-        # consumes it: in a batch-1/2 decode graph the two run as one kernel (Linear.forward_norm), since there
+        # consumes it: in a batch-1 decode graph the two run as one kernel (Linear.forward_norm), since there
         # each launch costs 2-3 us while a whole Qwen3-0.6B layer streams its weights in about 7 us. Elsewhere:
         # the norm module, then the projection.
         qkv, residual = self.self_attn.qkv_proj.forward_norm(x, residual, self.input_layernorm)

@@ -229,7 +229,7 @@ def test_prefill_attention_cuda_graph(pack):
         torch.testing.assert_close(out, want, **BF16_TOL)
 
 
-@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 24, 32])
 def test_skinny_linear_gpu(m):
     from nanoserve.kernels.gemv import skinny_linear, skinny_linear_ref
 

@@ -65,3 +65,11 @@ def test_config_rule_at_batch_1():
     assert gemv._config(1, 1024, 3072, 2)[2:4] == (4, 1024)  # down_proj
     assert gemv._config(1, 6144, 1024, 2)[2:4] == (8, 512)  # gate_up_proj
     assert gemv._config(2, 1024, 3072, 2)[2:4] == (2, 1024)  # M = 2 keeps its two-row slabs
+
+
+def test_config_rule_pads_rows_to_16_or_32():
+    """Tensor-core tiles hold 16 rows up to M = 16 and 32 rows from 17 to 32, with the same weight slabs."""
+    assert gemv._config(16, 4096, 1024, 2) == gemv._Config(True, 16, 64, 256, 4, 4)
+    assert gemv._config(17, 4096, 1024, 2) == gemv._Config(True, 32, 64, 256, 4, 4)
+    assert gemv._config(32, 1024, 3072, 2) == gemv._Config(True, 32, 16, 256, 4, 4)
+    assert gemv._config(32, 1024, 3072, 4).num_stages == 2  # fp32 tiles: two stages fit in shared memory

@@ -100,6 +100,28 @@ def test_prologues_on_both_paths_with_strided_rows(device, gen, tol, use_dot):
         torch.testing.assert_close(out, skinny_silu_mul_linear_ref(gate_up, w), **tol[torch.float32])
 
 
+def test_row_tiles(device, gen, tol):
+    """More rows than one tile holds (37 rows in tiles of 16: the last one ragged): each tile's programs normalize and
+    write the next residual for their own rows, with and without a prologue."""
+    m, k, n = 37, 80, 50
+    cfg = gemv._Config(True, 16, 16, 32, 4, 2)
+    x = torch.randn(m, k, generator=gen).to(device)
+    residual = torch.randn(m, k, generator=gen).to(device)
+    norm_w = (1 + 0.5 * torch.randn(k, generator=gen)).to(device)
+    w, b = _weights(k, n, torch.float32, device, gen)
+    out = torch.full((m, n), float("nan"), device=device)
+    gemv._launch(x, w, b, out, cfg)
+    torch.testing.assert_close(out, gemv.skinny_linear_ref(x, w, b), **tol[torch.float32])
+    residual_out = torch.full((m, k), float("nan"), device=device)
+    gemv._launch(x, w, None, out, cfg, norm=(residual, norm_w, 1e-6, residual_out))
+    want, want_residual = skinny_norm_linear_ref(x, residual, norm_w, 1e-6, w)
+    torch.testing.assert_close(out, want, **tol[torch.float32])
+    torch.testing.assert_close(residual_out, want_residual, atol=0, rtol=0)
+    gate_up = torch.randn(m, 2 * k, generator=gen).to(device)
+    gemv._launch(gate_up, w, b, out, cfg, silu_mul=True)
+    torch.testing.assert_close(out, skinny_silu_mul_linear_ref(gate_up, w, b), **tol[torch.float32])
+
+
 def test_bad_inputs_raise(device, gen):
     x, residual, norm_w = _norm_inputs(2, 64, torch.float32, device, gen)
     w, _ = _weights(64, 40, torch.float32, device, gen)
@@ -118,17 +140,18 @@ def test_bad_inputs_raise(device, gen):
 
 
 def test_skinny_gemm_rule(monkeypatch):
-    """The fused prologues ride on the skinny GEMM's own choice: 1-2 rows, weights up to 64 MB, graph capture."""
+    """The fused prologues ride on the skinny GEMM's own choice: 1-32 rows, weights up to 64 MB, graph capture."""
     from nanoserve.layers import linear
 
-    x1, x2, x3 = (torch.zeros(m, 4096) for m in (1, 2, 3))
+    x1, x2, x3, x32, x33 = (torch.zeros(m, 4096) for m in (1, 2, 3, 32, 33))
     llama8b_qkv, llama8b_gate_up = torch.empty(6144, 4096, dtype=torch.bfloat16, device="meta"), torch.empty(
         28672, 4096, dtype=torch.bfloat16, device="meta")  # 50 and 235 MB
     assert not linear.capturing_cuda_graph(x1)  # a CPU tensor is never in a capture
     assert not linear.takes_skinny_gemm(x1, llama8b_qkv)
     monkeypatch.setattr(linear, "capturing_cuda_graph", lambda x: True)
     assert linear.takes_skinny_gemm(x1, llama8b_qkv) and linear.takes_skinny_gemm(x2, llama8b_qkv)
-    assert not linear.takes_skinny_gemm(x3, llama8b_qkv)
+    assert linear.takes_skinny_gemm(x3, llama8b_qkv) and linear.takes_skinny_gemm(x32, llama8b_qkv)
+    assert not linear.takes_skinny_gemm(x33, llama8b_qkv)
     assert not linear.takes_skinny_gemm(x1, llama8b_gate_up)
     assert not linear.takes_skinny_gemm(x1[0], llama8b_qkv)  # 1-D input
     # The prologues only at one row, where fusing measured faster.
@@ -163,8 +186,9 @@ def test_model_takes_the_fused_path_and_keeps_its_tokens(checkpoints, monkeypatc
     monkeypatch.setattr(linear, "capturing_cuda_graph", lambda x: True)
     fused, _ = generate()
     assert fused == reference
-    # The 2 decode steps (of 1 row; the prefill step has 5), each through every layer: o_proj alone is unfused,
-    # and the two norms of a layer each fold into a projection.
+    # The 2 decode steps (of 1 row), each through every layer: o_proj alone is unfused, and the two norms of a
+    # layer each fold into a projection. The prefill step (5 rows) takes the skinny GEMM unfused, 4 a layer.
     steps = calls["skinny_silu_mul_linear"] // num_layers
     assert steps == 2 and calls["skinny_silu_mul_linear"] == steps * num_layers
-    assert calls["skinny_norm_linear"] == 2 * steps * num_layers and calls["skinny_linear"] == steps * num_layers
+    assert calls["skinny_norm_linear"] == 2 * steps * num_layers
+    assert calls["skinny_linear"] == steps * num_layers + 4 * num_layers
