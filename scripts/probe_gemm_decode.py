@@ -4,11 +4,11 @@ cuBLAS, in the engine's own model and KV pool, captured in CUDA graphs. (GPU onl
 Each variant patches layers/linear.py to send every captured linear layer of up to 256 rows to the skinny GEMM,
 with rows up to gemv.MAX_M on gemv._config's rule and more on one block configuration of a CONFIGS set
 (--configs), some also with the fused prologues (residual add + RMSNorm before qkv and gate_up, SiLU-and-mul
-before down), against the default (cuBLAS from SKINNY_MAX_ROWS + 1 rows). For each batch size: contexts uniform
-in --context, blocks scattered over the pool, a KV cache of random values; every variant's step is captured and
-replayed in turn (--rounds rounds of --iters replays, interleaved); medians in ms a step, and each variant's
-hidden states against cuBLAS's (max abs difference; rows whose LM-head argmax agrees: bf16 logits tie often, so
-a changed summation order flips some). The last line is one JSON object.
+before down); they are compared with cuBLAS from 3 rows on (SKINNY_MAX_ROWS patched to 2) and with the engine's
+default. For each batch size: contexts uniform in --context, blocks scattered over the pool, a KV cache of random
+values; every variant's step is captured and replayed in turn (--rounds rounds of --iters replays, interleaved);
+medians in ms a step, and each variant's hidden states against cuBLAS's (max abs difference; rows whose LM-head
+argmax agrees: bf16 logits tie often, so a changed summation order flips some). The last line is one JSON object.
 
 Measured on an H100 (2026-11-23; then gemv.MAX_M was 16 and SKINNY_MAX_ROWS 2), ms a step, cuBLAS -> best:
 - Qwen3-0.6B, --configs narrow (up to 16 rows its three variants run the same code: their range is noise):
@@ -84,7 +84,8 @@ def main() -> None:
         v.normal_()
     model = runner.model
     rng = np.random.default_rng(0)
-    variants = {"cublas": contextlib.nullcontext}
+    # cuBLAS from 3 rows on (the rule before the skinny GEMM took up to 32), and the engine as it is.
+    variants = {"cublas": lambda: mock.patch.object(linear, "SKINNY_MAX_ROWS", 2), "default": contextlib.nullcontext}
     for i, c in enumerate(CONFIGS[ns.configs]):
         name = "m{}n{}k{}w{}s{}".format(*c)
         variants[name] = lambda c=c: triton_everywhere(c, False)
