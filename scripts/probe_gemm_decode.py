@@ -32,11 +32,10 @@ from unittest import mock
 
 import numpy as np
 import torch
-from probe_two_batch import step_inputs  # scripts/ is on sys.path when a script runs
+from probe_two_batch import against, capture_step, probe_engine, replay_ms, step_inputs  # scripts/ is on sys.path
 
 from nanoserve.kernels import gemv
 from nanoserve.layers import linear
-from nanoserve.llm import LLM
 
 # (block_m, block_n, block_k, warps, stages) for rows over 16; block_n None: gemv._config's rule for it.
 CONFIGS = {
@@ -77,11 +76,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--configs", choices=list(CONFIGS), default="wide")
     ns = p.parse_args()
-    llm = LLM(model=ns.model, load_format="dummy", dtype="bfloat16", enforce_eager=True)
-    runner, cfg = llm.engine.runner, llm.engine.config
-    for k, v in runner.kv_cache:
-        k.normal_()
-        v.normal_()
+    runner, cfg = probe_engine(ns.model)
     model = runner.model
     rng = np.random.default_rng(0)
     # cuBLAS from 3 rows on (the rule before the skinny GEMM took up to 32), and the engine as it is.
@@ -100,35 +95,13 @@ def main() -> None:
             for name, patches in variants.items():
                 try:
                     with patches():
-                        model(*args)  # warm-up: compiles, settles allocations
-                        torch.cuda.synchronize()
-                        g = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(g):
-                            out = model(*args)
+                        graphs[name], outs[name] = capture_step(lambda a=args: model(*a))
                 except Exception as exc:  # a config that does not compile or fit (shared memory, registers)
                     failed[name] = f"{type(exc).__name__}: " + (str(exc).strip().splitlines() or [""])[0]
-                    continue
-                g.replay()
-                torch.cuda.synchronize()
-                graphs[name], outs[name] = g, out.clone()
-            times = {name: [] for name in graphs}
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            for _ in range(ns.rounds):
-                for name, g in graphs.items():
-                    start.record()
-                    for _ in range(ns.iters):
-                        g.replay()
-                    end.record()
-                    end.synchronize()
-                    times[name].append(start.elapsed_time(end) / ns.iters)
-            ref = outs["cublas"].float()
-            ref_top = model.compute_logits(outs["cublas"]).argmax(-1)
-            ms = {n: round(float(np.median(t)), 4) for n, t in times.items()}
+            ms = replay_ms(graphs, ns.rounds, ns.iters)
             best = min(ms, key=ms.get)
             row = {"batch": batch, "ms": ms, "best": best, "gain_best": round(1 - ms[best] / ms["cublas"], 4),
-                   "max_abs_diff": {n: float((o.float() - ref).abs().max()) for n, o in outs.items()},
-                   "argmax_agree": {n: int((model.compute_logits(o).argmax(-1) == ref_top).sum())
-                                    for n, o in outs.items()}, "failed": failed}
+                   **against(model, outs, "cublas"), "failed": failed}
             print(json.dumps(row), flush=True)
             results.append(row)
             del graphs, outs

@@ -143,6 +143,51 @@ def step_inputs(batch: int, lo: int, hi: int, num_blocks: int, block_size: int, 
     return t(rng.integers(0, vocab, batch), torch.int64), t(pos, torch.int64), meta
 
 
+def probe_engine(model: str):
+    """The engine's runner and config for a probe: dummy bf16 weights, eager (the probe captures its own graphs), and
+    a KV pool of random values (never zeros)."""
+    llm = LLM(model=model, load_format="dummy", dtype="bfloat16", enforce_eager=True)
+    runner = llm.engine.runner
+    for k, v in runner.kv_cache:
+        k.normal_()
+        v.normal_()
+    return runner, llm.engine.config
+
+
+def capture_step(fn) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """fn() warmed up (compiles, settles allocations), captured, replayed once; the graph and a copy of its output."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph, out.clone()
+
+
+def replay_ms(graphs: dict, rounds: int, iters: int) -> dict[str, float]:
+    """Median ms a replay of each graph, over `rounds` rounds of `iters` replays that visit the graphs in turn."""
+    times = {name: [] for name in graphs}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(rounds):
+        for name, g in graphs.items():
+            start.record()
+            for _ in range(iters):
+                g.replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) / iters)
+    return {n: round(float(np.median(t)), 4) for n, t in times.items()}
+
+
+def against(model: nn.Module, outs: dict, ref: str) -> dict:
+    """Each output's max abs difference from outs[ref], and the rows whose LM-head argmax agrees with its."""
+    want, top = outs[ref].float(), model.compute_logits(outs[ref]).argmax(-1)
+    return {"max_abs_diff": {n: float((o.float() - want).abs().max()) for n, o in outs.items()},
+            "argmax_agree": {n: int((model.compute_logits(o).argmax(-1) == top).sum()) for n, o in outs.items()}}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
@@ -151,12 +196,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rounds", type=int, default=5)
     ns = p.parse_args()
-    llm = LLM(model=ns.model, load_format="dummy", dtype="bfloat16", enforce_eager=True)
-    runner, cfg = llm.engine.runner, llm.engine.config
+    runner, cfg = probe_engine(ns.model)
     device = cfg.device
-    for k, v in runner.kv_cache:
-        k.normal_()
-        v.normal_()
     model = runner.model
     rng = np.random.default_rng(0)
     streams = TwoBatchStreams(device)
@@ -179,31 +220,10 @@ def main() -> None:
             graphs, outs = {}, {}
             for name, (fn, patch) in variants.items():
                 with patch or contextlib.nullcontext():
-                    fn(args)  # warm-up: compiles, settles allocations
-                    torch.cuda.synchronize()
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g):
-                        out = fn(args)
-                g.replay()
-                torch.cuda.synchronize()
-                graphs[name], outs[name] = g, out.clone()
-            times = {name: [] for name in graphs}
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            for _ in range(ns.rounds):
-                for name, g in graphs.items():
-                    start.record()
-                    for _ in range(ns.iters):
-                        g.replay()
-                    end.record()
-                    end.synchronize()
-                    times[name].append(start.elapsed_time(end) / ns.iters)
-            ref = outs["one_batch"].float()
-            ref_top = model.compute_logits(outs["one_batch"]).argmax(-1)
-            row = {"batch": batch, "ms": {n: round(float(np.median(t)), 4) for n, t in times.items()}}
-            row["gain_vs_one_batch"] = {n: round(1 - row["ms"][n] / row["ms"]["one_batch"], 4) for n in times}
-            row["max_abs_diff"] = {n: float((o.float() - ref).abs().max()) for n, o in outs.items()}
-            row["argmax_agree"] = {n: int((model.compute_logits(o).argmax(-1) == ref_top).sum()) for n, o in
-                                   outs.items()}
+                    graphs[name], outs[name] = capture_step(lambda fn=fn, a=args: fn(a))
+            row = {"batch": batch, "ms": replay_ms(graphs, ns.rounds, ns.iters)}
+            row["gain_vs_one_batch"] = {n: round(1 - row["ms"][n] / row["ms"]["one_batch"], 4) for n in graphs}
+            row |= against(runner.model, outs, "one_batch")
             print(json.dumps(row), flush=True)
             results.append(row)
             del graphs, outs
