@@ -105,8 +105,10 @@ def test_tool_loop_runs_in_the_engine_process(bundled):
 
 
 def test_abort_all_ends_what_runs(bundled):
-    # Paced steps: unpaced, this model can decode all 200 tokens between the wait below and the abort.
-    bundled.setup(functools.partial(pace_steps, seconds=0.02))
+    # Paced steps: unpaced, this model can decode all 200 tokens between the wait below and the abort. At 20 ms a
+    # step a request still ended 'length' once (a full CI run on this 2-core machine); 50 ms gives the wait and the
+    # abort 2.5 times the room, and costs nothing when they are prompt: the abort ends both requests.
+    bundled.setup(functools.partial(pace_steps, seconds=0.05))
 
     async def main():
         async with _client(bundled, "nanoserve-tiny") as http:
