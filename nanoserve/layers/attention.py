@@ -116,11 +116,10 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.backend = TorchBackend
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
-        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+    def store(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        """This step's keys and values, k/v [T, Hkv, D], into the cache at meta.slot_mapping (-1: not stored)."""
         self.backend.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        return self.attend(q, meta)
 
     def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Attention over the cache alone, for callers that stored this step's K/V themselves."""
+        """q [T, Hq, D] over the cache, which already holds this step's keys and values -> [T, Hq, D]."""
         return self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)

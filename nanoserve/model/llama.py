@@ -71,7 +71,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        self.attn.backend.store(k, v, self.attn.k_cache, self.attn.v_cache, meta.slot_mapping)
+        self.attn.store(k, v, meta)
         return q
 
 
