@@ -36,6 +36,7 @@ def chain_hash(prev_hash: int, block_bytes: bytes) -> int:
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
         self.block_size = block_size
+        self.block_bytes = block_size * 8  # a block's tokens as token_bytes() gives them (int64 each)
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -76,7 +77,7 @@ class BlockManager:
                 break
             hits.append(block_id)
         # The hits' tokens checked in one comparison; only a mismatch (a hash collision) is found block by block.
-        width = self.block_size * 8
+        width = self.block_bytes
         cached = b"".join([self.blocks[b].token_bytes for b in hits])
         if cached != data[:len(cached)]:
             for i in range(len(hits)):
@@ -89,7 +90,7 @@ class BlockManager:
         start = len(seq.block_hashes)
         if start >= num_full:
             return
-        bs, width = self.block_size, self.block_size * 8
+        bs, width = self.block_size, self.block_bytes
         # One conversion for every new block: for a long prompt, converting block by block cost more
         # than the hashing.
         if data is None:
@@ -110,7 +111,7 @@ class BlockManager:
         num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
         if num_full <= seq.num_cached_blocks:
             return
-        start, bs, width = seq.num_cached_blocks, self.block_size, self.block_size * 8
+        start, bs, width = seq.num_cached_blocks, self.block_size, self.block_bytes
         data = token_bytes(seq.token_ids[start * bs:num_full * bs])
         # One conversion serves the hashes still missing (blocks of generated tokens) and the tokens kept below.
         self._extend_hashes(seq, num_full, data, start)
