@@ -220,15 +220,18 @@ def attend_split(q, k0, v0, k_cache_ptr, v_cache_ptr, bt_row, mid_o_ptr, mid_lse
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_ptr, mid_o_ptr, mid_lse_ptr,
-                         out_ptr, counters_ptr, qk_scale, stride_qb, stride_qh, stride_cb, stride_ct, stride_ch,
-                         stride_bt, stride_ob, stride_oh, num_queries_per_kv, num_splits,
-                         SPLIT: tl.constexpr, FUSED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+                         out_ptr, counters_ptr, order_ptr, qk_scale, stride_qb, stride_qh, stride_cb, stride_ct,
+                         stride_ch, stride_bt, stride_ob, stride_oh, num_queries_per_kv, num_splits,
+                         SPLIT: tl.constexpr, FUSED: tl.constexpr, HAS_ORDER: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
                          USE_PDL: tl.constexpr):
     """One (sequence, kv head, split): the group's query heads over the split's keys."""
     wait_for_prior_grids(USE_PDL)
-    seq = tl.program_id(0)
+    if HAS_ORDER:
+        seq = tl.load(order_ptr + tl.program_id(0)).to(tl.int32)
+    else:
+        seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
@@ -373,7 +376,8 @@ def launch_reduce(launch: SplitLaunch, out: torch.Tensor) -> None:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                      block_tables: torch.Tensor, scale: float, num_splits: int | None = None,
-                     out: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, counters: torch.Tensor | None = None,
+                     order: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, num_q_heads, head_dim], one token per sequence at position seq_lens[b] - 1; returns q's shape.
 
     num_splits must not depend on tensor values when the call is captured in a CUDA graph; by default it
@@ -384,6 +388,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     all zero, owned by the caller (so that a CUDA graph capture allocates nothing) and left all zero again
     by the kernel, so one buffer serves every layer and replay. Calls sharing a buffer must not run
     concurrently (on two streams). Without it the partials are merged by a second launch.
+
+    order, if given, is a permutation of 0..B-1 [B] (int64 or int32): the order in which the sequences' programs
+    are dispatched. Longest first keeps a long sequence's programs from starting last, when the rest of the
+    launch has drained (scripts/probe_decode_order.py: 1.3 % faster at batch 256 over 100-2,048 keys on an H100).
     """
     assert q.stride(2) == 1
     out = torch.empty_like(q) if out is None else out
@@ -391,20 +399,25 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     launch = plan_split_launch(q.dtype, out, k_cache, v_cache, seq_lens, block_tables, num_splits, counters)
     if launch is None:
         return out
+    if order is not None:
+        assert order.shape == (q.shape[0],) and order.is_contiguous(), "order must be a contiguous permutation [B]"
     _decode_split_kernel[launch.grid](
         q, k_cache, v_cache, seq_lens, block_tables, launch.mid_o, launch.mid_lse, out, launch.counters,
-        scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), q.shape[1] // k_cache.shape[2],
+        order if order is not None else seq_lens, scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
+        q.shape[1] // k_cache.shape[2],
         launch.grid[2],  # num_splits as a runtime value: one compiled kernel serves every batch's split count
-        **launch.options)
+        HAS_ORDER=order is not None, **launch.options)
     launch_reduce(launch, out)
     return out
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                          block_tables: torch.Tensor, scale: float, num_splits: int | None = None,
-                         out: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain PyTorch version of decode_attention, in fp32; num_splits and counters are accepted and ignored."""
+                         out: torch.Tensor | None = None, counters: torch.Tensor | None = None,
+                         order: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain PyTorch version of decode_attention, in fp32; num_splits, counters and order are accepted and
+    ignored."""
     group = q.shape[1] // k_cache.shape[2]
     out = torch.empty_like(q) if out is None else out
     for b, seq_len in enumerate(seq_lens.tolist()):

@@ -36,6 +36,9 @@ class AttentionMetadata:
     # Zeroed int32 counters (>= decodes x kv heads) that let decode attention merge its splits in the same
     # launch (kernels/decode_attention.py); None: a second launch merges them.
     decode_counters: torch.Tensor | None = None
+    # The decodes longest first (a permutation of 0..num_decodes-1), the order in which decode attention dispatches
+    # their programs; None: batch order.
+    decode_order: torch.Tensor | None = None
 
 
 class TorchBackend:
@@ -91,7 +94,7 @@ class TritonBackend:
         nd = meta.num_decodes
         if nd:
             decode_attention(q[:nd], k_cache, v_cache, meta.seq_lens[:nd], meta.block_tables[:nd], scale,
-                             out=out[:nd], counters=meta.decode_counters)
+                             out=out[:nd], counters=meta.decode_counters, order=meta.decode_order)
         if nd < meta.seq_lens.shape[0]:
             # Decodes come first with one token each, so the prefill part starts at token nd.
             cu = meta.cu_seqlens_q if nd == 0 else meta.cu_seqlens_q[nd:] - nd

@@ -66,6 +66,31 @@ def test_triton_and_graphs_match_eager_torch(ckpt):
     assert run(eager_triton) == reference
 
 
+def test_large_decode_graphs_sort_their_sequences(ckpt):
+    """160 sequences decode together: their graph sorts them longest first for decode attention's dispatch order
+    (cuda_graphs.DECODE_ORDER_MIN_BATCH), and the tokens stay those of the eager PyTorch path."""
+    from nanoserve.worker.cuda_graphs import DECODE_ORDER_MIN_BATCH
+
+    g = torch.Generator().manual_seed(1)
+    many = [torch.randint(2, 384, (n,), generator=g).tolist() for n in torch.randint(1, 300, (160,), generator=g)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def tokens(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(many, params, use_tqdm=False)]
+
+    eager = LLM(str(ckpt), device="cuda", dtype="float32", enforce_eager=True, num_kv_blocks=4096)
+    for layer in eager.engine.runner.attn_layers:
+        layer.backend = TorchBackend
+    reference = tokens(eager)
+    del eager
+    fast = LLM(str(ckpt), device="cuda", dtype="float32", num_kv_blocks=4096, max_num_seqs=256)
+    batches = []
+    original = fast.engine.runner.graphs.run
+    fast.engine.runner.graphs.run = lambda ids, *a: batches.append(ids.shape[0]) or original(ids, *a)
+    assert tokens(fast) == reference
+    assert max(batches) >= DECODE_ORDER_MIN_BATCH
+
+
 def test_bf16_runs_and_mostly_agrees(ckpt):
     # bf16 rounding differs between kernels, so only the first tokens must agree.
     a = LLM(str(ckpt), device="cuda", dtype="bfloat16", num_kv_blocks=2048)

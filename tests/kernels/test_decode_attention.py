@@ -123,3 +123,22 @@ def test_default_num_splits():
     assert [default_num_splits(b, 8, 40960) for b in (1, 8, 64, 128, 129, 256)] == [16, 16, 2, 2, 1, 1]
     # Never a split under 64 keys.
     assert default_num_splits(1, 8, 100) == 2 and default_num_splits(1, 8, 64) == 1
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[6], FUSED_CASES[7]], ids=range(4))
+def test_dispatch_order_leaves_outputs_alone(case, fused, make_paged_kv, gen, device):
+    """A dispatch order (longest first, as the decode graphs give it, or any permutation) changes which program
+    runs when, never what a sequence's row holds: bit for bit the unordered launch, on every path (one split, the
+    reduce launch, the merge in the same launch)."""
+    from nanoserve.kernels.decode_attention import decode_attention
+
+    q, k_cache, v_cache, seq, block_tables, scale, num_splits = _inputs(case, make_paged_kv, gen, device)
+    batch = q.shape[0]
+    counters = torch.zeros(batch * k_cache.shape[2], dtype=torch.int32, device=device) if fused else None
+    want = decode_attention(q, k_cache, v_cache, seq, block_tables, scale, num_splits=num_splits, counters=counters)
+    for order in (torch.argsort(seq, descending=True, stable=True), torch.randperm(batch, generator=gen).to(device),
+                  torch.arange(batch, dtype=torch.int32, device=device)):
+        got = decode_attention(q, k_cache, v_cache, seq, block_tables, scale, num_splits=num_splits,
+                               counters=counters, order=order)
+        assert torch.equal(got, want)
