@@ -31,6 +31,14 @@ def run(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)]
 
 
+def eager_torch(ckpt) -> LLM:
+    """The reference engine: eager, PyTorch attention, fp32."""
+    llm = LLM(str(ckpt), device="cuda", dtype="float32", enforce_eager=True, num_kv_blocks=4096)
+    for layer in llm.engine.runner.attn_layers:
+        layer.backend = TorchBackend
+    return llm
+
+
 def count_calls(obj, name: str, counter: dict, key: str) -> None:
     original = getattr(obj, name)
 
@@ -42,11 +50,7 @@ def count_calls(obj, name: str, counter: dict, key: str) -> None:
 
 
 def test_triton_and_graphs_match_eager_torch(ckpt):
-    eager = LLM(str(ckpt), device="cuda", dtype="float32", enforce_eager=True, num_kv_blocks=4096)
-    for layer in eager.engine.runner.attn_layers:
-        layer.backend = TorchBackend
-    reference = run(eager)
-    del eager
+    reference = run(eager_torch(ckpt))
     # A pool of 60 blocks holds a fraction of the batch: preemption must happen; prompts share a prefix.
     fast = LLM(str(ckpt), device="cuda", dtype="float32", num_kv_blocks=60, max_num_batched_tokens=512)
     runner = fast.engine.runner
@@ -78,11 +82,7 @@ def test_large_decode_graphs_sort_their_sequences(ckpt):
     def tokens(llm):
         return [o.outputs[0].token_ids for o in llm.generate(many, params, use_tqdm=False)]
 
-    eager = LLM(str(ckpt), device="cuda", dtype="float32", enforce_eager=True, num_kv_blocks=4096)
-    for layer in eager.engine.runner.attn_layers:
-        layer.backend = TorchBackend
-    reference = tokens(eager)
-    del eager
+    reference = tokens(eager_torch(ckpt))
     fast = LLM(str(ckpt), device="cuda", dtype="float32", num_kv_blocks=4096, max_num_seqs=256)
     batches = []
     original = fast.engine.runner.graphs.run
