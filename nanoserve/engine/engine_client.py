@@ -171,8 +171,9 @@ class EngineClient:
                 lives.append((live, delta))
         # Outside the lock: only this thread touches the assemblers.
         items += [(live.stream, live.assembler.apply(delta)) for live, delta in lives if live is not None]
-        deliver(items)
+        # Stats first: a caller woken by these outputs must not read the stats of the step before them.
         self.stats = msg.stats
+        deliver(items)
 
     def _fail_all(self, message: str) -> None:
         with self._lock:

@@ -86,8 +86,9 @@ class ThreadEngineCore:
                 stream = (self._streams.pop if out.finished else self._streams.get)(out.request_id, None)
                 if stream is not None:
                     items.append((stream, out))
-        deliver(items)
+        # Stats first: a caller woken by these outputs must not read the stats of the step before them.
         self.stats = stats
+        deliver(items)
 
     def _fail_all(self, message: str) -> None:
         with self._lock:

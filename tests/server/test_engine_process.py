@@ -105,9 +105,10 @@ def test_tool_loop_runs_in_the_engine_process(bundled):
 
 
 def test_abort_all_ends_what_runs(bundled):
-    # Paced steps: unpaced, this model can decode all 200 tokens between the wait below and the abort. At 20 ms a
-    # step a request still ended 'length' once (a full CI run on this 2-core machine); 50 ms gives the wait and the
-    # abort 2.5 times the room, and costs nothing when they are prompt: the abort ends both requests.
+    # Paced steps: unpaced, this model can decode all 200 tokens between the wait below and the abort. (A request
+    # that still ended 'length' at 50 ms a step was not a matter of pace: the cores published a step's stats after
+    # its outputs, so the wait could read the previous test's two running requests and abort before these were
+    # added. test_stats_order.py holds the cores to the other order.)
     bundled.setup(functools.partial(pace_steps, seconds=0.05))
 
     async def main():

@@ -1,0 +1,39 @@
+"""Both engine cores publish a step's stats before its outputs: whoever a finished request wakes sees
+the engine without it. With the old order (outputs, then stats) a test that waited for its own requests
+to run could read the previous test's stats and act too early."""
+
+import asyncio
+import functools
+import time
+
+import pytest
+
+from nanoserve.config import EngineArgs
+from nanoserve.engine import engine_client, engine_thread
+from nanoserve.engine.async_engine import AsyncEngine
+from nanoserve.sampling_params import SamplingParams
+
+
+def _late_deliver(real, items):
+    real(items)
+    time.sleep(0.2)  # whatever the core does after delivering now lags far behind the woken reader
+
+
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "process"])
+def test_finished_output_sees_its_own_stats(engine_process, monkeypatch):
+    module = engine_client if engine_process else engine_thread
+    monkeypatch.setattr(module, "deliver", functools.partial(_late_deliver, module.deliver))
+    engine = AsyncEngine.from_engine_args(EngineArgs(num_kv_blocks=16, engine_process=engine_process))
+
+    async def main():
+        group = engine.submit([("r", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))])
+        seen = []
+        async for _, out in group:
+            seen.append((out.finished, engine.stats.num_running, engine.stats.generation_tokens))
+        return seen
+
+    try:
+        seen = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert seen[-1] == (True, 0, 4)
