@@ -128,6 +128,10 @@ class ServingBase:
     def start(self, prefix: str, prompts: list[list[int]], params: SamplingParams) -> Generation:
         """Submit one engine request per prompt; raises 429 / 503 at once when it cannot run.
         No await between the check and the submit, so concurrent handlers cannot both slip in."""
+        if self.engine.dead:
+            # Before the queue check: a dead engine's last stats still count the requests it failed, so the queue
+            # would look full for good and clients would retry a dead server forever.
+            raise APIError(503, self.engine.error, code="engine_dead")
         waiting, limit = self.engine.num_waiting, self.max_waiting_requests
         if limit is not None and waiting >= limit:
             raise APIError(429, f"{waiting} requests are waiting to run (limit {limit}); retry later",

@@ -90,3 +90,39 @@ def test_engine_failure_reaches_every_client(async_engine, monkeypatch):
     assert plain.status_code == 500 and "boom" in plain.json()["error"]["message"]
     assert health.status_code == 503 and health.json()["status"] == "dead"
     assert after.status_code == 503
+
+
+def test_dead_engine_with_a_queue_is_503_not_429(model_dir):
+    # Requests waiting when the engine died stay in its last stats, so the queue looks full for good: the server
+    # must still say the engine is dead, not ask clients to retry.
+    engine = LLMEngine(EngineArgs(model=str(model_dir), num_kv_blocks=64, max_num_seqs=1).create_config())
+    real_step = engine.step
+
+    def failing_step():
+        if len(engine.scheduler.waiting) >= 2:  # one running, two queued behind it
+            raise RuntimeError("boom")
+        return real_step()
+
+    engine.step = failing_step
+    async_engine = AsyncEngine(engine)
+    body = {"prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True}
+
+    async def main():
+        app = build_app(async_engine, "tiny-llama", max_waiting_requests=2)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            # The queue takes two only while the first runs: a request counts as waiting until it is scheduled.
+            running = asyncio.create_task(http.post("/v1/completions", json=body))
+            async with asyncio.timeout(30):
+                while async_engine.stats.num_running == 0:
+                    await asyncio.sleep(0.01)
+            first = await asyncio.gather(running, *(http.post("/v1/completions", json=body) for _ in range(2)))
+            return first, await http.post("/v1/completions", json=body)
+
+    try:
+        first, after = asyncio.run(main())
+    finally:
+        async_engine.shutdown()
+    assert [r.status_code for r in first] == [500] * 3
+    assert async_engine.num_waiting >= 2  # what the queue check would have seen
+    assert after.status_code == 503 and after.json()["error"]["code"] == "engine_dead"
+    assert "boom" in after.json()["error"]["message"]
