@@ -91,7 +91,11 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         """Requests admitted but not yet running: in the scheduler's queue, or on their way to it."""
-        stats = self.stats
+        return self.num_waiting_in(self.stats)
+
+    def num_waiting_in(self, stats: EngineStats) -> int:
+        """num_waiting as of `stats`: a report that reads stats once stays consistent with itself (the engine
+        swaps them between two reads)."""
         return stats.num_waiting + (self._num_submitted - stats.num_added)
 
     # -- tokenizer work (off the event loop) ----------------------------------------------------

@@ -69,7 +69,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     @app.get("/health")
     async def health() -> JSONResponse:
         s = async_engine.stats
-        body = {"status": "ok", "waiting": async_engine.num_waiting, "running": s.num_running,
+        body = {"status": "ok", "waiting": async_engine.num_waiting_in(s), "running": s.num_running,
                 "kv_blocks_used": s.num_blocks - s.num_free_blocks, "kv_blocks_total": s.num_blocks,
                 "kv_blocks_free": s.num_free_blocks, "prefix_cache_hit_rate": s.prefix_hit_rate,
                 "in_flight": gate.in_flight}

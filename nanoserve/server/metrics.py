@@ -35,7 +35,7 @@ class _EngineCollector:
         yield GaugeMetricFamily("nanoserve_num_requests_running", "Sequences running in the engine",
                                 value=s.num_running)
         yield GaugeMetricFamily("nanoserve_num_requests_waiting", "Requests admitted but not yet running",
-                                value=self.engine.num_waiting)
+                                value=self.engine.num_waiting_in(s))
         yield GaugeMetricFamily("nanoserve_kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)",
                                 value=s.kv_usage)
         yield CounterMetricFamily("nanoserve_prefix_cache_queries", "Prompt tokens looked up in the "
