@@ -141,6 +141,10 @@ class EngineClient:
             logger.exception("reading from the engine process failed")
             self._fail_all(f"the engine connection failed: {type(exc).__name__}: {exc}")
             self._on_broken()
+            # Nothing reads this channel any more. Left open, it would fill, and the engine, which sends every
+            # channel each step's stats, would block on it: every other API server's requests would stop. Closed,
+            # it is a channel whose client left: the engine aborts its requests and serves the others.
+            self._conn.close()
 
     def _gone(self) -> str:
         """Why the engine's end of the pipe closed, as far as this process can tell."""

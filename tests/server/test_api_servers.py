@@ -331,3 +331,25 @@ def test_step_failure_reaches_both_channels(two_clients):
     assert a.dead and b.dead
     engine.process.join(timeout=10)
     assert engine.process.exitcode == 0
+
+
+def _reader_bug(msg) -> None:
+    raise TypeError("a bug in the reader")
+
+
+def test_a_broken_reader_does_not_stall_the_other_channel(two_clients):
+    # Channel a's reader dies on the first message (as on one that does not unpickle). The engine sends every
+    # channel each step's stats: had a's channel stayed open and unread, it would fill and block the engine, and
+    # b's requests would stop mid-generation (left open, that took under 200 tokens).
+    engine, (a, b) = two_clients
+    a.core._on_step = _reader_bug
+
+    async def main():
+        results = []
+        for i in range(5):
+            async with asyncio.timeout(60):
+                results.append(await _run(b, f"r{i}", 300))
+        return results
+
+    assert asyncio.run(main()) == [(300, "length")] * 5
+    assert a.dead and "a bug in the reader" in a.error and not b.dead
