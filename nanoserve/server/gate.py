@@ -55,13 +55,15 @@ class GateMiddleware:
             await _reply(send, 413, f"request body of {declared} bytes is over the limit of "
                                     f"{self.max_body_bytes} bytes")
             return
-        try:
-            body = await self._read_body(receive)
-        except _BodyTooLarge:
-            await _reply(send, 413, f"request body is over the limit of {self.max_body_bytes} bytes")
-            return
+        # Counted from here, before the body has arrived: a drain that starts while a slow upload is still coming
+        # must wait for that request too, not stop the server under it.
         self.state.in_flight += 1
         try:
+            try:
+                body = await self._read_body(receive)
+            except _BodyTooLarge:
+                await _reply(send, 413, f"request body is over the limit of {self.max_body_bytes} bytes")
+                return
             await self.app(scope, _replay(body, receive), send)
         finally:
             self.state.in_flight -= 1

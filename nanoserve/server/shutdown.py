@@ -4,7 +4,7 @@ uvicorn's own handling stops listening at once (new clients get "connection refu
 re-raises the signal after shutdown, so the process would die by SIGTERM instead of exiting 0. So
 its handlers are replaced: the first signal turns the gate to draining (new requests get 503 while
 the socket stays open), waits for in-flight requests up to drain_timeout, aborts what is left (they
-end with finish_reason "abort"), and only then lets uvicorn shut down. A second signal skips the wait.
+end with finish_reason "abort"), and only then lets uvicorn shut down. A second signal skips to the aborts.
 
 An API server process among several (api_servers.py) takes no signals: its parent relays them over a
 control pipe, one message per signal, and the pipe's end of file (the parent is gone) counts as one too.
@@ -16,6 +16,7 @@ import logging
 import signal
 import socket
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 import uvicorn
@@ -49,8 +50,8 @@ async def serve_with_drain(config: uvicorn.Config, gate: GateState, engine: Asyn
             drain = loop.create_task(_drain(server, gate, engine, drain_timeout))
         else:
             logger.info("%s again: aborting in-flight requests now", why)
-            engine.abort_all()
-            server.should_exit = True
+            drain.cancel()
+            drain = loop.create_task(_drain(server, gate, engine, 0))
 
     def on_control() -> None:
         try:
@@ -81,13 +82,16 @@ async def _drain(server: uvicorn.Server, gate: GateState, engine: AsyncEngine, t
     gate.draining = True
     if not await _wait_idle(gate, timeout):
         logger.warning("drain timeout: aborting %d in-flight requests", gate.in_flight)
-        engine.abort_all()
-        await _wait_idle(gate, _ABORT_GRACE_S)
+        # Again at every poll: a request still reading its body or tokenizing when an abort went out reaches the
+        # engine after it, and would run on until uvicorn cut its connection, with no finish_reason.
+        await _wait_idle(gate, _ABORT_GRACE_S, every_poll=engine.abort_all)
     server.should_exit = True
 
 
-async def _wait_idle(gate: GateState, timeout: float) -> bool:
+async def _wait_idle(gate: GateState, timeout: float, every_poll: Callable[[], None] | None = None) -> bool:
     deadline = time.monotonic() + timeout
     while gate.in_flight > 0 and time.monotonic() < deadline:
+        if every_poll is not None:
+            every_poll()
         await asyncio.sleep(0.05)
     return gate.in_flight == 0
