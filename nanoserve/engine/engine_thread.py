@@ -6,6 +6,7 @@ The cost is the GIL: the event loop's HTTP work and the engine's host work (sche
 building outputs) take turns on one core. engine_process.py moves the engine out of the process.
 """
 
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -25,6 +26,8 @@ from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.streams import EngineDeadError, RequestStream, deliver
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class ThreadEngineCore:
@@ -64,8 +67,12 @@ class ThreadEngineCore:
 
     # -- the engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
-        why = EngineLoop(self.engine, self._receive, self._publish).run()
-        self._fail_all(why or "the engine was shut down")
+        try:
+            why = EngineLoop(self.engine, self._receive, self._publish).run() or "the engine was shut down"
+        except Exception as exc:  # from publishing (the loop catches the engine's own): no request may be left waiting
+            logger.exception("the engine thread failed")
+            why = f"the engine thread failed: {type(exc).__name__}: {exc}"
+        self._fail_all(why)
 
     def _receive(self, block: bool) -> list[Command]:
         commands = [self._commands.get()] if block else []

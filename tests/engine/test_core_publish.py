@@ -1,9 +1,11 @@
-"""Both engine cores publish a step's stats before its outputs: whoever a finished request wakes sees
-the engine without it. With the old order (outputs, then stats) a test that waited for its own requests
-to run could read the previous test's stats and act too early."""
+"""How the engine cores publish. Both publish a step's stats before its outputs: whoever a finished request
+wakes sees the engine without it (with the old order, outputs then stats, a test that waited for its own
+requests to run could read the previous test's stats and act too early). And a failure in publishing still
+ends every request with an error."""
 
 import asyncio
 import functools
+import itertools
 import time
 
 import pytest
@@ -11,6 +13,7 @@ import pytest
 from nanoserve.config import EngineArgs
 from nanoserve.engine import engine_client, engine_thread
 from nanoserve.engine.async_engine import AsyncEngine
+from nanoserve.engine.streams import EngineDeadError
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -37,3 +40,27 @@ def test_finished_output_sees_its_own_stats(engine_process, monkeypatch):
     finally:
         engine.shutdown()
     assert seen[-1] == (True, 0, 4)
+
+
+def _fail_first(real, calls, items):
+    if next(calls) == 0:
+        raise RuntimeError("publish")
+    real(items)
+
+
+def test_thread_core_failing_to_publish_fails_its_requests(monkeypatch):
+    monkeypatch.setattr(engine_thread, "deliver", functools.partial(_fail_first, engine_thread.deliver,
+                                                                    itertools.count()))
+    engine = AsyncEngine.from_engine_args(EngineArgs(num_kv_blocks=16, engine_process=False))
+
+    async def main():
+        async with asyncio.timeout(30):  # before the fix: the thread died, and the request waited forever
+            async for _ in engine.submit([("r", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))]):
+                pass
+
+    try:
+        with pytest.raises(EngineDeadError, match="the engine thread failed: RuntimeError: publish"):
+            asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert engine.dead
