@@ -54,6 +54,18 @@ def test_sigterm_drains_in_flight_streams_and_exits_0(launch):
     assert server.proc.wait(timeout=30) == 0
 
 
+def test_second_sigterm_aborts_at_once_and_exits_0(launch):
+    server = launch("--drain-timeout", "600")
+    results, threads = _load(server, n=2, max_tokens=480)
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    server.proc.send_signal(signal.SIGTERM)  # skips the 600 s wait: the aborts go out now
+    for t in threads:
+        t.join(60)
+    assert all(reasons == ["abort"] and done and tokens < 480 for tokens, reasons, done in results), results
+    assert server.proc.wait(timeout=30) == 0
+
+
 @pytest.mark.parametrize("engine_flags", [["--no-engine-process"], ["--engine-process"]], ids=["thread", "process"])
 def test_drain_timeout_aborts_what_is_left_and_exits_0(launch, engine_flags):
     server = launch("--drain-timeout", "0.5", *engine_flags)
