@@ -36,6 +36,19 @@ def fail_from_step(engine, n: int) -> None:
     engine.step = step
 
 
+def fail_once_running(engine, n: int) -> None:
+    """Installed through setup(): step() raises once n sequences are running, that is, after a step that ran them
+    all has published its stats (a step count would race requests that reach the engine late)."""
+    real_step = engine.step
+
+    def step(*args, **kwargs):
+        if len(engine.scheduler.running) >= n:
+            raise RuntimeError("boom")
+        return real_step(*args, **kwargs)
+
+    engine.step = step
+
+
 def pace_steps(engine, seconds: float) -> None:
     """Installed in the engine process through setup(): every step() first sleeps `seconds`, so a test's requests
     are still running when it acts on them however fast the machine decodes; 0 puts the real step() back."""

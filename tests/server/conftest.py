@@ -59,11 +59,12 @@ class RunningServer:
         return httpx.get(self.url + "/health", timeout=10).json()
 
     def wait_idle(self, timeout: float = 10.0) -> dict:
-        """The /health body once nothing runs or waits (or the last one seen at the timeout)."""
+        """The /health body once nothing runs, waits or is in flight (a request still being read or tokenized is
+        neither running nor waiting); or the last one seen at the timeout."""
         deadline = time.monotonic() + timeout
         while True:
             h = self.health()
-            if (h["running"] == 0 and h["waiting"] == 0) or time.monotonic() > deadline:
+            if (h["running"] == 0 and h["waiting"] == 0 and h["in_flight"] == 0) or time.monotonic() > deadline:
                 return h
             time.sleep(0.05)
 

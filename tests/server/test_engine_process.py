@@ -12,7 +12,7 @@ import signal
 
 import httpx
 import pytest
-from processes import fail_from_step, pace_steps
+from processes import fail_once_running, pace_steps
 
 from nanoserve.bench import serve
 from nanoserve.cli import engine_args_from
@@ -144,7 +144,7 @@ async def _in_flight_then(async_engine: AsyncEngine, end) -> tuple[httpx.Respons
 
 
 def test_step_failure_reaches_every_client(fresh):
-    fresh.setup(functools.partial(fail_from_step, n=5))
+    fresh.setup(functools.partial(fail_once_running, n=2))
     _assert_dead(*asyncio.run(_in_flight_then(fresh, lambda: None)), why="boom")
     assert fresh.core.process.join(timeout=10) is None and fresh.core.process.exitcode == 0
 
