@@ -59,12 +59,10 @@ class GateMiddleware:
         # must wait for that request too, not stop the server under it.
         self.state.in_flight += 1
         try:
-            try:
-                body = await self._read_body(receive)
-            except _BodyTooLarge:
-                await _reply(send, 413, f"request body is over the limit of {self.max_body_bytes} bytes")
-                return
+            body = await self._read_body(receive)
             await self.app(scope, _replay(body, receive), send)
+        except _BodyTooLarge:  # only _read_body raises it
+            await _reply(send, 413, f"request body is over the limit of {self.max_body_bytes} bytes")
         finally:
             self.state.in_flight -= 1
 
