@@ -54,11 +54,19 @@ for step in $steps; do
     # The batch-1 decode of bench latency's shape through step_bubbles: is the GPU ever idle between steps?
     bubbles-b1) timeout 200 python scripts/step_bubbles.py --model "$cfg/qwen3-0.6b" --num-prompts 1 --max-len 640 2>&1 | grep -v Warn | tail -8 ;;
     prefill-attn) timeout 300 python scripts/bench_prefill_attention.py ;;
+    # The prefix step's prefill attention taken apart (fixed cost, key tiles, merge) by editing its map.
+    probe-prefix-attn) for a in "" "--block-m 128" "--block-m 32"; do timeout 120 python scripts/probe_prefix_attention.py $a | tail -1; done ;;
+    # Host time of a graph replay and how late a graph starts on an idle GPU (prefill buckets, batch-1 decode).
+    probe-graph-launch) timeout 200 python scripts/probe_graph_launch.py --model "$cfg/qwen3-0.6b" 2>&1 | tail -1 ;;
+    # Batch 1: the qkv GEMM with q/k norm, rotary and the KV store in its epilogue, against the two launches.
+    probe-fused-qkv) timeout 150 python scripts/probe_fused_qkv.py | tail -1 ;;
     # Where a cached prefix request's TTFT goes: host phases, the rest of LLM.generate, and the step's GPU time.
     prefix-bubbles) timeout 200 python scripts/prefix_bubbles.py --model "$cfg/qwen3-0.6b" 2>&1 | grep -v Warn | tail -13 ;;
     # Host vs kernel time and the top kernels of an uncached prefill, a cached-prefix prefill and a batch-1 decode.
     profile-steps) timeout 200 python scripts/profile_steps.py --model "$cfg/qwen3-0.6b" --parts uncached,cached 2>&1 | grep -v Warn ;;
     prefix) timeout 200 python -m nanoserve.cli bench prefix --model "$cfg/qwen3-0.6b" --max-model-len 4096 ;;
+    # The same recipe on the 8B model (DESIGN.md's prefix recipe names none): per-step fixed costs weigh less there.
+    prefix-llama) timeout 300 python -m nanoserve.cli bench prefix --model "$cfg/llama-3.1-8b" --max-model-len 4096 ;;
     serve-inf) timeout 300 python -m nanoserve.cli bench serve --launch --no-progress --model "$cfg/qwen3-0.6b" --load-format dummy --dtype bfloat16 ;;
     # serve-inf and serve-16 run the default (on CUDA the engine in its own process); -thread keeps it on the server's thread.
     serve-inf-thread) timeout 300 python -m nanoserve.cli bench serve --launch --no-progress --model "$cfg/qwen3-0.6b" --load-format dummy --dtype bfloat16 --no-engine-process ;;
