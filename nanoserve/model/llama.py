@@ -13,12 +13,16 @@ from nanoserve.layers.linear import GateUpLinear, Linear, QKVLinear
 from nanoserve.layers.norm import RMSNorm
 from nanoserve.layers.rotary import RotaryEmbedding
 
-# NANOSERVE_FUSED_ROPE_DECODE=1: steps that are all decodes do q/k norm, rotary and the KV store inside decode
-# attention's launch (kernels/decode_rope_attention.py) instead of a launch of their own (qkv_rope_store). Off by
-# default: measured on an H100 (BENCHMARKS.md, e01b115) it took Llama-3.1-8B batch-1 decode from 6.11 to 5.99
-# ms/token, but Qwen3-0.6B (with q/k norms) from 1.04 to 1.17, and the throughput run from 76 to 73 % of bound.
-# Read once, at import.
-FUSED_ROPE_DECODE = os.environ.get("NANOSERVE_FUSED_ROPE_DECODE", "0") == "1"
+# Whether steps that are all decodes do q/k norm, rotary and the KV store inside decode attention's launch
+# (kernels/decode_rope_attention.py) instead of a launch of their own (qkv_rope_store). NANOSERVE_FUSED_ROPE_DECODE
+# "1": always, "0": never, unset ("auto"): for models without q/k norms, at up to FUSED_ROPE_DECODE_MAX_BATCH
+# sequences. Measured on an H100 (BENCHMARKS.md): Llama-3.1-8B batch-1 decode 6.11 -> 5.99 ms/token (e01b115), but
+# Qwen3-0.6B (q/k norms) 1.04 -> 1.17, and the throughput run (Qwen3-0.6B, batch 256) fell from 76 to 73 % of
+# bound. Read once, at import.
+FUSED_ROPE_DECODE = os.environ.get("NANOSERVE_FUSED_ROPE_DECODE", "auto")
+# The batch sizes whose decode graphs merge attention's splits in the split kernel (cuda_graphs.py), where the fused
+# launch is one kernel, not two.
+FUSED_ROPE_DECODE_MAX_BATCH = 4
 
 
 class LlamaAttention(nn.Module):
@@ -40,15 +44,22 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Attention from qkv_proj's output (which the decoder layer computes, fused with its input norm), before
         o_proj: [T, num_heads, head_dim]."""
-        if (FUSED_ROPE_DECODE and qkv.is_cuda and meta.num_decodes == qkv.shape[0]
-                and self.attn.backend is TritonBackend):
-            # Every sequence brings one token: the work of `store` and attention in one launch, not two. (Only
-            # with the Triton backend: a reference run may put the PyTorch one on a GPU.)
+        if self._fuse_rope_into_attention(qkv, meta):
+            # Every sequence brings one token: the work of `store` and attention in one launch, not two.
             from nanoserve.kernels.decode_rope_attention import decode_rope_attention
 
             return decode_rope_attention(*self._rope_args(positions, qkv, meta), meta.seq_lens, meta.block_tables,
                                          self.attn.scale, counters=meta.decode_counters)
         return self.attn.attend(self.store(positions, qkv, meta), meta)
+
+    def _fuse_rope_into_attention(self, qkv: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """FUSED_ROPE_DECODE's choice for this step (only with the Triton backend: a reference run may put the
+        PyTorch one on a GPU)."""
+        if not (qkv.is_cuda and meta.num_decodes == qkv.shape[0] and self.attn.backend is TritonBackend):
+            return False
+        if FUSED_ROPE_DECODE == "auto":
+            return self.q_norm is None and qkv.shape[0] <= FUSED_ROPE_DECODE_MAX_BATCH
+        return FUSED_ROPE_DECODE in ("1", True)  # (tests set True or False)
 
     def _rope_args(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> tuple:
         norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)

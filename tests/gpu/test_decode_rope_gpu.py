@@ -182,3 +182,45 @@ def test_model_tokens_with_switch_on_and_off(arch, overrides, tmp_path, monkeypa
     unfused = _greedy_tokens(ckpt, False, monkeypatch)
     assert not calls
     assert fused == unfused
+
+
+@pytest.mark.parametrize("arch,overrides,fuses", [
+    ("qwen3", dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64), False),
+    ("llama", dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=1), True),
+])
+def test_auto_fuses_small_batches_of_models_without_qk_norms(arch, overrides, fuses, tmp_path, monkeypatch):
+    """The default ("auto"): decode steps of up to FUSED_ROPE_DECODE_MAX_BATCH sequences of a model without q/k
+    norms take the fused launch, larger ones and Qwen3's never; the tokens are the unfused path's either way."""
+    import nanoserve.kernels.decode_rope_attention as module
+    from nanoserve import LLM, SamplingParams
+    from nanoserve.model.llama import FUSED_ROPE_DECODE_MAX_BATCH
+
+    calls = []
+    original = module.decode_rope_attention
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, "decode_rope_attention", counted)
+    ckpt = write_checkpoint(tmp_path / arch, arch, num_hidden_layers=3, **overrides)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 384, (n,), generator=g).tolist() for n in (5, 40, 77, 130, 9, 300)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    tokens = {}
+    for mode in ("auto", False):
+        monkeypatch.setattr("nanoserve.model.llama.FUSED_ROPE_DECODE", mode)
+        calls.clear()
+        # Decode graphs choose their path when captured, here: the batch sizes that called the fused launch.
+        llm = LLM(str(ckpt), device="cuda", dtype="float32", num_kv_blocks=512)
+        captured = set(calls)
+        # Three sequences decode in the batch-4 graph, then six in the batch-8 one.
+        tokens[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts[:3], params, use_tqdm=False)]
+        tokens[mode] += [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        del llm
+        torch.cuda.empty_cache()
+        if mode == "auto" and fuses:
+            assert captured == {b for b in (1, 2, 4) if b <= FUSED_ROPE_DECODE_MAX_BATCH} and 4 in captured
+        else:
+            assert not captured
+    assert tokens["auto"] == tokens[False]
