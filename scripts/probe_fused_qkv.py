@@ -8,7 +8,7 @@ phase disappears, at the price of 32 programs (one per q, k or v head) streaming
 The weight tiles are pipelined through shared memory (tl.dot on the tensor cores, x padded to 16 rows) so that
 each program keeps enough bytes in flight.
 
-A second kernel gives each head SPLIT programs (1, 2 or 4): program j owns the rotary pairs (d, d + 64) for d in
+The kernel can also give each head SPLIT = 2 or 4 programs: program j owns the rotary pairs (d, d + 64) for d in
 its slice, so rotary stays local, and only the q/k norm's sum of squares crosses programs, through scratch, an
 atomic counter and a spin-wait (safe here: the whole grid is resident, and the next kernel launches only once every
 program is past its wait).
@@ -16,9 +16,11 @@ program is past its wait).
     python scripts/probe_fused_qkv.py
 
 Ends with one JSON line: us a layer for each variant, and the largest difference from the two-launch path.
-On an H100 (2026-11-23): two launches 8.38-8.55 us a layer; one program a head 7.85-8.02 (256-wide K tiles in 3
-stages; 128-wide 11.8; an L2 prefetch of the slab before the wait changed nothing); 2 programs a head 8.58, 4: 8.41
-(the spin costs what the parallelism gains). Not in the engine: ~0.5 us a layer is ~1.5 % of a token.
+On H100s (2026-11-23), four calls: two launches 8.38, 8.55, 8.09, 8.02 us a layer; one program a head (256-wide K
+tiles in 3 stages) 7.85, 8.02, 8.06, 7.99; 128-wide tiles 11.8-12.1, 2 stages 9.9-10.1; an L2 prefetch of the slab
+before the PDL wait changed nothing (7.96; that variant is in 8cadcf0's version of this script); 2 programs a head
+8.47-8.73, 4: 8.30-8.41 (the spin costs what the parallelism gains). Not in the engine: 0.03-0.5 us a layer, at
+most ~1.5 % of a token.
 """
 
 import json
@@ -30,7 +32,7 @@ import triton.language as tl
 from bench_decode_attention import time_graph  # scripts/ is on sys.path when a script in it runs
 
 from nanoserve.kernels.gemv import skinny_norm_linear
-from nanoserve.kernels.pdl import use_pdl, wait_for_prior_grids
+from nanoserve.kernels.pdl import use_pdl
 from nanoserve.kernels.qkv_rope_store import qkv_rope_store
 
 HQ, HKV, D, HIDDEN, LAYERS, EPS = 16, 8, 128, 1024, 28, 1e-6
@@ -38,109 +40,30 @@ HQ, HKV, D, HIDDEN, LAYERS, EPS = 16, 8, 128, 1024, 28, 1e-6
 
 @triton.jit
 def _fused_qkv_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr,
-                      pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_c, eps, K, num_q_heads, num_kv_heads,
-                      HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                      PREFETCH: tl.constexpr, LINES: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
-    h = tl.program_id(0)  # q heads, then k heads, then v heads: rows h * HEAD_DIM .. of the qkv weight
-    offs_h = tl.arange(0, HALF)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_m = tl.arange(0, 16)  # x padded to the 16 rows a tensor-core product needs; row 0 is real
-    w1_ptrs = w_ptr + (h * HEAD_DIM + offs_h).to(tl.int64)[:, None] * K + offs_k[None, :]
-    w2_ptrs = w1_ptrs + HALF * K
-    if PREFETCH:
-        # The whole slab into L2 before waiting on the kernel before (no kernel writes weights): one prefetch per
-        # 128-byte line, so that under PDL the weight streams while that kernel finishes.
-        lines = tl.arange(0, 2 * HALF)[:, None] * K + tl.arange(0, LINES)[None, :] * 64
-        line_ptrs = w_ptr + h.to(tl.int64) * HEAD_DIM * K + lines
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;",
-            "=r,l",
-            [line_ptrs],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-    wait_for_prior_grids(USE_PDL)
-    # Prologue as skinny_norm_linear: RMSNorm(x + residual), rounded where the standalone kernel rounds.
-    sum_sq = tl.zeros([BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        hk = tl.load(x_ptr + k0 + offs_k).to(tl.float32) + tl.load(res_ptr + k0 + offs_k).to(tl.float32)
-        hk = hk.to(x_ptr.dtype.element_ty)
-        if h == 0:
-            tl.store(res_out_ptr + k0 + offs_k, hk)
-        hk = hk.to(tl.float32)
-        sum_sq += hk * hk
-    rstd = tl.rsqrt(tl.sum(sum_sq, 0) / K + eps)
-    acc1 = tl.zeros([HALF, 16], tl.float32)
-    acc2 = tl.zeros([HALF, 16], tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        hk = tl.load(x_ptr + k0 + offs_k).to(tl.float32) + tl.load(res_ptr + k0 + offs_k).to(tl.float32)
-        hk = hk.to(x_ptr.dtype.element_ty).to(tl.float32)
-        nw = tl.load(norm_w_ptr + k0 + offs_k).to(tl.float32)
-        xn = ((hk * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * nw).to(x_ptr.dtype.element_ty)
-        xb = tl.where(offs_m[:, None] == 0, xn[None, :], 0.0).to(x_ptr.dtype.element_ty)  # [16, BLOCK_K]
-        acc1 = tl.dot(tl.load(w1_ptrs + k0), tl.trans(xb), acc1)
-        acc2 = tl.dot(tl.load(w2_ptrs + k0), tl.trans(xb), acc2)
-    dtype = x_ptr.dtype.element_ty
-    # Column 0 is the real row; rounded as the GEMM's output is.
-    y1 = tl.sum(tl.where(offs_m[None, :] == 0, acc1, 0.0), 1).to(dtype).to(tl.float32)
-    y2 = tl.sum(tl.where(offs_m[None, :] == 0, acc2, 0.0), 1).to(dtype).to(tl.float32)
-    out = qkv_ptr + h * HEAD_DIM + offs_h
-    if h >= num_q_heads + num_kv_heads:  # a v head: into the cache as it is
-        slot = tl.load(slot_ptr).to(tl.int64)
-        tl.store(out, y1.to(dtype))
-        tl.store(out + HALF, y2.to(dtype))
-        dst = v_cache_ptr + (slot * num_kv_heads + h - num_q_heads - num_kv_heads) * HEAD_DIM + offs_h
-        if slot >= 0:
-            tl.store(dst, y1.to(dtype))
-            tl.store(dst + HALF, y2.to(dtype))
-    else:
-        is_q = h < num_q_heads
-        rs = tl.rsqrt((tl.sum(y1 * y1, 0) + tl.sum(y2 * y2, 0)) / HEAD_DIM + eps)
-        nw_ptr = tl.where(is_q, q_w_ptr, k_w_ptr)
-        w1 = tl.load(nw_ptr + offs_h).to(tl.float32)
-        w2 = tl.load(nw_ptr + HALF + offs_h).to(tl.float32)
-        y1 = ((y1 * rs).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-        y2 = ((y2 * rs).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-        pos = tl.load(pos_ptr).to(tl.int64)
-        cos = tl.load(cos_ptr + pos * stride_c + offs_h)
-        sin = tl.load(sin_ptr + pos * stride_c + offs_h)
-        r1 = (y1 * cos - y2 * sin).to(dtype)
-        r2 = (y2 * cos + y1 * sin).to(dtype)
-        tl.store(out, r1)
-        tl.store(out + HALF, r2)
-        if not is_q:
-            slot = tl.load(slot_ptr).to(tl.int64)
-            dst = k_cache_ptr + (slot * num_kv_heads + h - num_q_heads) * HEAD_DIM + offs_h
-            if slot >= 0:
-                tl.store(dst, r1)
-                tl.store(dst + HALF, r2)
-
-
-@triton.jit
-def _fused_qkv_split_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr,
-                            sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, part_ptr, count_ptr, stride_c, eps,
-                            K, num_q_heads, num_kv_heads, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-                            SPLIT: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr,
-                            STAGES: tl.constexpr):  # fmt: skip
-    """As _fused_qkv_kernel with SPLIT programs a head: program j of head h owns the rotary pairs (d, d + HALF) for
-    d in j * R .. j * R + R - 1 (R = HALF / SPLIT), so rotary stays in its registers; only the q/k norm's sum of
-    squares crosses programs: each publishes its part, waits (spinning) until the head's SPLIT parts are in, and
-    sums them in a fixed order. Every program of the grid is resident at once (a few per SM at most), and the
-    next kernel launches only after every program is past the wait, so the spin cannot starve a peer."""
+                      pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, part_ptr, count_ptr, stride_c, eps, K,
+                      num_q_heads, num_kv_heads, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr,
+                      R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    """SPLIT programs a head (q heads, then k, then v: rows h * HEAD_DIM .. of the qkv weight). Program j owns the
+    rotary pairs (d, d + HALF) for d in j * R .. j * R + R - 1 (R = HALF / SPLIT), so rotary stays in its registers;
+    with SPLIT > 1 only the q/k norm's sum of squares crosses programs: each publishes its part, waits (spinning)
+    until the head's SPLIT parts are in, and sums them in a fixed order. Every program of the grid is resident at
+    once (a few per SM at most), and the next kernel launches only once every program is past the wait, so the spin
+    cannot starve a peer."""
     h = tl.program_id(0) // SPLIT
     j = tl.program_id(0) % SPLIT
     offs_i = tl.arange(0, R)
     offs_k = tl.arange(0, BLOCK_K)
-    offs_m = tl.arange(0, 16)
+    offs_m = tl.arange(0, 16)  # x padded to the 16 rows a tensor-core product needs; row 0 is real
     d = j * R + offs_i  # this program's first-half dims of the head
     wa_ptrs = w_ptr + (h * HEAD_DIM + d).to(tl.int64)[:, None] * K + offs_k[None, :]
     wb_ptrs = wa_ptrs + HALF * K
-    tl.extra.cuda.gdc_wait()
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    # Prologue as skinny_norm_linear: RMSNorm(x + residual), rounded where the standalone kernel rounds.
+    dtype = x_ptr.dtype.element_ty
     sum_sq = tl.zeros([BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        hk = tl.load(x_ptr + k0 + offs_k).to(tl.float32) + tl.load(res_ptr + k0 + offs_k).to(tl.float32)
-        hk = hk.to(x_ptr.dtype.element_ty)
+        hk = (tl.load(x_ptr + k0 + offs_k).to(tl.float32) + tl.load(res_ptr + k0 + offs_k).to(tl.float32)).to(dtype)
         if tl.program_id(0) == 0:
             tl.store(res_out_ptr + k0 + offs_k, hk)
         hk = hk.to(tl.float32)
@@ -149,20 +72,20 @@ def _fused_qkv_split_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, qkv_
     acca = tl.zeros([R, 16], tl.float32)
     accb = tl.zeros([R, 16], tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        hk = tl.load(x_ptr + k0 + offs_k).to(tl.float32) + tl.load(res_ptr + k0 + offs_k).to(tl.float32)
-        hk = hk.to(x_ptr.dtype.element_ty).to(tl.float32)
+        hk = (tl.load(x_ptr + k0 + offs_k).to(tl.float32) + tl.load(res_ptr + k0 + offs_k).to(tl.float32)).to(dtype)
         nw = tl.load(norm_w_ptr + k0 + offs_k).to(tl.float32)
-        xn = ((hk * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * nw).to(x_ptr.dtype.element_ty)
-        xb = tl.where(offs_m[:, None] == 0, xn[None, :], 0.0).to(x_ptr.dtype.element_ty)
+        xn = ((hk.to(tl.float32) * rstd).to(dtype).to(tl.float32) * nw).to(dtype)
+        xb = tl.where(offs_m[:, None] == 0, xn[None, :], 0.0).to(dtype)  # [16, BLOCK_K]
         acca = tl.dot(tl.load(wa_ptrs + k0), tl.trans(xb), acca)
         accb = tl.dot(tl.load(wb_ptrs + k0), tl.trans(xb), accb)
-    dtype = x_ptr.dtype.element_ty
+    # Column 0 is the real row; rounded as the GEMM's output is.
     y1 = tl.sum(tl.where(offs_m[None, :] == 0, acca, 0.0), 1).to(dtype).to(tl.float32)
     y2 = tl.sum(tl.where(offs_m[None, :] == 0, accb, 0.0), 1).to(dtype).to(tl.float32)
     out = qkv_ptr + h * HEAD_DIM + d
-    if h >= num_q_heads + num_kv_heads:
-        tl.extra.cuda.gdc_launch_dependents()
-        slot = tl.load(slot_ptr).to(tl.int64)
+    slot = tl.load(slot_ptr).to(tl.int64)
+    if h >= num_q_heads + num_kv_heads:  # a v head: into the cache as it is
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         tl.store(out, y1.to(dtype))
         tl.store(out + HALF, y2.to(dtype))
         dst = v_cache_ptr + (slot * num_kv_heads + h - num_q_heads - num_kv_heads) * HEAD_DIM + d
@@ -170,29 +93,27 @@ def _fused_qkv_split_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, qkv_
             tl.store(dst, y1.to(dtype))
             tl.store(dst + HALF, y2.to(dtype))
     else:
+        total = tl.sum(y1 * y1, 0) + tl.sum(y2 * y2, 0)
         if SPLIT > 1:
-            tl.store(part_ptr + h * SPLIT + j, tl.sum(y1 * y1, 0) + tl.sum(y2 * y2, 0))
+            tl.store(part_ptr + h * SPLIT + j, total)
             tl.debug_barrier()
             c = tl.atomic_add(count_ptr + 2 * h, 1, sem="acq_rel", scope="gpu") + 1
             while c < SPLIT:
                 c = tl.atomic_add(count_ptr + 2 * h, 0, sem="acquire", scope="gpu")
             tl.debug_barrier()
-            parts = tl.load(part_ptr + h * SPLIT + tl.arange(0, SPLIT), cache_modifier=".cg")
-            total = tl.sum(parts, 0)
+            total = tl.sum(tl.load(part_ptr + h * SPLIT + tl.arange(0, SPLIT), cache_modifier=".cg"), 0)
             # The last to read resets the head's counters for the next launch.
             if tl.atomic_add(count_ptr + 2 * h + 1, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
                 tl.store(count_ptr + 2 * h, 0)
                 tl.store(count_ptr + 2 * h + 1, 0)
-        else:
-            total = tl.sum(y1 * y1, 0) + tl.sum(y2 * y2, 0)
-        tl.extra.cuda.gdc_launch_dependents()
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        # As qkv_rope_store: the head's RMSNorm (q's or k's weight), then rotary.
         is_q = h < num_q_heads
         rs = tl.rsqrt(total / HEAD_DIM + eps)
         nw_ptr = tl.where(is_q, q_w_ptr, k_w_ptr)
-        w1 = tl.load(nw_ptr + d).to(tl.float32)
-        w2 = tl.load(nw_ptr + HALF + d).to(tl.float32)
-        y1 = ((y1 * rs).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-        y2 = ((y2 * rs).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+        y1 = ((y1 * rs).to(dtype).to(tl.float32) * tl.load(nw_ptr + d).to(tl.float32)).to(dtype).to(tl.float32)
+        y2 = ((y2 * rs).to(dtype).to(tl.float32) * tl.load(nw_ptr + HALF + d).to(tl.float32)).to(dtype).to(tl.float32)
         pos = tl.load(pos_ptr).to(tl.int64)
         cos = tl.load(cos_ptr + pos * stride_c + d)
         sin = tl.load(sin_ptr + pos * stride_c + d)
@@ -201,7 +122,6 @@ def _fused_qkv_split_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, qkv_
         tl.store(out, r1)
         tl.store(out + HALF, r2)
         if not is_q:
-            slot = tl.load(slot_ptr).to(tl.int64)
             dst = k_cache_ptr + (slot * num_kv_heads + h - num_q_heads) * HEAD_DIM + d
             if slot >= 0:
                 tl.store(dst, r1)
@@ -209,18 +129,15 @@ def _fused_qkv_split_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, qkv_
 
 
 def fused_qkv(x, residual, norm_w, res_out, w, qkv, q_w, k_w, cos, sin, pos, slot, k_cache, v_cache, block_k,
-              stages, warps, prefetch=False, split=0, scratch=None):  # fmt: skip
+              stages, warps, split=1, scratch=None):  # fmt: skip
+    """scratch: (fp32 parts, int32 counters, zeroed) for split > 1."""
     pdl = use_pdl(x)
-    if split:
-        _fused_qkv_split_kernel[((HQ + 2 * HKV) * split,)](
-            x, residual, norm_w, res_out, w, qkv, q_w, k_w, cos, sin, pos, slot, k_cache, v_cache, scratch[0],
-            scratch[1], cos.stride(0), EPS, HIDDEN, HQ, HKV, HEAD_DIM=D, HALF=D // 2, SPLIT=split, R=D // 2 // split,
-            BLOCK_K=block_k, STAGES=stages, num_warps=warps, launch_pdl=True)  # fmt: skip
-        return
-    _fused_qkv_kernel[(HQ + 2 * HKV,)](
-        x, residual, norm_w, res_out, w, qkv, q_w, k_w, cos, sin, pos, slot, k_cache, v_cache, cos.stride(0), EPS,
-        HIDDEN, HQ, HKV, HEAD_DIM=D, HALF=D // 2, BLOCK_K=block_k, STAGES=stages, PREFETCH=prefetch,
-        LINES=HIDDEN // 64, USE_PDL=pdl, num_warps=warps, launch_pdl=pdl)  # fmt: skip
+    part, count = scratch if scratch is not None else (cos, pos)  # (not read with split == 1)
+    _fused_qkv_kernel[((HQ + 2 * HKV) * split,)](
+        x, residual, norm_w, res_out, w, qkv, q_w, k_w, cos, sin, pos, slot, k_cache, v_cache, part, count,
+        cos.stride(0), EPS, HIDDEN, HQ, HKV, HEAD_DIM=D, HALF=D // 2, SPLIT=split, R=D // 2 // split,
+        BLOCK_K=block_k, STAGES=stages, USE_PDL=pdl, num_warps=warps,
+        launch_pdl=pdl)  # fmt: skip
 
 
 def main() -> None:
@@ -255,21 +172,18 @@ def main() -> None:
         torch.zeros((HQ + 2 * HKV) * 2, dtype=torch.int32, device=dev),
     )
 
-    def fused(block_k, stages, warps, prefetch=False, split=0):
+    def fused(block_k, stages, warps, split=1):
         k_cache, v_cache = caches["fused"]
         for p in layers:
             fused_qkv(x, residual, p["norm_w"], res_out["fused"], p["w"], qkv["fused"], p["q_w"], p["k_w"], cos,
-                      sin, pos, slot, k_cache, v_cache, block_k, stages, warps, prefetch, split, scratch)  # fmt: skip
+                      sin, pos, slot, k_cache, v_cache, block_k, stages, warps, split, scratch)  # fmt: skip
 
     variants = {"two": two}
-    # (block_k, stages, warps, L2 prefetch before the PDL wait, programs a head: 0 = the one-program kernel)
-    for block_k, stages, warps, prefetch, split in ((256, 3, 4, False, 0), (128, 3, 4, False, 0),
-                                                    (256, 2, 4, False, 0), (256, 3, 4, True, 0),
-                                                    (256, 3, 4, False, 1), (256, 3, 4, False, 2),
-                                                    (256, 4, 4, False, 2), (256, 3, 4, False, 4),
-                                                    (512, 3, 4, False, 4)):  # fmt: skip
-        name = f"fused_k{block_k}_s{stages}_w{warps}" + ("_prefetch" if prefetch else "") + f"_split{split}"
-        variants[name] = lambda a=(block_k, stages, warps, prefetch, split): fused(*a)
+    # (block_k, stages, warps, programs a head)
+    for block_k, stages, warps, split in ((256, 3, 4, 1), (128, 3, 4, 1), (256, 2, 4, 1), (256, 3, 4, 2),
+                                          (256, 4, 4, 2), (256, 3, 4, 4), (512, 3, 4, 4)):
+        name = f"fused_k{block_k}_s{stages}_w{warps}_split{split}"
+        variants[name] = lambda a=(block_k, stages, warps, split): fused(*a)
     graphs, result = {}, {"probe": "fused_qkv", "device": torch.cuda.get_device_name()}
     for name, fn in variants.items():
         try:

@@ -144,6 +144,22 @@ def test_fused_cuda_graph_replay(batch, counters):
             _check(layer, out, want)
 
 
+def _count_fused_calls(monkeypatch) -> list[int]:
+    """The batch size of every call of decode_rope_attention from here on, in a list that fills as they come."""
+    import nanoserve.kernels.decode_rope_attention as module
+
+    calls = []
+    original = module.decode_rope_attention
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return original(*args, **kwargs)
+
+    # llama.py imports it at each call, so it finds this one (eager steps and graph captures alike).
+    monkeypatch.setattr(module, "decode_rope_attention", counted)
+    return calls
+
+
 def _greedy_tokens(ckpt, fused: bool, monkeypatch) -> list[list[int]]:
     """Greedy tokens of 6 prompts: decode graphs at batch 1-6, counters up to 4."""
     from nanoserve import LLM, SamplingParams
@@ -164,17 +180,7 @@ def _greedy_tokens(ckpt, fused: bool, monkeypatch) -> list[list[int]]:
     ("llama", dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=1)),
 ])
 def test_model_tokens_with_switch_on_and_off(arch, overrides, tmp_path, monkeypatch):
-    import nanoserve.kernels.decode_rope_attention as module
-
-    calls = []
-    original = module.decode_rope_attention
-
-    def counted(*args, **kwargs):
-        calls.append(args[0].shape[0])
-        return original(*args, **kwargs)
-
-    # llama.py imports it at each call, so it finds this one (eager steps and graph captures alike).
-    monkeypatch.setattr(module, "decode_rope_attention", counted)
+    calls = _count_fused_calls(monkeypatch)
     ckpt = write_checkpoint(tmp_path / arch, arch, num_hidden_layers=3, **overrides)
     fused = _greedy_tokens(ckpt, True, monkeypatch)
     assert calls, "the fused kernel was never called"
@@ -191,18 +197,10 @@ def test_model_tokens_with_switch_on_and_off(arch, overrides, tmp_path, monkeypa
 def test_auto_fuses_small_batches_of_models_without_qk_norms(arch, overrides, fuses, tmp_path, monkeypatch):
     """The default ("auto"): decode steps of up to FUSED_ROPE_DECODE_MAX_BATCH sequences of a model without q/k
     norms take the fused launch, larger ones and Qwen3's never; the tokens are the unfused path's either way."""
-    import nanoserve.kernels.decode_rope_attention as module
     from nanoserve import LLM, SamplingParams
     from nanoserve.model.llama import FUSED_ROPE_DECODE_MAX_BATCH
 
-    calls = []
-    original = module.decode_rope_attention
-
-    def counted(*args, **kwargs):
-        calls.append(args[0].shape[0])
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(module, "decode_rope_attention", counted)
+    calls = _count_fused_calls(monkeypatch)
     ckpt = write_checkpoint(tmp_path / arch, arch, num_hidden_layers=3, **overrides)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, 384, (n,), generator=g).tolist() for n in (5, 40, 77, 130, 9, 300)]
