@@ -15,13 +15,15 @@ from nanoserve.layers.rotary import RotaryEmbedding
 
 # Whether steps that are all decodes do q/k norm, rotary and the KV store inside decode attention's launch
 # (kernels/decode_rope_attention.py) instead of a launch of their own (qkv_rope_store). NANOSERVE_FUSED_ROPE_DECODE
-# "1": always, "0": never, unset ("auto"): for models without q/k norms, at up to FUSED_ROPE_DECODE_MAX_BATCH
-# sequences. Measured on an H100 (BENCHMARKS.md): Llama-3.1-8B batch-1 decode 6.11 -> 5.99 ms/token (e01b115), but
-# Qwen3-0.6B (q/k norms) 1.04 -> 1.17, and the throughput run (Qwen3-0.6B, batch 256) fell from 76 to 73 % of
-# bound. Read once, at import.
+# "1": always, "0": never, unset or "auto": for models without q/k norms, at up to FUSED_ROPE_DECODE_MAX_BATCH
+# sequences. Measured on an H100 (BENCHMARKS.md): Llama-3.1-8B batch-1 decode 6.11 -> 6.01 ms/token and
+# Qwen2.5-0.5B 0.88 -> 0.83 (f763de1), but Qwen3-0.6B (q/k norms) 1.04 -> 1.17, and the throughput run (Qwen3-0.6B,
+# batch 256) fell from 76 to 73 % of bound (e01b115). Read once, at import.
 FUSED_ROPE_DECODE = os.environ.get("NANOSERVE_FUSED_ROPE_DECODE", "auto")
-# The batch sizes whose decode graphs merge attention's splits in the split kernel (cuda_graphs.py), where the fused
-# launch is one kernel, not two.
+if FUSED_ROPE_DECODE not in ("auto", "0", "1"):
+    raise ValueError(f"NANOSERVE_FUSED_ROPE_DECODE must be auto, 0 or 1, got {FUSED_ROPE_DECODE!r}")
+# Up to the batch size whose decode graphs merge attention's splits in the split kernel (cuda_graphs.py), where the
+# fused launch is one kernel, not two; at batch 4 it measured 29.0 -> 27.8 us a Llama-3.1-8B layer (128 keys).
 FUSED_ROPE_DECODE_MAX_BATCH = 4
 
 
