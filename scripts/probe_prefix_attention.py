@@ -25,7 +25,6 @@ import argparse
 import json
 import statistics
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from bench_decode_attention import time_graph  # scripts/ is on sys.path when a script in it runs
@@ -115,5 +114,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    np.set_printoptions(linewidth=200)
     main()

@@ -23,30 +23,29 @@ def is_alive(pid: int) -> bool:
     return state != "Z"  # a zombie has exited; only its parent's wait is missing
 
 
-def fail_from_step(engine, n: int) -> None:
-    """Installed in the engine process through setup(): step() raises from its n-th call on. (Module-level, so
-    the engine process can unpickle it.)"""
-    real_step, calls = engine.step, itertools.count(1)
+def _raise_when(engine, condition) -> None:
+    """engine.step raises RuntimeError("boom") whenever condition() is true, before stepping."""
+    real_step = engine.step
 
     def step(*args, **kwargs):
-        if next(calls) >= n:
+        if condition():
             raise RuntimeError("boom")
         return real_step(*args, **kwargs)
 
     engine.step = step
+
+
+def fail_from_step(engine, n: int) -> None:
+    """Installed in the engine process through setup(): step() raises from its n-th call on. (Module-level, so
+    the engine process can unpickle it.)"""
+    calls = itertools.count(1)
+    _raise_when(engine, lambda: next(calls) >= n)
 
 
 def fail_once_running(engine, n: int) -> None:
     """Installed through setup(): step() raises once n sequences are running, that is, after a step that ran them
     all has published its stats (a step count would race requests that reach the engine late)."""
-    real_step = engine.step
-
-    def step(*args, **kwargs):
-        if len(engine.scheduler.running) >= n:
-            raise RuntimeError("boom")
-        return real_step(*args, **kwargs)
-
-    engine.step = step
+    _raise_when(engine, lambda: len(engine.scheduler.running) >= n)
 
 
 def pace_steps(engine, seconds: float) -> None:

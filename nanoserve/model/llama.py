@@ -12,6 +12,7 @@ from nanoserve.layers.embedding import LMHead
 from nanoserve.layers.linear import GateUpLinear, Linear, QKVLinear
 from nanoserve.layers.norm import RMSNorm
 from nanoserve.layers.rotary import RotaryEmbedding
+from nanoserve.worker.cuda_graphs import FUSED_DECODE_MERGE_MAX_BATCH
 
 # Whether steps that are all decodes do q/k norm, rotary and the KV store inside decode attention's launch
 # (kernels/decode_rope_attention.py) instead of a launch of their own (qkv_rope_store). NANOSERVE_FUSED_ROPE_DECODE
@@ -22,9 +23,9 @@ from nanoserve.layers.rotary import RotaryEmbedding
 FUSED_ROPE_DECODE = os.environ.get("NANOSERVE_FUSED_ROPE_DECODE", "auto")
 if FUSED_ROPE_DECODE not in ("auto", "0", "1"):
     raise ValueError(f"NANOSERVE_FUSED_ROPE_DECODE must be auto, 0 or 1, got {FUSED_ROPE_DECODE!r}")
-# Up to the batch size whose decode graphs merge attention's splits in the split kernel (cuda_graphs.py), where the
-# fused launch is one kernel, not two; at batch 4 it measured 29.0 -> 27.8 us a Llama-3.1-8B layer (128 keys).
-FUSED_ROPE_DECODE_MAX_BATCH = 4
+# Up to the batch size whose decode graphs merge attention's splits in the split kernel, where the fused launch is
+# one kernel, not two; at batch 4 it measured 29.0 -> 27.8 us a Llama-3.1-8B layer (128 keys).
+FUSED_ROPE_DECODE_MAX_BATCH = FUSED_DECODE_MERGE_MAX_BATCH
 
 
 class LlamaAttention(nn.Module):
@@ -61,7 +62,7 @@ class LlamaAttention(nn.Module):
             return False
         if FUSED_ROPE_DECODE == "auto":
             return self.q_norm is None and qkv.shape[0] <= FUSED_ROPE_DECODE_MAX_BATCH
-        return FUSED_ROPE_DECODE in ("1", True)  # (tests set True or False)
+        return FUSED_ROPE_DECODE == "1"
 
     def _rope_args(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> tuple:
         norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)

@@ -160,7 +160,7 @@ def _count_fused_calls(monkeypatch) -> list[int]:
     return calls
 
 
-def _greedy_tokens(ckpt, fused: bool, monkeypatch) -> list[list[int]]:
+def _greedy_tokens(ckpt, fused: str, monkeypatch) -> list[list[int]]:
     """Greedy tokens of 6 prompts: decode graphs at batch 1-6, counters up to 4."""
     from nanoserve import LLM, SamplingParams
 
@@ -182,10 +182,10 @@ def _greedy_tokens(ckpt, fused: bool, monkeypatch) -> list[list[int]]:
 def test_model_tokens_with_switch_on_and_off(arch, overrides, tmp_path, monkeypatch):
     calls = _count_fused_calls(monkeypatch)
     ckpt = write_checkpoint(tmp_path / arch, arch, num_hidden_layers=3, **overrides)
-    fused = _greedy_tokens(ckpt, True, monkeypatch)
+    fused = _greedy_tokens(ckpt, "1", monkeypatch)
     assert calls, "the fused kernel was never called"
     calls.clear()
-    unfused = _greedy_tokens(ckpt, False, monkeypatch)
+    unfused = _greedy_tokens(ckpt, "0", monkeypatch)
     assert not calls
     assert fused == unfused
 
@@ -206,7 +206,7 @@ def test_auto_fuses_small_batches_of_models_without_qk_norms(arch, overrides, fu
     prompts = [torch.randint(2, 384, (n,), generator=g).tolist() for n in (5, 40, 77, 130, 9, 300)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     tokens = {}
-    for mode in ("auto", False):
+    for mode in ("auto", "0"):
         monkeypatch.setattr("nanoserve.model.llama.FUSED_ROPE_DECODE", mode)
         calls.clear()
         # Decode graphs choose their path when captured, here: the batch sizes that called the fused launch.
@@ -221,4 +221,4 @@ def test_auto_fuses_small_batches_of_models_without_qk_norms(arch, overrides, fu
             assert captured == {b for b in (1, 2, 4) if b <= FUSED_ROPE_DECODE_MAX_BATCH} and 4 in captured
         else:
             assert not captured
-    assert tokens["auto"] == tokens[False]
+    assert tokens["auto"] == tokens["0"]
