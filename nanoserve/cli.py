@@ -22,7 +22,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, type=base, default=f.default)
 
 
-def _at_least_one(text: str) -> int:
+def at_least_one(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -40,7 +40,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--max-waiting-requests", type=int, default=1024)
     parser.add_argument("--drain-timeout", type=float, default=30.0)
-    parser.add_argument("--api-server-count", type=_at_least_one, default=1,
+    parser.add_argument("--api-server-count", type=at_least_one, default=1,
                         help="API server processes (HTTP, tokenizing, streaming) in front of one engine process; "
                              "more than 1 runs the engine in a process of its own")
 

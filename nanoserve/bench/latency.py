@@ -1,8 +1,9 @@
-"""Batch-1 decode latency and memory-bandwidth utilisation (MBU).
+"""Decode latency at a fixed batch (1 by default) and memory-bandwidth utilisation (MBU).
 
-    nanoserve bench latency --model ../shared/bench-configs/llama-3.1-8b [--baseline hf]
+    nanoserve bench latency --model ../shared/bench-configs/llama-3.1-8b [--batch-size 1] [--baseline hf]
 
-MBU = (weight bytes + the KV bytes a step reads) / time per step / measured copy bandwidth.
+MBU = (weight bytes + the KV bytes a step reads) / time per step / measured copy bandwidth. With --batch-size B,
+B prompts of random ids (distinct, so no prefix is shared) decode together, and ms_per_token is the time a step.
 """
 
 import time
@@ -11,6 +12,7 @@ import numpy as np
 
 from nanoserve.bench import roofline
 from nanoserve.bench.common import emit, engine_args, free_device_memory, parser
+from nanoserve.cli import at_least_one
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
 
@@ -19,43 +21,47 @@ def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=512)
+    p.add_argument("--batch-size", type=at_least_one, default=1)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--hf-output-len", type=int, default=64, help="the baseline is slow: fewer tokens")
     ns = p.parse_args(argv)
     llm = LLM(**vars(engine_args(ns)))
     engine, cfg = llm.engine, llm.engine.config
     rng = np.random.default_rng(ns.seed)
-    prompt = rng.integers(0, cfg.model.vocab_size, ns.input_len).tolist()
+    prompts = [rng.integers(0, cfg.model.vocab_size, ns.input_len).tolist() for _ in range(ns.batch_size)]
     params = SamplingParams(temperature=0, max_tokens=ns.output_len, ignore_eos=True)
-    llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
+    llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
     per_token = []
     for it in range(ns.iters):
-        engine.add_request(f"lat-{it}", prompt, params)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"lat-{it}-{i}", prompt, params)
         stamps = []
         while engine.has_unfinished_requests():
             if engine.step():
                 stamps.append(time.perf_counter())
         per_token.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))  # decode steps only
     step_s = float(np.median(per_token))
-    result = {"bench": "latency", "model": cfg.model_dir, "input_len": ns.input_len, "output_len": ns.output_len,
-              "ms_per_token": round(step_s * 1e3, 3), "tok_s": round(1 / step_s, 1),
+    result = {"bench": "latency", "model": cfg.model_dir, "batch_size": ns.batch_size, "input_len": ns.input_len,
+              "output_len": ns.output_len, "ms_per_token": round(step_s * 1e3, 3),
+              "tok_s": round(ns.batch_size / step_s, 1),
               "cuda_graphs": engine.runner.graphs is not None}
     if cfg.device.type == "cuda":
         bw = roofline.measure_bandwidth(cfg.device)
         avg_context = ns.input_len + ns.output_len / 2
-        step_bytes = roofline.model_bytes(engine.runner.model) + avg_context * roofline.kv_bytes_per_token(cfg)
+        step_bytes = roofline.model_bytes(engine.runner.model) + (
+            ns.batch_size * avg_context * roofline.kv_bytes_per_token(cfg))
         # Copy bandwidth counts read + write; a decode step mostly reads, so compare like with like.
         result |= {"bandwidth_tb_s": round(bw / 1e12, 2), "mbu": round(step_bytes / step_s / bw, 3),
-                   "bound_tok_s": round(bw / step_bytes, 1)}
+                   "bound_tok_s": round(ns.batch_size * bw / step_bytes, 1)}
     if ns.baseline == "hf":
         from nanoserve.bench.hf_baseline import hf_generate_seconds, hf_model
 
         del llm, engine
         free_device_memory()
         hf = hf_model(cfg.model_dir, cfg.dtype, cfg.device)
-        hf_generate_seconds(hf, [prompt], 4)  # warm-up
-        t1 = hf_generate_seconds(hf, [prompt], 1)
-        tn = hf_generate_seconds(hf, [prompt], ns.hf_output_len)
+        hf_generate_seconds(hf, prompts, 4)  # warm-up
+        t1 = hf_generate_seconds(hf, prompts, 1)
+        tn = hf_generate_seconds(hf, prompts, ns.hf_output_len)
         hf_step = (tn - t1) / (ns.hf_output_len - 1)
         result |= {"hf_ms_per_token": round(hf_step * 1e3, 3), "speedup_vs_hf": round(hf_step / step_s, 2)}
     emit(result)
