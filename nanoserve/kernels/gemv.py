@@ -3,10 +3,10 @@
 At M <= 32 a linear layer is a pass over its weight, so the kernel is built to stream each weight byte
 once at full bandwidth: a program owns BLOCK_N output columns for all M rows and walks its [BLOCK_N, K]
 slab of the weight (contiguous along K) in wide, coalesced [BLOCK_N, BLOCK_K] tiles: on the CUDA cores at
-M <= 2, on the tensor cores (M padded to 16 or 32) from M = 3 (from M = 9 when N < 2048). (The grid also tiles M,
-so a config with BLOCK_M < M runs: the probes of scripts/probe_gemm_decode.py.) There is one launch and no split-K
-partials to reduce, so a call adds one node to a CUDA graph, and block sizes come from shapes by an
-explicit rule (no autotuning, which cannot run inside graph capture).
+M = 1 (and at M = 2 up to N = 2048), on the tensor cores (M padded to 16 or 32) from M = 2 (from M = 9 when
+N < 2048). (The grid also tiles M, so a config with BLOCK_M < M runs: the probes of scripts/probe_gemm_decode.py.)
+There is one launch and no split-K partials to reduce, so a call adds one node to a CUDA graph, and block sizes
+come from shapes by an explicit rule (no autotuning, which cannot run inside graph capture).
 
 Two variants fold the elementwise kernel that would otherwise run just before the GEMM into how it reads x,
 since at batch 1 each launch costs about as much as streaming a small layer's weight: skinny_norm_linear
@@ -163,7 +163,11 @@ def _config(m: int, n: int, k: int, elem_size: int) -> _Config:
     was added later from whole decode steps on an H100 (below)."""
     block_m = triton.next_power_of_2(m)
     k_cap = max(16, triton.next_power_of_2(k))
-    if block_m <= 2 or (block_m <= 8 and n < 2048):
+    # Two rows of a wide layer (N > 2048) take the tensor-core path: in whole decode steps at batch 2 (`nanoserve
+    # bench latency --batch-size 2`, 2026-11-24) it took Qwen3-0.6B from 1.23 to 1.12-1.17 ms a step on an H100 and
+    # 1.12 to 0.97 on an H200, and Llama-3.1-8B from 6.29 to 6.07 and 4.78 to 4.48, where the CUDA-core path's two
+    # rows hold half the weight bytes in flight that one row does (cuBLAS in its place gained about half as much).
+    if block_m == 1 or (block_m == 2 and n <= 2048) or (block_m <= 8 and n < 2048):
         # CUDA-core path. Its weight loads go to registers, so memory latency is hidden only by many resident
         # programs: slabs of 2-8 rows give 512+ programs at M = 1 (about 4 per SM). The accumulator holds
         # BLOCK_M x BLOCK_N x BLOCK_K fp32 values, so wider M takes narrower slabs.

@@ -65,6 +65,9 @@ def test_config_rule_at_batch_1():
     assert gemv._config(1, 1024, 3072, 2)[2:4] == (4, 1024)  # down_proj
     assert gemv._config(1, 6144, 1024, 2)[2:4] == (8, 512)  # gate_up_proj
     assert gemv._config(2, 1024, 3072, 2)[2:4] == (2, 1024)  # M = 2 keeps its two-row slabs
+    # Two rows of a wide layer go to the tensor cores (measured faster in whole batch-2 decode steps).
+    assert gemv._config(2, 4096, 1024, 2) == gemv._Config(True, 16, 64, 256, 4, 4)  # Qwen3-0.6B qkv_proj
+    assert gemv._config(2, 2048, 1024, 2).use_dot is False
 
 
 def test_config_rule_pads_rows_to_16_or_32():
