@@ -3,10 +3,11 @@
 At M <= 32 a linear layer is a pass over its weight, so the kernel is built to stream each weight byte
 once at full bandwidth: a program owns BLOCK_N output columns for all M rows and walks its [BLOCK_N, K]
 slab of the weight (contiguous along K) in wide, coalesced [BLOCK_N, BLOCK_K] tiles: on the CUDA cores at
-M = 1 (and at M = 2 up to N = 2048), on the tensor cores (M padded to 16 or 32) from M = 2 (from M = 9 when
-N < 2048). (The grid also tiles M, so a config with BLOCK_M < M runs: the probes of scripts/probe_gemm_decode.py.)
-There is one launch and no split-K partials to reduce, so a call adds one node to a CUDA graph, and block sizes
-come from shapes by an explicit rule (no autotuning, which cannot run inside graph capture).
+M = 1 (but for weights of 32 MB and more) and at M = 2 up to N = 2048, on the tensor cores (M padded to 16 or
+32) otherwise (from M = 9 when N < 2048). (The grid also tiles M, so a config with BLOCK_M < M runs: the probes
+of scripts/probe_gemm_decode.py.) There is one launch and no split-K partials to reduce, so a call adds one node
+to a CUDA graph, and block sizes come from shapes by an explicit rule (no autotuning, which cannot run inside
+graph capture).
 
 Two variants fold the elementwise kernel that would otherwise run just before the GEMM into how it reads x,
 since at batch 1 each launch costs about as much as streaming a small layer's weight: skinny_norm_linear
@@ -152,6 +153,15 @@ class _Config(NamedTuple):
     num_stages: int
 
 
+TENSOR_CORES_FROM_BYTES_AT_ONE_ROW = 32 << 20
+
+
+def tensor_cores_at(m: int, weight: torch.Tensor) -> bool:
+    """Whether m rows times this weight take the tensor-core path, which runs without the fused prologues
+    (layers/linear.py): its pipelined loads would carry the prologue's loads with them."""
+    return _config(m, weight.shape[0], weight.shape[1], weight.element_size()).use_dot
+
+
 def _pow2_floor(v: int) -> int:
     return 1 << (max(v, 1).bit_length() - 1)
 
@@ -167,7 +177,11 @@ def _config(m: int, n: int, k: int, elem_size: int) -> _Config:
     # bench latency --batch-size 2`, 2026-11-24) it took Qwen3-0.6B from 1.23 to 1.12-1.17 ms a step on an H100 and
     # 1.12 to 0.97 on an H200, and Llama-3.1-8B from 6.29 to 6.07 and 4.78 to 4.48, where the CUDA-core path's two
     # rows hold half the weight bytes in flight that one row does (cuBLAS in its place gained about half as much).
-    if block_m == 1 or (block_m == 2 and n <= 2048) or (block_m <= 8 and n < 2048):
+    # One row of a weight of 32 MB or more (Llama-3.1-8B's qkv_proj and o_proj) takes it too, with the prologue
+    # left to its own kernel (tensor_cores_at): whole batch-1 decode on an H200 went 4.555 -> 4.505 ms a token, and
+    # stayed at 6.01 on an H100; with the prologue fused in, the tensor-core path was slower (4.72-4.76).
+    if (block_m == 1 and n * k * elem_size < TENSOR_CORES_FROM_BYTES_AT_ONE_ROW) or (block_m == 2 and n <= 2048) or (
+            block_m <= 8 and n < 2048):
         # CUDA-core path. Its weight loads go to registers, so memory latency is hidden only by many resident
         # programs: slabs of 2-8 rows give 512+ programs at M = 1 (about 4 per SM). The accumulator holds
         # BLOCK_M x BLOCK_N x BLOCK_K fp32 values, so wider M takes narrower slabs.

@@ -35,8 +35,13 @@ def capturing_cuda_graph(x: torch.Tensor) -> bool:
 def takes_fused_prologue(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the skinny GEMM also runs the op before it (forward_norm, forward_silu_mul). Only at one row:
     measured on an H200 in graphs (scripts/bench_gemv.py --parts fused), fusing saves 0.2-0.9 us per GEMM at
-    one row but costs 0.2-3.4 us at two, where every program redoes the prologue for both rows."""
-    return x.dim() == 2 and x.shape[0] == 1 and takes_skinny_gemm(x, weight)
+    one row but costs 0.2-3.4 us at two, where every program redoes the prologue for both rows. Nor on the tensor
+    cores, which a large weight takes at one row (kernels/gemv.py)."""
+    if not (x.dim() == 2 and x.shape[0] == 1 and takes_skinny_gemm(x, weight)):
+        return False
+    from nanoserve.kernels.gemv import tensor_cores_at
+
+    return not tensor_cores_at(1, weight)
 
 
 def takes_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:

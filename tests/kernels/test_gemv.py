@@ -68,6 +68,9 @@ def test_config_rule_at_batch_1():
     # Two rows of a wide layer go to the tensor cores (measured faster in whole batch-2 decode steps).
     assert gemv._config(2, 4096, 1024, 2) == gemv._Config(True, 16, 64, 256, 4, 4)  # Qwen3-0.6B qkv_proj
     assert gemv._config(2, 2048, 1024, 2).use_dot is False
+    # One row of a weight of 32 MB or more (Llama-3.1-8B's qkv_proj, o_proj) too; Qwen3-0.6B's stay on the CUDA cores.
+    assert gemv._config(1, 6144, 4096, 2).use_dot and gemv._config(1, 4096, 4096, 2).use_dot
+    assert not gemv._config(1, 4096, 2048, 2).use_dot
 
 
 def test_config_rule_pads_rows_to_16_or_32():
