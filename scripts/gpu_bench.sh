@@ -51,6 +51,10 @@ for step in $steps; do
     probe-mlp) timeout 200 python scripts/probe_persistent_mlp.py ;;
     # The batch-1 GEMVs of a Qwen3-0.6B layer chained as in decode, under other block sizes (gemv._config).
     sweep-gemv) timeout 200 python scripts/sweep_gemv_chain.py ;;
+    # The same for Llama-3.1-8B's projections at one and two rows (cuBLAS and tensor-core variants included).
+    sweep-gemv-llama) for r in 1 2; do timeout 250 python scripts/sweep_gemv_chain.py --model llama-3.1-8b --rows $r | tail -1; done ;;
+    # Decode steps of two sequences (bench latency --batch-size 2), both models.
+    latency-b2) for m in qwen3-0.6b llama-3.1-8b; do timeout 200 python -m nanoserve.cli bench latency --batch-size 2 --model "$cfg/$m" --max-model-len 8192; done ;;
     # The batch-1 decode of bench latency's shape through step_bubbles: is the GPU ever idle between steps?
     bubbles-b1) timeout 200 python scripts/step_bubbles.py --model "$cfg/qwen3-0.6b" --num-prompts 1 --max-len 640 2>&1 | grep -v Warn | tail -8 ;;
     prefill-attn) timeout 300 python scripts/bench_prefill_attention.py ;;
