@@ -27,6 +27,7 @@ from nanoserve.kernels.pdl import use_pdl, wait_for_prior_grids
 from nanoserve.kernels.rms_norm import rms_norm_ref
 
 MAX_M = 32
+TENSOR_CORES_FROM_BYTES_AT_ONE_ROW = 32 << 20  # measured in _config
 
 
 @triton.jit
@@ -153,9 +154,6 @@ class _Config(NamedTuple):
     num_stages: int
 
 
-TENSOR_CORES_FROM_BYTES_AT_ONE_ROW = 32 << 20
-
-
 def tensor_cores_at(m: int, weight: torch.Tensor) -> bool:
     """Whether m rows times this weight take the tensor-core path. layers/linear.py fuses no prologue into it: at
     one row, with the norm fused in, Llama-3.1-8B's batch-1 decode was slower (see _config)."""
@@ -180,8 +178,9 @@ def _config(m: int, n: int, k: int, elem_size: int) -> _Config:
     # One row of a weight of 32 MB or more (Llama-3.1-8B's qkv_proj and o_proj) takes it too, with the prologue
     # left to its own kernel (tensor_cores_at): whole batch-1 decode on an H200 went 4.555 -> 4.505 ms a token, and
     # stayed at 6.01 on an H100; with the prologue fused in, the tensor-core path was slower (4.72-4.76).
-    if (block_m == 1 and n * k * elem_size < TENSOR_CORES_FROM_BYTES_AT_ONE_ROW) or (block_m == 2 and n <= 2048) or (
-            block_m <= 8 and n < 2048):
+    small_one_row = block_m == 1 and n * k * elem_size < TENSOR_CORES_FROM_BYTES_AT_ONE_ROW
+    narrow_two_rows = block_m == 2 and n <= 2048
+    if small_one_row or narrow_two_rows or (block_m <= 8 and n < 2048):
         # CUDA-core path. Its weight loads go to registers, so memory latency is hidden only by many resident
         # programs: slabs of 2-8 rows give 512+ programs at M = 1 (about 4 per SM). The accumulator holds
         # BLOCK_M x BLOCK_N x BLOCK_K fp32 values, so wider M takes narrower slabs.
