@@ -162,7 +162,7 @@ class EngineConfig:
             raise ValueError(f"load_format: must be 'auto' or 'dummy', got {args.load_format!r}")
         if args.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size: only 1 is supported in this version")
-        device = _resolve_device(args.device)
+        device = resolve_device(args.device)
         dtype = _resolve_dtype(args.dtype, model.torch_dtype, device)
         max_model_len = _resolve_max_model_len(args.max_model_len, model)
         return cls(args, model_dir, args.tokenizer or model_dir, model, dtype, device, max_model_len)
@@ -180,10 +180,11 @@ def resolve_engine_process(args: EngineArgs) -> bool:
     before any config exists (the process loads its own), so this resolves the device itself."""
     if args.engine_process is not None:
         return args.engine_process
-    return _resolve_device(args.device).type == "cuda"
+    return resolve_device(args.device).type == "cuda"
 
 
-def _resolve_device(device: str) -> torch.device:
+def resolve_device(device: str) -> torch.device:
+    """EngineArgs.device ("auto", "cpu" or "cuda") as the device the engine will run on."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cpu", "cuda"):

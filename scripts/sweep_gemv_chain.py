@@ -92,7 +92,7 @@ def main() -> None:
     x0 = torch.randn(rows, hid, device=dev, dtype=bf)
     out = {kind: torch.empty(rows, n, device=dev, dtype=bf) for kind, (n, _) in kinds.items()}
     default_config = gemv._config
-    engine_paths = {kind: "skinny" if skinny_gemm_fits(rows, n, 2 * n * k) else "cublas"
+    engine_paths = {kind: "skinny" if skinny_gemm_fits(rows, 2 * n * k) else "cublas"
                     for kind, (n, k) in kinds.items()}
     fused = rows == 1
 

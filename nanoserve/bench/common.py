@@ -9,8 +9,9 @@ from pathlib import Path
 
 import torch
 
+from nanoserve.bench import roofline
 from nanoserve.cli import add_engine_args, engine_args_from
-from nanoserve.config import EngineArgs
+from nanoserve.config import EngineArgs, resolve_device
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -27,6 +28,22 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
     if args.model and args.load_format == "auto" and not any(Path(args.model).glob("*.safetensors")):
         args.load_format = "dummy"
     return args
+
+
+def ceilings_at_start(args: EngineArgs, matmul: bool = False) -> tuple[float | None, float | None]:
+    """The roofline's ceilings, copy bandwidth and (with matmul) the bf16 matmul rate, measured at the start of the
+    run as DESIGN.md asks: on an idle device, before the engine takes its memory. (None, None) off CUDA.
+
+    Measured after the engine's run instead, the copy read 4.04-4.25 TB/s on one H200 from run to run, which moved
+    a batch-1 MBU by 4 % at the same ms/token (84.5 and 88.2 % at 4.523 and 4.526); at the start it read 4.15-4.22.
+    """
+    if resolve_device(args.device).type != "cuda":
+        return None, None
+    device = torch.device("cuda")
+    bandwidth = roofline.measure_bandwidth(device)
+    flops = roofline.measure_matmul(device) if matmul else None
+    free_device_memory()  # so that the engine sizes its KV pool as it would without the measurement
+    return bandwidth, flops
 
 
 def free_device_memory() -> None:

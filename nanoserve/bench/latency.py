@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 from nanoserve.bench import roofline
-from nanoserve.bench.common import emit, engine_args, free_device_memory, parser
+from nanoserve.bench.common import ceilings_at_start, emit, engine_args, free_device_memory, parser
 from nanoserve.cli import at_least_one
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
@@ -25,7 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--hf-output-len", type=int, default=64, help="the baseline is slow: fewer tokens")
     ns = p.parse_args(argv)
-    llm = LLM(**vars(engine_args(ns)))
+    args = engine_args(ns)
+    bw, _ = ceilings_at_start(args)
+    llm = LLM(**vars(args))
     engine, cfg = llm.engine, llm.engine.config
     rng = np.random.default_rng(ns.seed)
     prompts = [rng.integers(0, cfg.model.vocab_size, ns.input_len).tolist() for _ in range(ns.batch_size)]
@@ -45,8 +47,7 @@ def main(argv: list[str] | None = None) -> int:
               "output_len": ns.output_len, "ms_per_token": round(step_s * 1e3, 3),
               "tok_s": round(ns.batch_size / step_s, 1),
               "cuda_graphs": engine.runner.graphs is not None}
-    if cfg.device.type == "cuda":
-        bw = roofline.measure_bandwidth(cfg.device)
+    if bw is not None:
         avg_context = ns.input_len + ns.output_len / 2
         step_bytes = roofline.model_bytes(engine.runner.model) + (
             ns.batch_size * avg_context * roofline.kv_bytes_per_token(cfg))

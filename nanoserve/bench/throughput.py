@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from nanoserve.bench import roofline
-from nanoserve.bench.common import emit, engine_args, free_device_memory, parser
+from nanoserve.bench.common import ceilings_at_start, emit, engine_args, free_device_memory, parser
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
 
@@ -28,7 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
     p.add_argument("--temperature", type=float, default=0.6)
     ns = p.parse_args(argv)
-    llm = LLM(**vars(engine_args(ns)))
+    args = engine_args(ns)
+    bw, flops = ceilings_at_start(args, matmul=True)
+    llm = LLM(**vars(args))
     cfg = llm.engine.config
     prompts, out_lens = workload(ns.num_prompts, *ns.input_len, *ns.output_len, cfg.model.vocab_size, ns.seed)
     params = [SamplingParams(temperature=ns.temperature, ignore_eos=True, max_tokens=n, seed=None)
@@ -42,9 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"bench": "throughput", "model": cfg.model_dir, "num_prompts": len(prompts), "wall_s": round(wall, 2),
               "output_tok_s": round(n_out / wall, 1), "total_tok_s": round((n_out + n_in) / wall, 1),
               "output_tokens": n_out, "prompt_tokens": n_in}
-    if cfg.device.type == "cuda":
+    if bw is not None:
         model = llm.engine.runner.model
-        bw, flops = roofline.measure_bandwidth(cfg.device), roofline.measure_matmul(cfg.device)
         bound = roofline.decode_bound_seconds([len(p) for p in prompts], out_lens, roofline.model_bytes(model),
                                               roofline.kv_bytes_per_token(cfg), bw)
         bound += roofline.prefill_bound_seconds(n_in, roofline.model_params(model), flops)
