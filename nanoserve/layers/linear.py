@@ -44,6 +44,13 @@ def takes_fused_prologue(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return not tensor_cores_at(1, weight)
 
 
+def takes_silu_mul_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether one row of SiLU-and-mul and this projection run as one kernel (kernels/silu_mul_gemv.py): a weight
+    past the skinny GEMM's limit, where cuBLAS would run after SiLU-and-mul, at one row inside a CUDA graph."""
+    return (bias is None and x.dim() == 2 and x.shape[0] == 1 and capturing_cuda_graph(x)
+            and weight.numel() * weight.element_size() > SKINNY_MAX_WEIGHT_BYTES)
+
+
 def takes_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether x [rows, K] @ weight.T goes to the Triton skinny GEMM (and so may take its fused prologues)."""
     return (x.dim() == 2 and skinny_gemm_fits(x.shape[0], weight.numel() * weight.element_size())
@@ -55,8 +62,9 @@ class Linear(nn.Linear):
 
     At batch 1, kernel launches rather than bytes dominate a layer (each costs 2-3 us against a few us of weight
     streaming), so the elementwise op before a projection runs inside its GEMM: forward_norm for the residual
-    add + RMSNorm before qkv_proj and gate_up_proj, forward_silu_mul for SiLU-and-mul before down_proj. Off
-    that path they run as their own modules, exactly as without fusion.
+    add + RMSNorm before qkv_proj and gate_up_proj, forward_silu_mul for SiLU-and-mul before down_proj (past the
+    skinny GEMM's 64 MB, in kernels/silu_mul_gemv.py). Off that path they run as their own modules, exactly as
+    without fusion.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,6 +93,10 @@ class Linear(nn.Linear):
             from nanoserve.kernels.gemv import skinny_silu_mul_linear
 
             return skinny_silu_mul_linear(x, self.weight, self.bias)
+        if takes_silu_mul_gemv(x, self.weight, self.bias):
+            from nanoserve.kernels.silu_mul_gemv import silu_mul_gemv
+
+            return silu_mul_gemv(x, self.weight)
         return self(act(x))
 
 

@@ -98,3 +98,48 @@ def test_engine_batch_one_and_two_decode(tmp_path, monkeypatch, num_prompts):
     fast = LLM(str(ckpt), device="cuda", dtype="float32", num_kv_blocks=64)  # captures the decode graphs
     assert calls, "no decode graph captured the fused norm + GEMM"
     assert tokens(fast) == reference
+
+
+def test_silu_mul_gemv_gpu():
+    """One row of SiLU-and-mul and a projection in one kernel, at Llama-3.1-8B's down_proj and an odd shape, called
+    and replayed from a CUDA graph, against the fp32 reference and the unfused kernels."""
+    from nanoserve.kernels.activation import silu_and_mul
+    from nanoserve.kernels.silu_mul_gemv import silu_mul_gemv, silu_mul_gemv_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for i, n in [(14336, 4096), (1000, 1001)]:
+        x, w = _randn(1, 2 * i, gen=gen), _randn(n, i, gen=gen, scale=i**-0.5)
+        out = silu_mul_gemv(x, w)
+        torch.testing.assert_close(out, silu_mul_gemv_ref(x, w), **BF16_TOL)
+        torch.testing.assert_close(out, torch.nn.functional.linear(silu_and_mul(x), w), **BF16_TOL)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = silu_mul_gemv(x, w)
+        x.copy_(_randn(1, 2 * i, gen=gen))
+        graph.replay()
+        torch.testing.assert_close(captured, silu_mul_gemv_ref(x, w), **BF16_TOL)
+
+
+def test_engine_batch_one_through_silu_mul_gemv(tmp_path, monkeypatch):
+    """With the skinny GEMM's limit at 0 bytes every down_proj counts as large: batch-1 decode graphs run it
+    through silu_mul_gemv, with the greedy tokens of the eager engine in fp32."""
+    from nanoserve import LLM, SamplingParams
+    from nanoserve.kernels import silu_mul_gemv
+    from nanoserve.layers import linear
+
+    ckpt = write_checkpoint(tmp_path / "llama", "llama", hidden_size=256, intermediate_size=1024,
+                            num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
+    prompts = [[5, 17, 300, 42, 9, 11, 250]]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+    def tokens(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    reference = tokens(LLM(str(ckpt), device="cuda", dtype="float32", enforce_eager=True, num_kv_blocks=64))
+    calls = []
+    original = silu_mul_gemv.silu_mul_gemv
+    monkeypatch.setattr(silu_mul_gemv, "silu_mul_gemv", lambda *a: calls.append(1) or original(*a))
+    monkeypatch.setattr(linear, "SKINNY_MAX_WEIGHT_BYTES", 0)
+    fast = LLM(str(ckpt), device="cuda", dtype="float32", num_kv_blocks=64)  # captures the decode graphs
+    assert calls, "no decode graph captured silu_mul_gemv"
+    assert tokens(fast) == reference
