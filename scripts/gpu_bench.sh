@@ -64,6 +64,12 @@ for step in $steps; do
     probe-graph-launch) timeout 200 python scripts/probe_graph_launch.py --model "$cfg/qwen3-0.6b" 2>&1 | tail -1 ;;
     # Batch 1: the qkv GEMM with q/k norm, rotary and the KV store in its epilogue, against the two launches.
     probe-fused-qkv) timeout 150 python scripts/probe_fused_qkv.py | tail -1 ;;
+    # Llama-3.1-8B batch 1: a streaming GEMV with its prologue fused in place of cuBLAS (gate_up, down) in the chained
+    # GEMVs; Hopper's bulk L2 prefetch of the next GEMM's weight on a side stream of the decode graph.
+    probe-persistent-gemv) timeout 300 python scripts/probe_persistent_gemv.py --model llama-3.1-8b | tail -1 ;;
+    probe-l2-prefetch) timeout 400 python scripts/probe_l2_prefetch.py --model "$cfg/llama-3.1-8b" | grep -E "^(micro|round|\{)" ;;
+    # Qwen3-0.6B's GEMMs at 64-256 rows: a one-launch split-K Triton GEMM against cuBLAS.
+    bench-splitk) timeout 300 python scripts/bench_splitk_gemm.py | grep -E "^(qkv|o |gate|down|M=)" ;;
     # Where a cached prefix request's TTFT goes: host phases, the rest of LLM.generate, and the step's GPU time.
     prefix-bubbles) timeout 200 python scripts/prefix_bubbles.py --model "$cfg/qwen3-0.6b" 2>&1 | grep -v Warn | tail -13 ;;
     # Host vs kernel time and the top kernels of an uncached prefill, a cached-prefix prefill and a batch-1 decode.

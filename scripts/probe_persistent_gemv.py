@@ -1,14 +1,17 @@
-"""A persistent batch-1 GEMV with its prologue fused, against the engine's path, in the chained decode GEMVs.
+"""A persistent batch-1 GEMV with its prologue fused, against cuBLAS, in the chained decode GEMVs. (GPU only.)
 
-Llama-3.1-8B's gate_up_proj and down_proj (235 and 117 MB) run on cuBLAS at one row, after a standalone RMSNorm and
-SiLU-and-mul: the skinny GEMM streams them more slowly, so their prologues cannot be fused. This kernel tests one
+Llama-3.1-8B's gate_up_proj and down_proj (235 and 117 MB) ran on cuBLAS at one row, after a standalone RMSNorm and
+SiLU-and-mul: the skinny GEMM streams them more slowly, so their prologues could not be fused. This kernel tests one
 reason it might: thousands of short programs, each ramping its loads up and down. Here a grid of a few programs
 per SM walks the weight in one flattened loop over (row block, K tile), two tiles in flight ahead across row-block
 boundaries, the first two loaded before the PDL wait; the prologue's sum of squares is computed once per program.
-M = 1, bf16, K a multiple of BLOCK_K.
+M = 1, bf16, K a multiple of BLOCK_K. Its SiLU-and-mul form on down_proj (16-row blocks, 512-wide tiles, 8 warps,
+two programs an SM) won in the whole model and became kernels/silu_mul_gemv.py (8b3135a); on gate_up_proj, with
+the norm, it lost.
 
 Runs scripts/sweep_gemv_chain.py's chain (every projection of every layer, one CUDA graph, PDL) with one kind
-taken by this kernel, and prints us a layer against the engine's chain:
+taken by this kernel, against the chain as the engine ran it before 8b3135a (gate_up and down on cuBLAS), and
+prints us a layer:
     python scripts/probe_persistent_gemv.py [--model llama-3.1-8b] [--variants gate_up:8:512:4:4,...]
 A variant is KIND:BLOCK_N:BLOCK_K:WARPS:PROGRAMS_PER_SM. Ends with one JSON line.
 """
@@ -123,8 +126,8 @@ def main() -> None:
     norm2 = 1 + 0.1 * torch.randn(layers, hid, device=dev, dtype=bf)
     x0 = torch.randn(1, hid, device=dev, dtype=bf)
     out = {kind: torch.empty(1, n, device=dev, dtype=bf) for kind, (n, _) in kinds.items()}
-    # The engine at one row: the skinny GEMM (prologue fused) under 32 MB, its tensor-core path (prologue unfused)
-    # up to 64 MB, cuBLAS (prologue unfused) above.
+    # The engine at one row before 8b3135a: the skinny GEMM (prologue fused) under 32 MB, its tensor-core path
+    # (prologue unfused) up to 64 MB, cuBLAS (prologue unfused) above.
     paths = {kind: ("fused" if 2 * n * k < 32 << 20 else "skinny") if skinny_gemm_fits(1, 2 * n * k) else "cublas"
              for kind, (n, k) in kinds.items()}
 

@@ -3,8 +3,9 @@
 A layer's four projections (add + RMSNorm + qkv, o, add + RMSNorm + gate_up, SiLU-and-mul + down) for every layer,
 with distinct weights, each feeding the next as in decode (attention's output stood in for by the q part of qkv),
 captured in one CUDA graph with PDL between the Triton launches. Each projection takes the path the engine takes
-(layers/linear.py: the skinny GEMM of kernels/gemv.py with its prologue fused where the weight is small enough,
-else cuBLAS after the standalone norm or SiLU kernel) unless a variant overrides one kind:
+(layers/linear.py: the skinny GEMM of kernels/gemv.py with its prologue fused on its CUDA-core path, unfused on its
+tensor-core path; past 64 MB cuBLAS after the standalone norm, and at one row kernels/silu_mul_gemv.py for
+SiLU-and-mul + down_proj) unless a variant overrides one kind:
 - (kind, block_n, block_k, num_warps): the skinny GEMM's CUDA-core path with these blocks (one or two rows a
   program, so from --rows 3 the grid reads the weight more than once);
 - (kind, "dot", block_n, block_k, num_warps, num_stages): its tensor-core path, M padded to 16;
@@ -27,6 +28,7 @@ from nanoserve.kernels import gemv
 from nanoserve.kernels.activation import silu_and_mul
 from nanoserve.kernels.gemv import skinny_linear, skinny_norm_linear, skinny_silu_mul_linear
 from nanoserve.kernels.rms_norm import rms_norm
+from nanoserve.kernels.silu_mul_gemv import silu_mul_gemv
 from nanoserve.layers.linear import skinny_gemm_fits
 
 # (hidden, q width, kv width, intermediate, layers)
@@ -94,6 +96,8 @@ def main() -> None:
     default_config = gemv._config
     engine_paths = {kind: "skinny" if skinny_gemm_fits(rows, 2 * n * k) else "cublas"
                     for kind, (n, k) in kinds.items()}
+    if rows == 1 and engine_paths["down"] == "cublas":
+        engine_paths["down"] = "silu_mul_gemv"
     fused = rows == 1
 
     def chain(paths: dict[str, str]) -> torch.Tensor:
@@ -104,7 +108,7 @@ def main() -> None:
                 torch.matmul(x, w[kind][layer].T, out=out[kind])
 
         def norm_linear(kind, x, res, norm_w):
-            if paths[kind] == "skinny" and fused:
+            if paths[kind] == "skinny" and fused and not gemv.tensor_cores_at(rows, w[kind][layer]):
                 return skinny_norm_linear(x, res, norm_w, 1e-5, w[kind][layer], out=out[kind])[1]
             if res is None:  # the first layer: nothing to add; a copy, as the residual is updated in place later
                 normed, res = rms_norm(x, norm_w, 1e-5), x.clone()
@@ -118,7 +122,9 @@ def main() -> None:
             res = norm_linear("qkv", x, res, norm1[layer])
             linear("o", out["qkv"][:, :q_width])
             res = norm_linear("gate_up", out["o"], res, norm2[layer])
-            if paths["down"] == "skinny" and fused:
+            if paths["down"] == "silu_mul_gemv":
+                out["down"] = silu_mul_gemv(out["gate_up"], w["down"][layer])
+            elif paths["down"] == "skinny" and fused:
                 skinny_silu_mul_linear(out["gate_up"], w["down"][layer], out=out["down"])
             else:
                 linear("down", silu_and_mul(out["gate_up"]))
