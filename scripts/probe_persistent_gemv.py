@@ -23,12 +23,14 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from sweep_gemv_chain import replay_us
 
 from nanoserve.bench import roofline
 from nanoserve.kernels.activation import silu_and_mul
 from nanoserve.kernels.gemv import skinny_linear, skinny_norm_linear, skinny_silu_mul_linear
 from nanoserve.kernels.pdl import use_pdl, wait_for_prior_grids
 from nanoserve.kernels.rms_norm import rms_norm
+from nanoserve.kernels.silu_mul_gemv import _silu_mul_gemv_kernel
 from nanoserve.layers.linear import skinny_gemm_fits
 
 MODELS = {"qwen3-0.6b": (1024, 2048, 1024, 3072, 28), "llama-3.1-8b": (4096, 4096, 1024, 14336, 32)}
@@ -46,7 +48,7 @@ def _tile_ptrs(w_ptr, t, pid, G, N, K, offs_n, offs_k, K_TILES: tl.constexpr, BL
 
 @triton.jit
 def _persistent_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, out_ptr, N, K, eps,
-                            NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
+                            NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                             USE_PDL: tl.constexpr, K_TILES: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr):
     pid, G = tl.program_id(0), tl.num_programs(0)
@@ -81,10 +83,6 @@ def _persistent_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, out_
                 h = (h.to(tl.float32) + tl.load(res_ptr + k_offs).to(tl.float32)).to(act)
             nw = tl.load(norm_w_ptr + k_offs).to(tl.float32)
             x = ((h.to(tl.float32) * rstd).to(act).to(tl.float32) * nw).to(act)
-        elif SILU_MUL:
-            gate = tl.load(x_ptr + k_offs).to(tl.float32)
-            up = tl.load(x_ptr + K + k_offs).to(tl.float32)
-            x = (gate * tl.sigmoid(gate) * up).to(act)
         else:
             x = tl.load(x_ptr + k_offs)
         acc += x.to(tl.float32)[None, :] * w.to(tl.float32)
@@ -97,16 +95,21 @@ def _persistent_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, out_
 
 
 def persistent_gemv(x, weight, out, block_n, block_k, warps, per_sm, norm=None, silu_mul=False):
-    """out [1, N] = prologue(x) @ weight.T; norm = (residual or None, norm weight, eps, residual out or None)."""
+    """out [1, N] = prologue(x) @ weight.T; norm = (residual or None, norm weight, eps, residual out or None). The
+    SiLU-and-mul prologue runs the engine's kernel (kernels/silu_mul_gemv.py) with these blocks."""
     n, k = weight.shape
     assert x.shape[0] == 1 and k % block_k == 0
     residual, norm_w, eps, res_out = norm if norm is not None else (None, None, 0.0, None)
     grid = min(triton.cdiv(n, block_n), per_sm * torch.cuda.get_device_properties(x.device).multi_processor_count)
     pdl = use_pdl(x)
+    if silu_mul:
+        _silu_mul_gemv_kernel[(grid,)](x, weight, out, n, k, K_TILES=k // block_k, EVEN_K=True, USE_PDL=pdl,
+                                       BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, launch_pdl=pdl)
+        return out
     _persistent_gemv_kernel[(grid,)](
         x, residual if residual is not None else x, norm_w if norm_w is not None else weight,
         res_out if res_out is not None else x, weight, out, n, k, eps, NORM=norm is not None,
-        HAS_RESIDUAL=residual is not None, SILU_MUL=silu_mul, USE_PDL=pdl, K_TILES=k // block_k, BLOCK_N=block_n,
+        HAS_RESIDUAL=residual is not None, USE_PDL=pdl, K_TILES=k // block_k, BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=warps, launch_pdl=pdl)
     return out
 
@@ -181,18 +184,7 @@ def main() -> None:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             result = chain(variant)
-        for _ in range(5):
-            g.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(5):
-            start.record()
-            for _ in range(20):
-                g.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 20 * 1e3 / layers)
-        return sorted(times)[2], result.clone()
+        return replay_us(g, layers), result.clone()
 
     bw = roofline.measure_bandwidth(dev)
     bound = 2 * sum(n * k for n, k in kinds.values()) / bw * 1e6

@@ -56,6 +56,22 @@ VARIANTS = {
 }
 
 
+def replay_us(graph: torch.cuda.CUDAGraph, per: int) -> float:
+    """Microseconds a replay of graph, divided by per (its layers): the median of 5 rounds of 20, after 5 warm-up."""
+    for _ in range(5):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        for _ in range(20):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 20 * 1e3 / per)
+    return sorted(times)[2]
+
+
 def parse(spec: tuple, rows: int) -> tuple[str, gemv._Config | None]:
     """A variant's path ("skinny" or "cublas") and, for the skinny GEMM, its launch configuration."""
     if spec in (("cublas",), ("skinny",)):
@@ -149,18 +165,7 @@ def main() -> None:
                 result = chain(paths)
         finally:
             gemv._config = default_config
-        for _ in range(5):
-            g.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(5):
-            start.record()
-            for _ in range(20):
-                g.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 20 * 1e3 / layers)
-        return sorted(times)[2], result.clone()
+        return replay_us(g, layers), result.clone()
 
     bw = roofline.measure_bandwidth(dev)
     layer_bytes = 2 * sum(n * k for n, k in kinds.values())
