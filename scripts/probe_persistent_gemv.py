@@ -34,8 +34,8 @@ from nanoserve.kernels.silu_mul_gemv import _silu_mul_gemv_kernel
 from nanoserve.layers.linear import skinny_gemm_fits
 
 MODELS = {"qwen3-0.6b": (1024, 2048, 1024, 3072, 28), "llama-3.1-8b": (4096, 4096, 1024, 14336, 32)}
-DEFAULT_VARIANTS = ("gate_up:8:512:4:4,gate_up:4:1024:4:4,gate_up:8:512:4:2,gate_up:16:256:4:4,gate_up:8:1024:8:2,"
-                    "down:4:1024:4:4,down:2:1024:4:4,down:4:512:4:4,down:2:2048:4:2")
+DEFAULT_VARIANTS = ("down:16:512:8:2,down:8:512:4:4,down:8:1024:8:2,down:4:1024:4:4,down:2:1024:4:4,"
+                    "gate_up:8:512:4:4,gate_up:8:1024:8:2,gate_up:16:256:4:4,qkv:4:1024:4:4,o:4:1024:4:4")
 
 
 @triton.jit

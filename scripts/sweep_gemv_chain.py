@@ -139,8 +139,9 @@ def main() -> None:
             linear("o", out["qkv"][:, :q_width])
             res = norm_linear("gate_up", out["o"], res, norm2[layer])
             if paths["down"] == "silu_mul_gemv":
-                out["down"] = silu_mul_gemv(out["gate_up"], w["down"][layer])
-            elif paths["down"] == "skinny" and fused:
+                x = silu_mul_gemv(out["gate_up"], w["down"][layer])
+                continue
+            if paths["down"] == "skinny" and fused and not gemv.tensor_cores_at(rows, w["down"][layer]):
                 skinny_silu_mul_linear(out["gate_up"], w["down"][layer], out=out["down"])
             else:
                 linear("down", silu_and_mul(out["gate_up"]))

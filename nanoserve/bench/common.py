@@ -34,7 +34,7 @@ def ceilings_at_start(args: EngineArgs, matmul: bool = False) -> tuple[float | N
     """The roofline's ceilings, copy bandwidth and (with matmul) the bf16 matmul rate, measured at the start of the
     run as DESIGN.md asks: on an idle device, before the engine takes its memory. (None, None) off CUDA.
 
-    Measured after the engine's run instead (before c0ef833), the copy read 4.04-4.25 TB/s on one H200 from run to
+    Measured after the engine's run instead (before c0ef833), the copy read 4.04-4.22 TB/s on one H200 from run to
     run, which moved a batch-1 MBU by 4 % at the same ms/token (84.5 and 88.2 % at 4.523 and 4.526 ms). At the
     start it has read 4.12-4.25 on H200s and 2.95-2.99 on H100s (BENCHMARKS.md, 2026-11-24).
     """

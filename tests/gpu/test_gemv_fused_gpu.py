@@ -101,14 +101,16 @@ def test_engine_batch_one_and_two_decode(tmp_path, monkeypatch, num_prompts):
 
 
 def test_silu_mul_gemv_gpu():
-    """One row of SiLU-and-mul and a projection in one kernel, at Llama-3.1-8B's down_proj and an odd shape, called
+    """One row of SiLU-and-mul and a projection in one kernel, at Llama-3.1-8B's down_proj and two odd shapes, called
     and replayed from a CUDA graph, against the fp32 reference and the unfused kernels."""
     from nanoserve.kernels.activation import silu_and_mul
     from nanoserve.kernels.silu_mul_gemv import silu_mul_gemv, silu_mul_gemv_ref
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for i, n in [(14336, 4096), (1000, 1001)]:
+    # The last shape has more 16-row blocks (512) than an H100 or H200 has program slots (264): programs walk two.
+    for i, n in [(14336, 4096), (1000, 1001), (1000, 8191)]:
         x, w = _randn(1, 2 * i, gen=gen), _randn(n, i, gen=gen, scale=i**-0.5)
+        torch.cuda.synchronize()  # the kernel reads the weight before its PDL wait
         out = silu_mul_gemv(x, w)
         torch.testing.assert_close(out, silu_mul_gemv_ref(x, w), **BF16_TOL)
         torch.testing.assert_close(out, torch.nn.functional.linear(silu_and_mul(x), w), **BF16_TOL)

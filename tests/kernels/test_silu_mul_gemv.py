@@ -8,8 +8,9 @@ from nanoserve.kernels.silu_mul_gemv import silu_mul_gemv, silu_mul_gemv_ref
 
 
 # (K, N). Off CUDA the grid is 8 programs, so past 8 x 16 = 128 rows programs walk several row blocks: 200 rows
-# (a ragged last block), then a K off the 512-wide tile, a single tile, and several tiles over 19 row blocks.
-@pytest.mark.parametrize("k,n", [(1024, 200), (1000, 37), (512, 16), (1536, 300)])
+# (a ragged last block), then a K off the 512-wide tile, the two together, a single tile, and several tiles over
+# 19 row blocks.
+@pytest.mark.parametrize("k,n", [(1024, 200), (1000, 37), (1000, 200), (512, 16), (1536, 300)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_matches_reference(device, gen, tol, k, n, dtype):
     x = torch.randn(1, 2 * k, generator=gen).to(device, dtype)
