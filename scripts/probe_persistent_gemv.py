@@ -30,20 +30,12 @@ from nanoserve.kernels.activation import silu_and_mul
 from nanoserve.kernels.gemv import skinny_linear, skinny_norm_linear, skinny_silu_mul_linear
 from nanoserve.kernels.pdl import use_pdl, wait_for_prior_grids
 from nanoserve.kernels.rms_norm import rms_norm
-from nanoserve.kernels.silu_mul_gemv import _silu_mul_gemv_kernel
+from nanoserve.kernels.silu_mul_gemv import _silu_mul_gemv_kernel, _tile
 from nanoserve.layers.linear import skinny_gemm_fits
 
 MODELS = {"qwen3-0.6b": (1024, 2048, 1024, 3072, 28), "llama-3.1-8b": (4096, 4096, 1024, 14336, 32)}
 DEFAULT_VARIANTS = ("down:16:512:8:2,down:8:512:4:4,down:8:1024:8:2,down:4:1024:4:4,down:2:1024:4:4,"
                     "gate_up:8:512:4:4,gate_up:8:1024:8:2,gate_up:16:256:4:4,qkv:4:1024:4:4,o:4:1024:4:4")
-
-
-@triton.jit
-def _tile_ptrs(w_ptr, t, pid, G, N, K, offs_n, offs_k, K_TILES: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):
-    rb = pid + (t // K_TILES) * G
-    rows = tl.minimum(rb * BLOCK_N + offs_n, N - 1)
-    return w_ptr + rows.to(tl.int64)[:, None] * K + ((t % K_TILES) * BLOCK_K + offs_k)[None, :]
 
 
 @triton.jit
@@ -55,9 +47,9 @@ def _persistent_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, out_
     total = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, G) * K_TILES
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    w = tl.load(_tile_ptrs(w_ptr, 0, pid, G, N, K, offs_n, offs_k, K_TILES, BLOCK_N, BLOCK_K))
-    w_ahead = tl.load(_tile_ptrs(w_ptr, tl.minimum(1, total - 1), pid, G, N, K, offs_n, offs_k, K_TILES, BLOCK_N,
-                                 BLOCK_K))
+    w = _tile(w_ptr, 0, pid, G, N, K, offs_n, offs_k, K_TILES, BLOCK_N, BLOCK_K, True)
+    w_ahead = _tile(w_ptr, tl.minimum(1, total - 1), pid, G, N, K, offs_n, offs_k, K_TILES, BLOCK_N,
+                                 BLOCK_K, True)
     wait_for_prior_grids(USE_PDL)
     act = x_ptr.dtype.element_ty
     if NORM:
@@ -74,8 +66,8 @@ def _persistent_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, out_
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for t in range(total):
         kt = t % K_TILES
-        w_next = tl.load(_tile_ptrs(w_ptr, tl.minimum(t + 2, total - 1), pid, G, N, K, offs_n, offs_k, K_TILES,
-                                    BLOCK_N, BLOCK_K))
+        w_next = _tile(w_ptr, tl.minimum(t + 2, total - 1), pid, G, N, K, offs_n, offs_k, K_TILES,
+                                    BLOCK_N, BLOCK_K, True)
         k_offs = kt * BLOCK_K + offs_k
         if NORM:
             h = tl.load(x_ptr + k_offs)
