@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.kernels.activation import silu_and_mul_ref
-from nanoserve.kernels.pdl import use_pdl, wait_for_prior_grids
+from nanoserve.kernels.pdl import launch_dependents, use_pdl, wait_for_prior_grids, wait_for_prior_grids_only
 from nanoserve.kernels.rms_norm import rms_norm_ref
 
 MAX_M = 32
@@ -62,7 +62,8 @@ def _skinny_linear_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, b_ptr,
                           stride_rm, stride_wn, stride_om, eps, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                           SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
                           DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          LATE_DEPENDENTS: tl.constexpr):
     pid = tl.program_id(0)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -82,7 +83,10 @@ def _skinny_linear_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, b_ptr,
         # compiler, which would hoist x's loads above the wait with them.
         w = _load_tile(w_ptrs, 0, K, offs_k, BLOCK_K, EVEN_K)
         w_ahead = _load_tile(w_ptrs, BLOCK_K, K, offs_k, BLOCK_K, EVEN_K)
-    wait_for_prior_grids(USE_PDL)
+    if LATE_DEPENDENTS:
+        wait_for_prior_grids_only(USE_PDL)
+    else:
+        wait_for_prior_grids(USE_PDL)
     if NORM:
         # Prologue RMSNorm(x + residual): every program needs each row's rms before its first tile, so it first
         # walks the rows once (K is at most a few thousand, and the rows stay in L1/L2 for the second walk). The
@@ -135,6 +139,8 @@ def _skinny_linear_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, b_ptr,
         if USE_DOT:
             w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if LATE_DEPENDENTS:  # every weight tile is loaded: the next kernel's programs may take their room
+        launch_dependents(USE_PDL)
     if USE_DOT:
         res = tl.trans(acc)
     else:
@@ -210,9 +216,10 @@ def _config(m: int, n: int, k: int, elem_size: int) -> _Config:
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, cfg: _Config, *,
             norm: tuple[torch.Tensor | None, torch.Tensor, float, torch.Tensor | None] | None = None,
-            silu_mul: bool = False) -> None:
+            silu_mul: bool = False, late_dependents: bool = False) -> None:
     """One launch of the kernel; `norm` = (residual, norm weight, eps, residual out) adds the RMSNorm prologue,
-    `silu_mul` the SiLU-and-mul one (x then holds [gate | up], 2K columns)."""
+    `silu_mul` the SiLU-and-mul one (x then holds [gate | up], 2K columns). late_dependents: see
+    skinny_norm_linear."""
     m = x.shape[0]
     n, k = weight.shape
     residual, norm_weight, eps, residual_out = norm if norm is not None else (None, None, 0.0, None)
@@ -224,7 +231,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
         NORM=norm is not None, HAS_RESIDUAL=residual is not None, SILU_MUL=silu_mul, HAS_BIAS=bias is not None,
         USE_DOT=cfg.use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # tf32 would lose bits
         EVEN_K=k % cfg.block_k == 0, USE_PDL=pdl, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
+        LATE_DEPENDENTS=late_dependents and not cfg.use_dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        launch_pdl=pdl)
 
 
 def _check(x: torch.Tensor, k: int, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -264,9 +272,17 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                        weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       out: torch.Tensor | None = None, late_dependents: bool = False,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm(x + residual) @ weight.T (+ bias) in one launch, and x + residual: the next residual, in a new
     tensor (`residual` is left as it is). Without a residual, RMSNorm(x) @ weight.T and x itself.
+
+    late_dependents (CUDA-core path only): under PDL the next kernel's programs start once this kernel's have
+    streamed their weight, not as soon as they pass their wait. The CUDA-core path hides memory latency with many
+    resident programs, and a next kernel with heavy programs that start early and wait beside them takes that
+    room: Qwen3-0.6B's batch-1 qkv GEMV followed by decode_rope_attention measured 0.961 -> 0.901 ms a token
+    with it, against 0.922 for the unfused pair (H200, BENCHMARKS.md). Where the next kernel waits for weights of
+    its own (a GEMV) it costs more than it gains: every batch-1 GEMV with it, 0.945-0.952 -> 0.971-0.983.
 
     Rounds as kernels/rms_norm.py followed by skinny_linear does (the sum and the normalized row to x's
     dtype), so the two paths agree but for the order of the fp32 sum of squares.
@@ -283,7 +299,7 @@ def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
                              f"got {tuple(residual.shape)}")
         residual_out = torch.empty(m, k, dtype=x.dtype, device=x.device)
     _launch(x, weight, bias, out, _config(m, weight.shape[0], k, x.element_size()),
-            norm=(residual, norm_weight, eps, residual_out))
+            norm=(residual, norm_weight, eps, residual_out), late_dependents=late_dependents)
     return out, residual_out if residual_out is not None else x
 
 

@@ -37,3 +37,17 @@ def wait_for_prior_grids(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def wait_for_prior_grids_only(USE_PDL: tl.constexpr):
+    """The wait of wait_for_prior_grids without letting the next kernel start: the kernel calls
+    launch_dependents itself, later (its dependents' programs would otherwise sit on SM room it still needs)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def launch_dependents(USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()

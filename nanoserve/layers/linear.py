@@ -74,14 +74,15 @@ class Linear(nn.Linear):
             return skinny_linear(x, self.weight, self.bias)
         return super().forward(x)
 
-    def forward_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
-                     norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                     late_dependents: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """self(norm(x + residual)) and the next residual x + residual; without a residual (the first layer),
-        self(norm(x)) and x."""
+        self(norm(x)) and x. late_dependents: as skinny_norm_linear takes it, where the fused kernel runs."""
         if takes_fused_prologue(x, self.weight):
             from nanoserve.kernels.gemv import skinny_norm_linear
 
-            return skinny_norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias)
+            return skinny_norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias,
+                                      late_dependents=late_dependents)
         if residual is None:
             return self(norm(x)), x
         x, residual = norm(x, residual)

@@ -16,10 +16,11 @@ from nanoserve.worker.cuda_graphs import FUSED_DECODE_MERGE_MAX_BATCH
 
 # Whether steps that are all decodes do q/k norm, rotary and the KV store inside decode attention's launch
 # (kernels/decode_rope_attention.py) instead of a launch of their own (qkv_rope_store). NANOSERVE_FUSED_ROPE_DECODE
-# "1": always, "0": never, unset or "auto": for models without q/k norms, at up to FUSED_ROPE_DECODE_MAX_BATCH
-# sequences. Measured on an H100 (BENCHMARKS.md): Llama-3.1-8B batch-1 decode 6.11 -> 6.01 ms/token and
-# Qwen2.5-0.5B 0.88 -> 0.83 (f763de1), but Qwen3-0.6B (q/k norms) 1.04 -> 1.17, and the throughput run (Qwen3-0.6B,
-# batch 256) fell from 76 to 73 % of bound (e01b115). Read once, at import.
+# "1": always, "0": never, unset or "auto": for models without q/k norms at up to FUSED_ROPE_DECODE_MAX_BATCH
+# sequences, and for models with them at one. Measured on an H100 (BENCHMARKS.md): Llama-3.1-8B batch-1 decode
+# 6.11 -> 6.01 ms/token and Qwen2.5-0.5B 0.88 -> 0.83 (f763de1); the throughput run (Qwen3-0.6B, batch 256) fell
+# from 76 to 73 % of bound (e01b115). Qwen3-0.6B at batch 1 went 1.04 -> 1.17 until its qkv GEMV started
+# attention's programs late (late_dependents in kernels/gemv.py): on an H200, 0.922 -> 0.901. Read once, at import.
 FUSED_ROPE_DECODE = os.environ.get("NANOSERVE_FUSED_ROPE_DECODE", "auto")
 if FUSED_ROPE_DECODE not in ("auto", "0", "1"):
     raise ValueError(f"NANOSERVE_FUSED_ROPE_DECODE must be auto, 0 or 1, got {FUSED_ROPE_DECODE!r}")
@@ -47,7 +48,7 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Attention from qkv_proj's output (which the decoder layer computes, fused with its input norm), before
         o_proj: [T, num_heads, head_dim]."""
-        if self._fuse_rope_into_attention(qkv, meta):
+        if self.fuses_rope_into_attention(qkv, meta):
             # Every sequence brings one token: the work of `store` and attention in one launch, not two.
             from nanoserve.kernels.decode_rope_attention import decode_rope_attention
 
@@ -55,13 +56,13 @@ class LlamaAttention(nn.Module):
                                          self.attn.scale, counters=meta.decode_counters)
         return self.attn.attend(self.store(positions, qkv, meta), meta)
 
-    def _fuse_rope_into_attention(self, qkv: torch.Tensor, meta: AttentionMetadata) -> bool:
+    def fuses_rope_into_attention(self, qkv: torch.Tensor, meta: AttentionMetadata) -> bool:
         """FUSED_ROPE_DECODE's choice for this step (only with the Triton backend: a reference run may put the
-        PyTorch one on a GPU)."""
+        PyTorch one on a GPU); qkv may be any tensor with the step's rows (the layer asks before projecting)."""
         if not (qkv.is_cuda and meta.num_decodes == qkv.shape[0] and self.attn.backend is TritonBackend):
             return False
         if FUSED_ROPE_DECODE == "auto":
-            return self.q_norm is None and qkv.shape[0] <= FUSED_ROPE_DECODE_MAX_BATCH
+            return qkv.shape[0] <= (FUSED_ROPE_DECODE_MAX_BATCH if self.q_norm is None else 1)
         return FUSED_ROPE_DECODE == "1"
 
     def _rope_args(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> tuple:
@@ -118,9 +119,13 @@ class LlamaDecoderLayer(nn.Module):
         # Each norm (with the residual add before it; none in the first layer) is applied by the projection that
         # consumes it: in a batch-1 decode graph the two run as one kernel (Linear.forward_norm), since there
         # each launch costs 2-3 us while a whole Qwen3-0.6B layer streams its weights in about 7 us. Elsewhere:
-        # the norm module, then the projection.
-        qkv, residual = self.self_attn.qkv_proj.forward_norm(x, residual, self.input_layernorm)
-        return self.after_attention(self.self_attn(positions, qkv, meta), residual)
+        # the norm module, then the projection. Before the fused rope decode of a model with q/k norms, whose
+        # programs would otherwise wait beside the GEMV's from its start, the GEMV lets them start once its weight
+        # is loaded (measured for Qwen3-0.6B only; see kernels/gemv.py, skinny_norm_linear).
+        attn = self.self_attn
+        late = attn.q_norm is not None and attn.fuses_rope_into_attention(x, meta)
+        qkv, residual = attn.qkv_proj.forward_norm(x, residual, self.input_layernorm, late_dependents=late)
+        return self.after_attention(attn(positions, qkv, meta), residual)
 
     # The layer in the two pieces around attention (scripts/probe_two_batch.py runs them per half of a batch):
     # before_attention, then self_attn.attn.attend, then after_attention is the same computation as forward.

@@ -138,3 +138,28 @@ def test_empty_batch(device):
     out = decode_rope_attention(qkv, hq, hkv, empty, cos, cos, None, None, 1e-6, cache, cache.clone(), empty,
                                 empty.int(), torch.zeros(0, 4, dtype=torch.int32, device=device), 0.1)
     assert out.shape == (0, hq, d)
+
+
+@pytest.mark.parametrize("qk_norm,fused_rows", [(False, {1, 2, 3, 4}), (True, {1})])
+def test_auto_rule(monkeypatch, qk_norm, fused_rows):
+    """NANOSERVE_FUSED_ROPE_DECODE=auto: decode steps of up to FUSED_ROPE_DECODE_MAX_BATCH sequences of a model
+    without q/k norms, one sequence of a model with them (whose qkv GEMV then starts attention late); never a step
+    with a prefill, nor the PyTorch backend."""
+    from types import SimpleNamespace
+
+    from nanoserve.layers.attention import AttentionMetadata, TritonBackend
+    from nanoserve.model import llama
+    from nanoserve.model.llama import LlamaAttention
+
+    monkeypatch.setattr(llama, "FUSED_ROPE_DECODE", "auto")
+    monkeypatch.setattr(llama, "FUSED_ROPE_DECODE_MAX_BATCH", 4)
+    attn = SimpleNamespace(q_norm=object() if qk_norm else None, attn=SimpleNamespace(backend=TritonBackend))
+
+    def fuses(rows, num_decodes=None, backend=TritonBackend):
+        attn.attn.backend = backend
+        meta = AttentionMetadata(None, None, None, None, 1, rows if num_decodes is None else num_decodes)
+        return LlamaAttention.fuses_rope_into_attention(attn, SimpleNamespace(is_cuda=True, shape=(rows, 8)), meta)
+
+    assert {rows for rows in range(1, 9) if fuses(rows)} == fused_rows
+    assert not fuses(1, num_decodes=0)
+    assert not fuses(1, backend=object())

@@ -197,3 +197,16 @@ def test_model_takes_the_fused_path_and_keeps_its_tokens(checkpoints, monkeypatc
     assert steps == 2 and calls["skinny_silu_mul_linear"] == steps * num_layers
     assert calls["skinny_norm_linear"] == 2 * steps * num_layers
     assert calls["skinny_linear"] == steps * num_layers + 4 * num_layers
+
+
+@pytest.mark.parametrize("use_dot", [False, True])
+def test_late_dependents_changes_no_value(device, gen, use_dot):
+    """late_dependents only moves when the next kernel may start (under PDL): the outputs are bit for bit the same."""
+    m, k, n = (1, 1024, 65) if not use_dot else (4, 256, 2048)
+    x, residual, norm_w = _norm_inputs(m, k, torch.float32, device, gen)
+    w, b = _weights(k, n, torch.float32, device, gen)
+    assert gemv.tensor_cores_at(m, w) == use_dot
+    early = skinny_norm_linear(x, residual, norm_w, 1e-6, w, b)
+    late = skinny_norm_linear(x, residual, norm_w, 1e-6, w, b, late_dependents=True)
+    for got, want in zip(late, early, strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
