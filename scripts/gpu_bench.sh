@@ -22,8 +22,10 @@ for step in $steps; do
     latency-qwen) timeout 150 python -m nanoserve.cli bench latency --model "$cfg/qwen3-0.6b" --baseline hf ;;
     latency-llama) timeout 200 python -m nanoserve.cli bench latency --model "$cfg/llama-3.1-8b" --max-model-len 8192 --baseline hf ;;
     latency-qwen-nohf) timeout 150 python -m nanoserve.cli bench latency --model "$cfg/qwen3-0.6b" --max-model-len 8192 ;;
-    # The same with q/k norm, rotary and the KV store inside decode attention's launch (model/llama.py).
+    # The same with q/k norm, rotary and the KV store inside decode attention's launch at every batch size, or at
+    # none (the default fuses Qwen3's batch 1: model/llama.py).
     latency-qwen-fused) NANOSERVE_FUSED_ROPE_DECODE=1 timeout 150 python -m nanoserve.cli bench latency --model "$cfg/qwen3-0.6b" --max-model-len 8192 ;;
+    latency-qwen-unfused) NANOSERVE_FUSED_ROPE_DECODE=0 timeout 150 python -m nanoserve.cli bench latency --model "$cfg/qwen3-0.6b" --max-model-len 8192 ;;
     latency-llama-nohf) timeout 200 python -m nanoserve.cli bench latency --model "$cfg/llama-3.1-8b" --max-model-len 8192 ;;
     # tests/gpu takes ~4-5 minutes on an H100 (fp32 Triton compiles and graph captures of the engine test).
     # The whole pytest log is kept: a summary line alone cannot say why a test failed.
@@ -69,6 +71,8 @@ for step in $steps; do
     probe-persistent-gemv) timeout 300 python scripts/probe_persistent_gemv.py --model llama-3.1-8b | tail -1 ;;
     probe-l2-prefetch) timeout 400 python scripts/probe_l2_prefetch.py --model "$cfg/llama-3.1-8b" | grep -E "^(micro|round|\{)" ;;
     # Qwen3-0.6B's GEMMs at 64-256 rows: a one-launch split-K Triton GEMM against cuBLAS.
+    # Qwen3-0.6B's qkv projection at 48-256 rows with qkv_rope_store's work in its epilogue, against cuBLAS + it.
+    probe-qkv-gemm-rope) timeout 200 python scripts/probe_qkv_gemm_rope.py | grep -E "^M=" ;;
     bench-splitk) timeout 300 python scripts/bench_splitk_gemm.py | grep -E "^(qkv|o |gate|down|M=)" ;;
     # Where a cached prefix request's TTFT goes: host phases, the rest of LLM.generate, and the step's GPU time.
     prefix-bubbles) timeout 200 python scripts/prefix_bubbles.py --model "$cfg/qwen3-0.6b" 2>&1 | grep -v Warn | tail -13 ;;
