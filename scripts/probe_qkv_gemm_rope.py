@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from probe_two_batch import capture_step
 from sweep_gemv_chain import replay_us
 
 from nanoserve.kernels.pdl import use_pdl, wait_for_prior_grids
@@ -223,14 +224,9 @@ def main() -> None:
             except Exception as err:  # a config that does not fit (shared memory) is reported, not fatal
                 print(f"M={m} {name}: {type(err).__name__}: {str(err)[:100]}")
                 continue
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = fn()
-            graph.replay()
-            torch.cuda.synchronize()
+            graph, out = capture_step(fn)
             if name == "pair":
-                ref = out.clone()
+                ref = out
             row[name] = {"us": round(replay_us(graph, LAYERS), 2),
                          "max_diff": round((out.float() - ref.float()).abs().max().item(), 4)}
             del graph
