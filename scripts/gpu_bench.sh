@@ -70,9 +70,9 @@ for step in $steps; do
     # GEMVs; Hopper's bulk L2 prefetch of the next GEMM's weight on a side stream of the decode graph.
     probe-persistent-gemv) timeout 300 python scripts/probe_persistent_gemv.py --model llama-3.1-8b | tail -1 ;;
     probe-l2-prefetch) timeout 400 python scripts/probe_l2_prefetch.py --model "$cfg/llama-3.1-8b" | grep -E "^(micro|round|\{)" ;;
-    # Qwen3-0.6B's GEMMs at 64-256 rows: a one-launch split-K Triton GEMM against cuBLAS.
     # Qwen3-0.6B's qkv projection at 48-256 rows with qkv_rope_store's work in its epilogue, against cuBLAS + it.
     probe-qkv-gemm-rope) timeout 200 python scripts/probe_qkv_gemm_rope.py | grep -E "^M=" ;;
+    # Qwen3-0.6B's GEMMs at 64-256 rows: a one-launch split-K Triton GEMM against cuBLAS.
     bench-splitk) timeout 300 python scripts/bench_splitk_gemm.py | grep -E "^(qkv|o |gate|down|M=)" ;;
     # Where a cached prefix request's TTFT goes: host phases, the rest of LLM.generate, and the step's GPU time.
     prefix-bubbles) timeout 200 python scripts/prefix_bubbles.py --model "$cfg/qwen3-0.6b" 2>&1 | grep -v Warn | tail -13 ;;

@@ -119,7 +119,7 @@ def capture(llm: LLM, spec, evict_last: bool, chunk: int, side: torch.cuda.Strea
                         l2_prefetch(w, int(mb * 2**20), evict_last, chunk)
 
         at("A")
-        qkv, residual = self.self_attn.qkv_proj.forward_norm(x, residual, self.input_layernorm)
+        qkv, residual = self.project_qkv(x, residual, meta)
         at("B")
         attn = self.self_attn(positions, qkv, meta)
         at("C")

@@ -6,9 +6,10 @@ a layer at 48-128 rows and won 0.5 at 256, and in the engine it moved neither th
 
 Each layer runs RMSNorm, then the pair or the fused kernel, with its own weight (28 layers, more than the L2 holds),
 captured in one CUDA graph with PDL between the Triton launches. Prints microseconds a layer per variant (BLOCK_M,
-warps, K tile of the fused kernel), the largest difference of its queries from the pair's, and one JSON line.
+warps, K tile of the fused kernel), the largest difference of its queries and of the K/V it stored from the
+pair's, and one JSON line.
 
-    python scripts/probe_qkv_gemm_rope.py [--rows 48,64,128,192,256]
+    python scripts/probe_qkv_gemm_rope.py [--rows 48,64,100,128,192,256]
 """
 
 import argparse
@@ -225,14 +226,18 @@ def main() -> None:
                 print(f"M={m} {name}: {type(err).__name__}: {str(err)[:100]}")
                 continue
             graph, out = capture_step(fn)
+            stored = [c[slots // BLOCK_SIZE, slots % BLOCK_SIZE].float() for c in caches]  # this variant's K/V
             if name == "pair":
-                ref = out
+                ref, ref_stored = out, stored
             row[name] = {"us": round(replay_us(graph, LAYERS), 2),
-                         "max_diff": round((out.float() - ref.float()).abs().max().item(), 4)}
+                         "max_diff": round((out.float() - ref.float()).abs().max().item(), 4),
+                         "kv_max_diff": round(max((a - b).abs().max().item() for a, b in zip(stored, ref_stored,
+                                                                                          strict=True)), 4)}
             del graph
         best = min((k for k in row if k != "pair"), key=lambda k: row[k]["us"])
         print(f"M={m:<4} pair {row['pair']['us']:6.2f} us a layer   best {best} {row[best]['us']:6.2f}   "
-              + "  ".join(f"{k} {v['us']:.2f} ({v['max_diff']})" for k, v in row.items() if k != "pair"))
+              + "  ".join(f"{k} {v['us']:.2f} ({v['max_diff']}, {v['kv_max_diff']})" for k, v in row.items()
+                          if k != "pair"))
         result[str(m)] = row
     print(json.dumps(result))
 

@@ -5,9 +5,12 @@ one's start-up (scheduling its programs, first loads in flight) is paid in serie
 of its weight, which no kernel writes, while the kernel before it finishes. Works inside CUDA graphs (the
 launch attribute becomes a programmatic edge on capture).
 
-Rule for every kernel launched with PDL: nothing before `wait_for_prior_grids` may read memory an earlier
-kernel writes or write memory an earlier kernel reads. Waiting is transitive (the kernel before us finished
-only after its own wait), so after it everything earlier in the stream is done and visible.
+Rule for every kernel launched with PDL: nothing before `wait_for_prior_grids` (or `wait_for_prior_grids_only`)
+may read memory an earlier kernel writes or write memory an earlier kernel reads. Waiting is transitive (the
+kernel before us finished only after its own wait), so after it everything earlier in the stream is done and
+visible. When the next kernel may start is separate: at once after the wait (`wait_for_prior_grids`), later where
+the kernel calls `launch_dependents`, or when it exits if it calls neither; it never changes what the next kernel
+sees after its own wait.
 """
 
 import functools
@@ -49,5 +52,6 @@ def wait_for_prior_grids_only(USE_PDL: tl.constexpr):
 
 @triton.jit
 def launch_dependents(USE_PDL: tl.constexpr):
+    """Let the next kernel's programs start (they run up to their own wait), after wait_for_prior_grids_only."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()

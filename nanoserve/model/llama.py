@@ -116,16 +116,22 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, x, residual, meta: AttentionMetadata):
+        qkv, residual = self.project_qkv(x, residual, meta)
+        return self.after_attention(self.self_attn(positions, qkv, meta), residual)
+
+    def project_qkv(self, x: torch.Tensor, residual: torch.Tensor | None,
+                    meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """qkv_proj(input_layernorm(x + residual)) and the next residual."""
         # Each norm (with the residual add before it; none in the first layer) is applied by the projection that
         # consumes it: in a batch-1 decode graph the two run as one kernel (Linear.forward_norm), since there
         # each launch costs 2-3 us while a whole Qwen3-0.6B layer streams its weights in about 7 us. Elsewhere:
         # the norm module, then the projection. Before the fused rope decode of a model with q/k norms, whose
-        # programs would otherwise wait beside the GEMV's from its start, the GEMV lets them start once its weight
-        # is loaded (measured for Qwen3-0.6B only; see kernels/gemv.py, skinny_norm_linear).
+        # programs would otherwise wait beside the GEMV's from its start, that one kernel lets them start once its
+        # weight is loaded (only there: the CUDA-core GEMV of a batch-1 graph, under PDL; measured for Qwen3-0.6B,
+        # see kernels/gemv.py, skinny_norm_linear).
         attn = self.self_attn
         late = attn.q_norm is not None and attn.fuses_rope_into_attention(x, meta)
-        qkv, residual = attn.qkv_proj.forward_norm(x, residual, self.input_layernorm, late_dependents=late)
-        return self.after_attention(attn(positions, qkv, meta), residual)
+        return attn.qkv_proj.forward_norm(x, residual, self.input_layernorm, late_dependents=late)
 
     # The layer in the two pieces around attention (scripts/probe_two_batch.py runs them per half of a batch):
     # before_attention, then self_attn.attn.attend, then after_attention is the same computation as forward.

@@ -148,27 +148,37 @@ def test_engine_batch_one_through_silu_mul_gemv(tmp_path, monkeypatch):
 
 
 def test_late_dependents_in_a_cuda_graph():
-    """Qwen3-0.6B's batch-1 qkv GEMV with the next kernel started late, then a kernel reading its output, under PDL
-    in a graph: the same bits as with the early start."""
-    from nanoserve.kernels.gemv import skinny_norm_linear
-    from nanoserve.kernels.qkv_rope_store import qkv_rope_store
+    """Qwen3-0.6B's batch-1 qkv GEMV starting the fused rope decode late, under PDL in a graph, as the engine runs
+    them: the GEMV matches its reference, and attention's output and stored key and value are the early start's
+    bits."""
+    from nanoserve.kernels.decode_rope_attention import decode_rope_attention
+    from nanoserve.kernels.gemv import skinny_norm_linear, skinny_norm_linear_ref
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     x, res, norm_w = _randn(1, 1024, gen=gen), _randn(1, 1024, gen=gen), 1 + _randn(1024, gen=gen, scale=0.5)
     w = _randn(4096, 1024, gen=gen, scale=1024**-0.5)
-    freqs = torch.randn(64, 64, device="cuda", generator=gen)
-    caches = [torch.zeros(4, 16, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-    pos, slot = torch.tensor([5], device="cuda"), torch.tensor([21], device="cuda")
+    q_w, k_w = 1 + _randn(128, gen=gen, scale=0.3), 1 + _randn(128, gen=gen, scale=0.3)
+    freqs = torch.randn(128, 64, device="cuda", generator=gen)
+    cos, sin = freqs.cos(), freqs.sin()
+    # One sequence of 100 keys in 8 pages of 16 (two splits, merged in the launch); the new key at position 99.
+    caches = (_randn(8, 16, 8, 128, gen=gen), _randn(8, 16, 8, 128, gen=gen))
+    seq_lens = torch.tensor([100], dtype=torch.int32, device="cuda")
+    block_tables = torch.arange(8, dtype=torch.int32, device="cuda")[None]
+    pos, slot = torch.tensor([99], device="cuda"), torch.tensor([99], device="cuda")
+    counters = torch.zeros(8, dtype=torch.int32, device="cuda")
     outs = []
-    for late, (k_cache, v_cache) in ((False, caches[:2]), (True, caches[2:])):
+    for late in (False, True):
+        k_cache, v_cache = caches[0].clone(), caches[1].clone()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             qkv, _ = skinny_norm_linear(x, res, norm_w, 1e-6, w, late_dependents=late)
-            qkv_rope_store(qkv, 16, 8, pos, freqs.cos(), freqs.sin(), None, None, 1e-6, k_cache, v_cache, slot)
+            out = decode_rope_attention(qkv, 16, 8, pos, cos, sin, q_w, k_w, 1e-6, k_cache, v_cache, slot, seq_lens,
+                                        block_tables, 128**-0.5, counters=counters)
         graph.replay()
         torch.cuda.synchronize()
-        outs.append((qkv.clone(), k_cache.clone(), v_cache.clone()))
+        outs.append((qkv.clone(), out.clone(), k_cache, v_cache))
+    torch.testing.assert_close(outs[1][0], skinny_norm_linear_ref(x, res, norm_w, 1e-6, w)[0], **BF16_TOL)
     for early, late in zip(*outs, strict=True):
         assert torch.equal(early, late)
-    assert outs[0][1].abs().sum() > 0  # the key was stored
+    assert not torch.equal(outs[1][2], caches[0])  # the new key was stored

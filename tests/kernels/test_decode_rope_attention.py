@@ -144,22 +144,61 @@ def test_empty_batch(device):
 def test_auto_rule(monkeypatch, qk_norm, fused_rows):
     """NANOSERVE_FUSED_ROPE_DECODE=auto: decode steps of up to FUSED_ROPE_DECODE_MAX_BATCH sequences of a model
     without q/k norms, one sequence of a model with them (whose qkv GEMV then starts attention late); never a step
-    with a prefill, nor the PyTorch backend."""
+    with a prefill, a CPU tensor or the PyTorch backend. "1" fuses every decode step, "0" none."""
     from types import SimpleNamespace
 
-    from nanoserve.layers.attention import AttentionMetadata, TritonBackend
+    from nanoserve.layers.attention import AttentionMetadata, TorchBackend, TritonBackend
     from nanoserve.model import llama
     from nanoserve.model.llama import LlamaAttention
 
-    monkeypatch.setattr(llama, "FUSED_ROPE_DECODE", "auto")
     monkeypatch.setattr(llama, "FUSED_ROPE_DECODE_MAX_BATCH", 4)
     attn = SimpleNamespace(q_norm=object() if qk_norm else None, attn=SimpleNamespace(backend=TritonBackend))
 
-    def fuses(rows, num_decodes=None, backend=TritonBackend):
+    def fuses(rows, num_decodes=None, backend=TritonBackend, is_cuda=True):
         attn.attn.backend = backend
         meta = AttentionMetadata(None, None, None, None, 1, rows if num_decodes is None else num_decodes)
-        return LlamaAttention.fuses_rope_into_attention(attn, SimpleNamespace(is_cuda=True, shape=(rows, 8)), meta)
+        return LlamaAttention.fuses_rope_into_attention(attn, SimpleNamespace(is_cuda=is_cuda, shape=(rows, 8)), meta)
 
-    assert {rows for rows in range(1, 9) if fuses(rows)} == fused_rows
-    assert not fuses(1, num_decodes=0)
-    assert not fuses(1, backend=object())
+    for mode, want in (("auto", fused_rows), ("1", set(range(1, 9))), ("0", set())):
+        monkeypatch.setattr(llama, "FUSED_ROPE_DECODE", mode)
+        assert {rows for rows in range(1, 9) if fuses(rows)} == want
+        assert not fuses(1, num_decodes=0)
+        assert not fuses(1, backend=TorchBackend)
+        assert not fuses(1, is_cuda=False)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="counts Python calls, which graph replays skip; on a GPU "
+                    "tests/gpu/test_decode_rope_gpu.py checks the model's tokens")
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_model_starts_attention_late_where_it_fuses(tmp_path, monkeypatch, arch):
+    """A model on the CPU whose one-sequence decode steps are made to take the fused launch (run by the
+    interpreter over the PyTorch backend's caches): the decoder layer asks its qkv GEMV for the late start exactly
+    there and only for a model with q/k norms, and the greedy tokens are the unfused model's."""
+    from checkpoints import write_checkpoint  # tests/checkpoints.py
+
+    from nanoserve import LLM, SamplingParams
+    from nanoserve.layers.linear import Linear, QKVLinear
+    from nanoserve.model.llama import LlamaAttention
+
+    path = write_checkpoint(tmp_path / arch, arch, head_dim=64)  # decode attention takes head_dim 64 or 128
+    prompts = [[5, 17, 300, 42, 9], [8, 1, 2]]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    def generate():
+        llm = LLM(str(path), num_kv_blocks=16, max_num_seqs=2)
+        return [[o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+                for batch in (prompts[:1], prompts)]
+
+    reference = generate()
+    fused_steps, qkv_late = [], []
+    monkeypatch.setattr(LlamaAttention, "fuses_rope_into_attention",
+                        lambda self, qkv, meta: fused_steps.append(qkv.shape[0] == meta.num_decodes == 1)
+                        or fused_steps[-1])
+    forward_norm = Linear.forward_norm
+    monkeypatch.setattr(Linear, "forward_norm", lambda self, *a, late_dependents=False:
+                        (qkv_late.append(late_dependents) if isinstance(self, QKVLinear) else None)
+                        or forward_norm(self, *a, late_dependents=late_dependents))
+    assert generate() == reference
+    # Qwen3's layer asks before projecting, then its attention asks again (the same answer); Llama's only attention.
+    assert qkv_late == (fused_steps[::2] if arch == "qwen3" else [False] * len(qkv_late))
+    assert any(fused_steps) and any(qkv_late) == (arch == "qwen3")

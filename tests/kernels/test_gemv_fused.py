@@ -200,13 +200,26 @@ def test_model_takes_the_fused_path_and_keeps_its_tokens(checkpoints, monkeypatc
 
 
 @pytest.mark.parametrize("use_dot", [False, True])
-def test_late_dependents_changes_no_value(device, gen, use_dot):
-    """late_dependents only moves when the next kernel may start (under PDL): the outputs are bit for bit the same."""
+def test_late_dependents(device, gen, monkeypatch, use_dot):
+    """late_dependents compiles the late start in on the CUDA-core path only (the tensor-core path's few programs
+    leave room), and moves only when the next kernel may start: the outputs are bit for bit the same."""
     m, k, n = (1, 1024, 65) if not use_dot else (4, 256, 2048)
     x, residual, norm_w = _norm_inputs(m, k, torch.float32, device, gen)
     w, b = _weights(k, n, torch.float32, device, gen)
     assert gemv.tensor_cores_at(m, w) == use_dot
+    seen = []
+    kernel = gemv._skinny_linear_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(kwargs["LATE_DEPENDENTS"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(gemv, "_skinny_linear_kernel", Spy())
     early = skinny_norm_linear(x, residual, norm_w, 1e-6, w, b)
     late = skinny_norm_linear(x, residual, norm_w, 1e-6, w, b, late_dependents=True)
+    assert seen == [False, not use_dot]
     for got, want in zip(late, early, strict=True):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
