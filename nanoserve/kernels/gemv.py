@@ -281,8 +281,9 @@ def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
     streamed their weight, not as soon as they pass their wait. The CUDA-core path hides memory latency with many
     resident programs, and a next kernel with heavy programs that start early and wait beside them takes that
     room: Qwen3-0.6B's batch-1 qkv GEMV followed by decode_rope_attention measured 0.961 -> 0.901 ms a token
-    with it, against 0.922 for the unfused pair (H200, BENCHMARKS.md). Where the next kernel waits for weights of
-    its own (a GEMV) it costs more than it gains: every batch-1 GEMV with it, 0.945-0.952 -> 0.971-0.983.
+    with it, against 0.922 for the unfused pair (H200; on an H100 1.024 -> 0.989 against the pair; BENCHMARKS.md).
+    Where the next kernel waits for weights of its own (a GEMV) it costs more than it gains: every batch-1 GEMV
+    with it, 0.945-0.952 -> 0.971-0.983 (H200).
 
     Rounds as kernels/rms_norm.py followed by skinny_linear does (the sum and the normalized row to x's
     dtype), so the two paths agree but for the order of the fp32 sum of squares.
