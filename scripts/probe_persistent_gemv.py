@@ -30,7 +30,7 @@ from nanoserve.kernels.activation import silu_and_mul
 from nanoserve.kernels.gemv import skinny_linear, skinny_norm_linear, skinny_silu_mul_linear
 from nanoserve.kernels.pdl import use_pdl, wait_for_prior_grids
 from nanoserve.kernels.rms_norm import rms_norm
-from nanoserve.kernels.silu_mul_gemv import _silu_mul_gemv_kernel, _tile
+from nanoserve.kernels.silu_mul_gemv import _accumulate, _silu_mul_gemv_kernel, _tile
 from nanoserve.layers.linear import skinny_gemm_fits
 
 MODELS = {"qwen3-0.6b": (1024, 2048, 1024, 3072, 28), "llama-3.1-8b": (4096, 4096, 1024, 14336, 32)}
@@ -77,13 +77,9 @@ def _persistent_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, out_
             x = ((h.to(tl.float32) * rstd).to(act).to(tl.float32) * nw).to(act)
         else:
             x = tl.load(x_ptr + k_offs)
-        acc += x.to(tl.float32)[None, :] * w.to(tl.float32)
+        acc = _accumulate(acc, x, w, t, pid, G, out_ptr, N, offs_n, K_TILES, BLOCK_N, BLOCK_K)
         w = w_ahead
         w_ahead = w_next
-        if kt == K_TILES - 1:
-            rows = (pid + (t // K_TILES) * G) * BLOCK_N + offs_n
-            tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=rows < N)
-            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
 
 
 def persistent_gemv(x, weight, out, block_n, block_k, warps, per_sm, norm=None, silu_mul=False):

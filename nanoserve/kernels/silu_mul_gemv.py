@@ -42,6 +42,19 @@ def _tile(w_ptr, t, pid, G, N, K, offs_n, offs_k, K_TILES: tl.constexpr, BLOCK_N
 
 
 @triton.jit
+def _accumulate(acc, x, w, t, pid, G, out_ptr, N, offs_n, K_TILES: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """acc plus the row slice x times weight tile t; at a row block's last tile its rows summed and stored, and acc
+    zeroed for the next block."""
+    acc += x.to(tl.float32)[None, :] * w.to(tl.float32)
+    if t % K_TILES == K_TILES - 1:
+        rows = (pid + (t // K_TILES) * G) * BLOCK_N + offs_n
+        tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=rows < N)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
 def _silu_mul_gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, K_TILES: tl.constexpr, EVEN_K: tl.constexpr,
                           USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid, G = tl.program_id(0), tl.num_programs(0)
@@ -65,13 +78,9 @@ def _silu_mul_gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, K_TILES: tl.constexpr, EV
         gate = tl.load(x_ptr + cols, mask=in_k, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + K + cols, mask=in_k, other=0.0).to(tl.float32)
         x = (gate * tl.sigmoid(gate) * up).to(x_ptr.dtype.element_ty)  # rounded as the standalone kernel rounds
-        acc += x.to(tl.float32)[None, :] * w.to(tl.float32)
+        acc = _accumulate(acc, x, w, t, pid, G, out_ptr, N, offs_n, K_TILES, BLOCK_N, BLOCK_K)
         w = w_ahead
         w_ahead = w_next
-        if kt == K_TILES - 1:
-            rows = (pid + (t // K_TILES) * G) * BLOCK_N + offs_n
-            tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=rows < N)
-            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
 
 
 def silu_mul_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
