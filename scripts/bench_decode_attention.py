@@ -62,6 +62,15 @@ def make_inputs(batch: int, lo: int, hi: int, hq: int, hkv: int, width: int, num
     }
 
 
+def batch_args(description: str) -> argparse.Namespace:
+    """--batch, --lo and --hi (contexts uniform in [lo, hi] keys): the throughput recipe's large decode steps."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--lo", type=int, default=100)
+    p.add_argument("--hi", type=int, default=2048)
+    return p.parse_args()
+
+
 def time_graph(graph: torch.cuda.CUDAGraph, calls: int, replays: int = 20) -> float:
     """Microseconds per call: replays of a graph holding `calls` calls, timed with CUDA events."""
     for _ in range(3):

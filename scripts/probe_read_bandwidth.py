@@ -14,14 +14,13 @@ uses, this measures in one run (CUDA graphs of 28 calls, us a call, GB/s of K/V 
 Ends with one JSON line.
 """
 
-import argparse
 import json
 
 import probe_decode_stream as ds
 import torch
 import triton
 import triton.language as tl
-from bench_decode_attention import BLOCK_SIZE, HEAD_DIM, MAX_MODEL_LEN, MODELS, make_inputs, time_graph
+from bench_decode_attention import BLOCK_SIZE, HEAD_DIM, MAX_MODEL_LEN, MODELS, batch_args, make_inputs, time_graph
 
 from nanoserve.bench import roofline
 from nanoserve.kernels import decode_attention as da
@@ -38,6 +37,21 @@ def _sum_kernel(x_ptr, out_ptr, n_per_prog, BLOCK: tl.constexpr, STAGES: tl.cons
 
 
 @triton.jit
+def _tile_sum(k_ptr, v_ptr, tables_ptr, seq, head, start, end, stride_tb, stride_cb, stride_ct, stride_ch,
+              HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """K + V of keys [start, start + BLOCK_N) below end of one (sequence, kv head), gathered as decode attention
+    gathers them, fp32 [BLOCK_N, HEAD_DIM]."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    valid = offs_n < end
+    blocks = tl.load(tables_ptr + seq * stride_tb + offs_n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    offs = blocks * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + head * stride_ch
+    ptrs = offs[:, None] + tl.arange(0, HEAD_DIM)[None, :]
+    k = tl.load(k_ptr + ptrs, mask=valid[:, None], other=0.0)
+    v = tl.load(v_ptr + ptrs, mask=valid[:, None], other=0.0)
+    return k.to(tl.float32) + v.to(tl.float32)
+
+
+@triton.jit
 def _paged_sum_kernel(k_ptr, v_ptr, tables_ptr, items_ptr, out_ptr, stride_tb, stride_cb, stride_ct, stride_ch,
                       HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr):
     """One work item (sequence, first key, end key) x kv head: sum its K and V rows."""
@@ -48,14 +62,8 @@ def _paged_sum_kernel(k_ptr, v_ptr, tables_ptr, items_ptr, out_ptr, stride_tb, s
     offs_d = tl.arange(0, HEAD_DIM)
     acc = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     for start in tl.range(begin, end, BLOCK_N, num_stages=STAGES):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        valid = offs_n < end
-        blocks = tl.load(tables_ptr + seq * stride_tb + offs_n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        offs = blocks * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + head * stride_ch
-        ptrs = offs[:, None] + offs_d[None, :]
-        k = tl.load(k_ptr + ptrs, mask=valid[:, None], other=0.0)
-        v = tl.load(v_ptr + ptrs, mask=valid[:, None], other=0.0)
-        acc += k.to(tl.float32) + v.to(tl.float32)
+        acc += _tile_sum(k_ptr, v_ptr, tables_ptr, seq, head, start, end, stride_tb, stride_cb, stride_ct, stride_ch,
+                         HEAD_DIM, BLOCK_SIZE, BLOCK_N)
     tl.store(out_ptr + (item * tl.num_programs(1) + head) * HEAD_DIM + offs_d, tl.sum(acc, 0))
 
 
@@ -75,14 +83,8 @@ def _stream_sum_kernel(k_ptr, v_ptr, tables_ptr, tiles_ptr, out_ptr, num_tiles, 
         head = tl.load(tiles_ptr + 4 * t + 1)
         start = tl.load(tiles_ptr + 4 * t + 2)
         end = tl.load(tiles_ptr + 4 * t + 3)
-        offs_n = start + tl.arange(0, BLOCK_N)
-        valid = offs_n < end
-        blocks = tl.load(tables_ptr + seq * stride_tb + offs_n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        offs = blocks * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + head * stride_ch
-        ptrs = offs[:, None] + offs_d[None, :]
-        k = tl.load(k_ptr + ptrs, mask=valid[:, None], other=0.0)
-        v = tl.load(v_ptr + ptrs, mask=valid[:, None], other=0.0)
-        acc += k.to(tl.float32) + v.to(tl.float32)
+        acc += _tile_sum(k_ptr, v_ptr, tables_ptr, seq, head, start, end, stride_tb, stride_cb, stride_ct, stride_ch,
+                         HEAD_DIM, BLOCK_SIZE, BLOCK_N)
     tl.store(out_ptr + pid * HEAD_DIM + offs_d, tl.sum(acc, 0))
 
 
@@ -120,11 +122,7 @@ def contiguous_reads(dev: torch.device, report) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--lo", type=int, default=100)
-    p.add_argument("--hi", type=int, default=2048)
-    ns = p.parse_args()
+    ns = batch_args(__doc__.split("\n")[0])
     dev = torch.device("cuda")
     copy_bw = roofline.measure_bandwidth(dev)
     rows = []

@@ -7,12 +7,11 @@ device copy bandwidth measured in the same run.
 Ends with one JSON line.
 """
 
-import argparse
 import itertools
 import json
 
 import torch
-from bench_decode_attention import BLOCK_SIZE, HEAD_DIM, MAX_MODEL_LEN, MODELS, make_inputs, time_graph
+from bench_decode_attention import BLOCK_SIZE, HEAD_DIM, MAX_MODEL_LEN, MODELS, batch_args, make_inputs, time_graph
 
 from nanoserve.bench import roofline
 from nanoserve.kernels import decode_attention as da
@@ -48,11 +47,7 @@ def timed(inp: dict, calls: int, out: torch.Tensor, splits: int | None, override
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--lo", type=int, default=100)
-    p.add_argument("--hi", type=int, default=2048)
-    ns = p.parse_args()
+    ns = batch_args(__doc__.split("\n")[0])
     bw = roofline.measure_bandwidth(torch.device("cuda"))
     hq, hkv, layers = MODELS["qwen3-0.6b"]
     inp = make_inputs(ns.batch, ns.lo, ns.hi, hq, hkv, MAX_MODEL_LEN // BLOCK_SIZE)
