@@ -48,7 +48,8 @@ for step in $steps; do
                timeout 200 python scripts/step_bubbles.py --model "$cfg/qwen3-0.6b" --decode-options "$n128" 2>&1 | tail -1
                timeout 200 python scripts/step_bubbles.py --model "$cfg/qwen3-0.6b" --decode-options "$n128" \
                  --decode-options-min-batch 129 2>&1 | tail -1 ;;
-    # The device's read-only rate and decode attention's access pattern without its math (scripts/probe_read_bandwidth.py).
+    # The device's read-only rate, decode attention's access pattern without its math, and a stream-K decode attention
+    # (scripts/probe_read_bandwidth.py, probe_decode_stream.py).
     probe-read-bw) for b in 256 128; do timeout 300 python scripts/probe_read_bandwidth.py --batch $b; done ;;
     sweep-decode) for b in 256 128; do timeout 200 python scripts/sweep_decode_config.py --batch $b | tail -9; done ;;
     # A persistent kernel with grid barriers against one launch per GEMV, for the MLP half of a batch-1 layer.
