@@ -25,10 +25,7 @@ import triton.language as tl
 from nanoserve.kernels.decode_attention import LOG2E, attend_tile, load_kv_tile
 from nanoserve.kernels.pdl import use_pdl, wait_for_prior_grids
 
-BLOCK_N = 64
 _PROGRAMS_PER_SM = 2  # 64-key K and V tiles in three stages: 96 KB of shared memory a program at head_dim 128
-_STAGES = 3
-_WARPS = 4
 _TILE_BITS = 16  # a tile entry packs (sequence << 16) | tile index within the sequence
 
 
@@ -42,6 +39,7 @@ class StreamPlan:
     mid_o: torch.Tensor  # [2 * programs, kv heads, group, head_dim] fp32
     mid_lse: torch.Tensor  # [2 * programs, kv heads, group] fp32
     programs: int  # P, per kv head
+    block_n: int  # keys a tile
 
 
 def num_stream_programs(device: torch.device, num_kv_heads: int) -> int:
@@ -50,17 +48,17 @@ def num_stream_programs(device: torch.device, num_kv_heads: int) -> int:
 
 
 def make_stream_plan(batch: int, max_context: int, num_kv_heads: int, group: int, head_dim: int,
-                     device: torch.device, programs: int | None = None) -> StreamPlan:
-    """Buffers for steps of up to `batch` decodes with contexts of up to max_context keys."""
-    assert batch < (1 << (31 - _TILE_BITS)) and triton.cdiv(max_context, BLOCK_N) <= (1 << _TILE_BITS)
+                     device: torch.device, programs: int | None = None, block_n: int = 64) -> StreamPlan:
+    """Buffers for steps of up to `batch` decodes with contexts of up to max_context keys, in tiles of block_n."""
+    assert batch < (1 << (31 - _TILE_BITS)) and triton.cdiv(max_context, block_n) <= (1 << _TILE_BITS)
     programs = programs or num_stream_programs(device, num_kv_heads)
     return StreamPlan(
-        tile_info=torch.zeros(batch * triton.cdiv(max_context, BLOCK_N), dtype=torch.int32, device=device),
+        tile_info=torch.zeros(batch * triton.cdiv(max_context, block_n), dtype=torch.int32, device=device),
         total=torch.zeros(1, dtype=torch.int32, device=device),
         counters=torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=device),
         mid_o=torch.empty(2 * programs, num_kv_heads, group, head_dim, dtype=torch.float32, device=device),
         mid_lse=torch.empty(2 * programs, num_kv_heads, group, dtype=torch.float32, device=device),
-        programs=programs)
+        programs=programs, block_n=block_n)
 
 
 @triton.jit
@@ -83,7 +81,7 @@ def plan_stream_tiles(seq_lens: torch.Tensor, plan: StreamPlan) -> None:
     batch = seq_lens.shape[0]
     assert 0 < batch and batch * plan.mid_o.shape[1] <= plan.counters.numel()
     _plan_kernel[(batch,)](seq_lens, plan.tile_info, plan.total, batch, BLOCK_B=triton.next_power_of_2(batch),
-                           BLOCK_N=BLOCK_N, TILE_BITS=_TILE_BITS, CHUNK=256)
+                           BLOCK_N=plan.block_n, TILE_BITS=_TILE_BITS, CHUNK=256)
 
 
 @triton.jit
@@ -197,9 +195,10 @@ def _stream_kernel(q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_p
 
 def decode_attention_stream(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                             block_tables: torch.Tensor, scale: float, plan: StreamPlan,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, stages: int = 3, warps: int = 4) -> torch.Tensor:
     """decode_attention's result (q [B, Hq, D], one token per sequence at position seq_lens[b] - 1) through the
-    tile list plan_stream_tiles(seq_lens, plan) built for this step."""
+    tile list plan_stream_tiles(seq_lens, plan) built for this step; stages and warps: the launch's pipeline depth
+    and warps a program."""
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -214,6 +213,6 @@ def decode_attention_stream(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         plan.mid_lse, out, scale * LOG2E, batch, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), group,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_G=triton.next_power_of_2(group), BLOCK_N=BLOCK_N,
-        TILE_BITS=_TILE_BITS, STAGES=_STAGES, USE_PDL=pdl, launch_pdl=pdl, num_warps=_WARPS)
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_G=triton.next_power_of_2(group),
+        BLOCK_N=plan.block_n, TILE_BITS=_TILE_BITS, STAGES=stages, USE_PDL=pdl, launch_pdl=pdl, num_warps=warps)
     return out

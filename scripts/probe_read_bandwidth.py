@@ -187,14 +187,13 @@ def main() -> None:
     want = da.decode_attention(q, k0, v0, lens, inp["tables"], HEAD_DIM**-0.5, order=order)
     for per_sm, stages, warps, block_n in [(2, 3, 4, 64), (2, 2, 4, 64), (3, 2, 4, 64), (1, 3, 4, 128),
                                            (1, 3, 8, 128), (2, 3, 8, 64)]:
-        ds.BLOCK_N = block_n
-        plan = ds.make_stream_plan(ns.batch, MAX_MODEL_LEN, hkv, hq // hkv, HEAD_DIM, dev,
-                                   programs=per_sm * torch.cuda.get_device_properties(dev).multi_processor_count // hkv)
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        plan = ds.make_stream_plan(ns.batch, MAX_MODEL_LEN, hkv, hq // hkv, HEAD_DIM, dev, programs=per_sm * sms // hkv,
+                                   block_n=block_n)
         ds.plan_stream_tiles(lens, plan)
-        ds._STAGES, ds._WARPS = stages, warps
         try:
-            us = graph_us(lambda i, plan=plan: ds.decode_attention_stream(q, k0, v0, lens, inp["tables"],
-                                                                         HEAD_DIM**-0.5, plan, out=o), layers)
+            us = graph_us(lambda i, plan=plan, stages=stages, warps=warps: ds.decode_attention_stream(
+                q, k0, v0, lens, inp["tables"], HEAD_DIM**-0.5, plan, out=o, stages=stages, warps=warps), layers)
         except Exception as exc:  # out of shared memory: not a candidate
             print(f"stream-K {per_sm}/SM s{stages} w{warps}: {type(exc).__name__}")
             continue

@@ -19,9 +19,10 @@ from nanoserve.worker.cuda_graphs import FUSED_DECODE_MERGE_MAX_BATCH
 # "1": always, "0": never, unset or "auto": for models without q/k norms at up to FUSED_ROPE_DECODE_MAX_BATCH
 # sequences, and for models with them at one. Measured on an H100 (BENCHMARKS.md): Llama-3.1-8B batch-1 decode
 # 6.11 -> 6.01 ms/token and Qwen2.5-0.5B 0.88 -> 0.83 (f763de1); the throughput run (Qwen3-0.6B, batch 256) fell
-# from 76 to 73 % of bound (e01b115). Qwen3-0.6B at batch 1 went 1.04 -> 1.17 until its qkv GEMV started
-# attention's programs late (late_dependents in kernels/gemv.py): against the unfused pair, H200 0.922 -> 0.901,
-# H100 1.024 -> 0.989 (medians of interleaved runs on one machine each). Read once, at import.
+# from 76 to 73 % of bound (e01b115; on an H200 77.4 -> 72.8 % at 72f5345, with the plain kernel's longest-first
+# order). Qwen3-0.6B at batch 1 went 1.04 -> 1.17 until its qkv GEMV started attention's programs late
+# (late_dependents in kernels/gemv.py): against the unfused pair, H200 0.922 -> 0.901, H100 1.024 -> 0.989 (medians
+# of interleaved runs on one machine each). Read once, at import.
 FUSED_ROPE_DECODE = os.environ.get("NANOSERVE_FUSED_ROPE_DECODE", "auto")
 if FUSED_ROPE_DECODE not in ("auto", "0", "1"):
     raise ValueError(f"NANOSERVE_FUSED_ROPE_DECODE must be auto, 0 or 1, got {FUSED_ROPE_DECODE!r}")
