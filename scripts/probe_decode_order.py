@@ -2,6 +2,7 @@
 keys) in random order, longest first and shortest first, replayed from CUDA graphs (sweep_decode_config.timed:
 28 calls per graph over distinct caches). Programs are dispatched in grid order (sequence fastest), so longest
 first leaves the short programs for the end of the launch, where a long one would run on an otherwise idle GPU.
+Also what computing the order costs (order_us): torch.sort against kernels/decode_order.py.
 
     python scripts/probe_decode_order.py [--batches 64,128,256]
 Ends with one JSON line.
@@ -11,8 +12,32 @@ import argparse
 import json
 
 import torch
-from bench_decode_attention import BLOCK_SIZE, MAX_MODEL_LEN, MODELS, make_inputs
+from bench_decode_attention import BLOCK_SIZE, MAX_MODEL_LEN, MODELS, make_inputs, time_graph
 from sweep_decode_config import timed
+
+from nanoserve.kernels.decode_order import longest_first_order
+
+
+def order_cost_us(seq_lens: torch.Tensor, calls: int = 20) -> dict:
+    """What computing the order costs inside a CUDA graph (us a call): torch.sort, as the decode graphs did before
+    2026-11-24, and longest_first_order; both must give the same permutation."""
+    n = seq_lens.shape[0]
+    out = {name: torch.empty(n, dtype=torch.int64, device="cuda") for name in ("torch.sort", "longest_first_order")}
+    sorted_lens = torch.empty_like(seq_lens)
+    fns = {"torch.sort": lambda: torch.sort(seq_lens, descending=True, stable=True,
+                                            out=(sorted_lens, out["torch.sort"])),
+           "longest_first_order": lambda: longest_first_order(seq_lens, out["longest_first_order"])}
+    us = {}
+    for name, fn in fns.items():
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        us[name] = round(min(time_graph(graph, calls) for _ in range(3)), 2)
+    assert torch.equal(out["torch.sort"], out["longest_first_order"])
+    return us
 
 
 def permuted(inp: dict, order: torch.Tensor) -> dict:
@@ -34,7 +59,7 @@ def main() -> None:
         orders = {"random": torch.arange(batch, device="cuda"),
                   "longest_first": torch.argsort(inp["seq_lens"], descending=True),
                   "shortest_first": torch.argsort(inp["seq_lens"])}
-        outs, row = {}, {"batch": batch}
+        outs, row = {}, {"batch": batch, "order_us": order_cost_us(inp["seq_lens"])}
         for _ in range(2):  # twice in turn, so that a drifting clock shows
             for name, order in orders.items():
                 out = torch.empty(calls, *inp["q"].shape, dtype=inp["q"].dtype, device="cuda")

@@ -108,7 +108,8 @@ FUSED_DECODE_MERGE_MAX_BATCH = 4
 # From this batch size decode graphs sort their sequences longest first (on the device, in the graph) and decode
 # attention dispatches their programs in that order, so that no long sequence starts as the launch drains.
 # Measured on an H100 (scripts/probe_decode_order.py, contexts of 100-2,048 keys, us a call): batch 256
-# 375.4 -> 370.5, 128 198.1 -> 196.8, 64 110.4 -> 109.7; the sort costs a few us a step, once for all layers.
+# 375.4 -> 370.5, 128 198.1 -> 196.8, 64 110.4 -> 109.7; the order costs one launch a step, once for all layers
+# (kernels/decode_order.py).
 DECODE_ORDER_MIN_BATCH = 128
 
 
@@ -127,7 +128,6 @@ class CUDAGraphRunner(_Graphs):
         num_kv_heads = next(m for m in model.modules() if isinstance(m, Attention)).num_kv_heads
         self.decode_counters = torch.zeros(FUSED_DECODE_MERGE_MAX_BATCH * num_kv_heads, dtype=torch.int32,
                                            device=device)
-        self.sorted_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.decode_order = torch.zeros(n, dtype=torch.int64, device=device)
 
     def _args(self, bs: int) -> tuple:
@@ -139,8 +139,9 @@ class CUDAGraphRunner(_Graphs):
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if meta.decode_order is not None:
-            n = meta.seq_lens.shape[0]
-            torch.sort(meta.seq_lens, descending=True, stable=True, out=(self.sorted_lens[:n], meta.decode_order))
+            from nanoserve.kernels.decode_order import longest_first_order
+
+            longest_first_order(meta.seq_lens, meta.decode_order)
         return self.model(input_ids, positions, meta)
 
     def can_run(self, num_seqs: int, num_decodes: int) -> bool:

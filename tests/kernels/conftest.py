@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
     # Helpers before the kernels that call them: a kernel binds the jit helpers its module imported.
     for _name in ("pdl", "prefill_split", "prefill_tile", "kv_store", "prefill_attention", "decode_attention",
-                  "decode_rope_attention", "qkv_rope_store", "gemv", "silu_mul_gemv", "sampling"):
+                  "decode_rope_attention", "qkv_rope_store", "gemv", "silu_mul_gemv", "sampling", "decode_order"):
         _module = sys.modules.get(f"nanoserve.kernels.{_name}")
         if _module is not None:
             importlib.reload(_module)
