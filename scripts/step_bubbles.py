@@ -3,7 +3,9 @@
 Runs `bench throughput`'s workload with light instruments instead of a profiler (which slows the host and so
 moves the very gaps it should measure):
 - On the device, a CUDA event before each step's first kernel (its input copies) and one after its last (the
-  samples' copy to the host). The time between one step's last event and the next step's first is what the GPU
+  samples' copy to the host), and the step's bound as bench throughput counts it (its decodes' weights and K/V
+  at the copy rate, its prompt tokens at the matmul rate, both measured at the start): gpu - bound by group is
+  where the run loses to the roofline. The time between one step's last event and the next step's first is what the GPU
   sat idle between them: about zero when the host queued the next step in time.
 - On the host, each phase's time: schedule; the launch's prepare (inputs and their copies), forward (graph replay
   or eager model), LM head, sampler and copy to host; then processing the previous step, split into the wait for
@@ -31,6 +33,7 @@ from functools import wraps
 import numpy as np
 import torch
 
+from nanoserve.bench import roofline
 from nanoserve.bench.throughput import workload
 from nanoserve.kernels import decode_attention, decode_rope_attention
 from nanoserve.layers.sampler import SampledTokens
@@ -80,6 +83,8 @@ def instrument(llm: LLM, rec: Recorder) -> None:
         rec.current["decodes"] = sum(1 for e in out.scheduled if e.num_new_tokens == 1)
         rec.current["prefill_tokens"] = sum(e.num_new_tokens for e in out.scheduled if e.num_new_tokens > 1)
         rec.current["sampled"] = sum(len(e.sample_seqs) for e in out.scheduled)
+        # Keys the step's decodes attend to (each one's context, its new token included): the K/V it reads.
+        rec.current["kv_tokens"] = sum(e.start + 1 for e in out.scheduled if e.num_new_tokens == 1)
         return out
 
     engine.scheduler.schedule = rec.timed("schedule", recording_schedule)
@@ -157,11 +162,17 @@ def main() -> None:
         torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
     if ns.decode_options or ns.decode_splits:
         override_decode_options(ns.decode_options, ns.decode_splits, ns.decode_options_min_batch)
-    llm = LLM(model=ns.model, load_format="dummy", dtype="bfloat16" if torch.cuda.is_available() else "float32")
+    cuda = torch.cuda.is_available()
+    # The ceilings bench throughput measures at its start, for each step's bound (the bound column).
+    bw, flops = (roofline.measure_bandwidth(torch.device("cuda")), roofline.measure_matmul(torch.device("cuda"))) \
+        if cuda else (None, None)
+    llm = LLM(model=ns.model, load_format="dummy", dtype="bfloat16" if cuda else "float32")
     engine, cfg = llm.engine, llm.engine.config
+    model = engine.runner.model
+    weight_bytes, params = roofline.model_bytes(model), roofline.model_params(model)
+    kv_per_token = roofline.kv_bytes_per_token(cfg)
     lo = min(100, ns.max_len)
     prompts, out_lens = workload(ns.num_prompts, lo, ns.max_len, lo, ns.max_len, cfg.model.vocab_size, ns.seed)
-    cuda = cfg.device.type == "cuda"
     rec = Recorder(cuda)
     instrument(llm, rec)
     llm.generate(prompts[:8], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)  # warm-up
@@ -186,17 +197,21 @@ def main() -> None:
         if cuda:
             row["gpu"] = step["start"].elapsed_time(step["end"])
             row["idle"] = prev_end.elapsed_time(step["start"]) if prev_end is not None else 0.0
+            # As bench throughput bounds the run: a step with decodes reads every weight and their K/V at the
+            # copy rate; prompt tokens cost 2 FLOPs a parameter at the matmul rate.
+            decode_bytes = (weight_bytes + kv_per_token * step["kv_tokens"]) if step["decodes"] else 0
+            row["bound"] = 1e3 * (decode_bytes / bw + 2 * params * step["prefill_tokens"] / flops)
         prev_end = step["end"]
         rows.append(row)
         g = groups[group_of(step)]
         g["steps"] += 1
-        for col in (*PHASES, "gpu", "idle"):
+        for col in (*PHASES, "gpu", "idle", "bound"):
             g[col] += row.get(col, 0.0)
     if ns.dump:
         with open(ns.dump, "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
 
-    cols = ("steps", "gpu", "idle", *PHASES)
+    cols = ("steps", "gpu", "bound", "idle", *PHASES)
     print(f"{'group':<12}" + "".join(f"{c:>10}" for c in cols))
     print(f"{'':<12}{'':>10}" + "".join(f"{'ms/step':>10}" for _ in cols[1:]))
     for key in sorted(groups):
@@ -213,6 +228,10 @@ def main() -> None:
         "wall_s": round(wall, 3), "output_tok_s": round(n_out / wall, 1), "steps": int(total["steps"]),
         "gpu_busy_s": round(total["gpu"] / 1e3, 3) if cuda else None,
         "gpu_idle_s": round(total["idle"] / 1e3, 3) if cuda else None,
+        "bound_s": round(total["bound"] / 1e3, 3) if cuda else None,
+        # GPU time over the bound, by group: where the run loses to the roofline.
+        "over_bound_by_group_s": {k: round((g["gpu"] - g["bound"]) / 1e3, 3) for k, g in sorted(groups.items())}
+        if cuda else None,
         "idle_by_group_s": {k: round(g["idle"] / 1e3, 3) for k, g in sorted(groups.items())} if cuda else None,
         "host_s": {c: round(total[c] / 1e3, 3) for c in PHASES},
         "lm_head_rows_distinct": len({s["sampled"] for s in rec.steps if s.get("sampled")}),
