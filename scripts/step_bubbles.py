@@ -3,10 +3,11 @@
 Runs `bench throughput`'s workload with light instruments instead of a profiler (which slows the host and so
 moves the very gaps it should measure):
 - On the device, a CUDA event before each step's first kernel (its input copies) and one after its last (the
-  samples' copy to the host), and the step's bound as bench throughput counts it (its decodes' weights and K/V
-  at the copy rate, its prompt tokens at the matmul rate, both measured at the start): gpu - bound by group is
-  where the run loses to the roofline. The time between one step's last event and the next step's first is what the GPU
+  samples' copy to the host). The time between one step's last event and the next step's first is what the GPU
   sat idle between them: about zero when the host queued the next step in time.
+- Each step's bound as bench throughput counts the run (its decodes' weights and K/V at the copy rate, its
+  prompt tokens at the matmul rate, both measured at the start): gpu - bound, by group, is where the run loses
+  to the roofline.
 - On the host, each phase's time: schedule; the launch's prepare (inputs and their copies), forward (graph replay
   or eager model), LM head, sampler and copy to host; then processing the previous step, split into the wait for
   its samples and the work after.
