@@ -51,6 +51,12 @@ for step in $steps; do
     # The device's read-only rate, decode attention's access pattern without its math, and a stream-K decode attention
     # (scripts/probe_read_bandwidth.py, probe_decode_stream.py).
     probe-read-bw) for b in 256 128; do timeout 300 python scripts/probe_read_bandwidth.py --batch $b; done ;;
+    # Decode attention on the throughput recipe's own batch-256 step against the whole decode graph; what a
+    # norm -> cuBLAS GEMM boundary costs; TunableOp over the decode GEMMs (scripts/probe_step_attention.py,
+    # probe_kernel_boundaries.py, probe_tunable_gemm.py).
+    probe-step-attn) timeout 300 python scripts/probe_step_attention.py --model "$cfg/qwen3-0.6b" 2>&1 | tail -1 ;;
+    probe-boundaries) for r in 256 64; do timeout 120 python scripts/probe_kernel_boundaries.py --rows $r; done ;;
+    probe-tunable) timeout 300 python scripts/probe_tunable_gemm.py | tail -1 ;;
     sweep-decode) for b in 256 128; do timeout 200 python scripts/sweep_decode_config.py --batch $b | tail -9; done ;;
     # A persistent kernel with grid barriers against one launch per GEMV, for the MLP half of a batch-1 layer.
     probe-mlp) timeout 200 python scripts/probe_persistent_mlp.py ;;
