@@ -84,6 +84,17 @@ def time_graph(graph: torch.cuda.CUDAGraph, calls: int, replays: int = 20) -> fl
     return start.elapsed_time(end) * 1e3 / (replays * calls)
 
 
+def time_fn(fn, calls: int) -> float:
+    """Microseconds per call of fn (which makes `calls` calls), captured once in a CUDA graph after a warm-up run
+    (which compiles, and lets TunableOp tune, outside the capture); the best of three timings."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return min(time_graph(graph, calls) for _ in range(3))
+
+
 def compare_case(model: str, batch: int, lo: int, hi: int) -> dict:
     hq, hkv, layers = MODELS[model]
     inp = make_inputs(batch, lo, hi, hq, hkv, MAX_MODEL_LEN // BLOCK_SIZE)

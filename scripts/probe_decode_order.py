@@ -12,7 +12,7 @@ import argparse
 import json
 
 import torch
-from bench_decode_attention import BLOCK_SIZE, MAX_MODEL_LEN, MODELS, make_inputs, time_graph
+from bench_decode_attention import BLOCK_SIZE, MAX_MODEL_LEN, MODELS, make_inputs, time_fn
 from sweep_decode_config import timed
 
 from nanoserve.kernels.decode_order import longest_first_order
@@ -27,15 +27,7 @@ def order_cost_us(seq_lens: torch.Tensor, calls: int = 20) -> dict:
     fns = {"torch.sort": lambda: torch.sort(seq_lens, descending=True, stable=True,
                                             out=(sorted_lens, out["torch.sort"])),
            "longest_first_order": lambda: longest_first_order(seq_lens, out["longest_first_order"])}
-    us = {}
-    for name, fn in fns.items():
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-        us[name] = round(min(time_graph(graph, calls) for _ in range(3)), 2)
+    us = {name: round(time_fn(lambda fn=fn: [fn() for _ in range(calls)], calls), 2) for name, fn in fns.items()}
     assert torch.equal(out["torch.sort"], out["longest_first_order"])
     return us
 

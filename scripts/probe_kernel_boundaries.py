@@ -13,20 +13,11 @@ import argparse
 import json
 
 import torch
-from bench_decode_attention import time_graph
+from bench_decode_attention import time_fn
 
 from nanoserve.kernels.rms_norm import rms_norm
 
 LAYERS, HIDDEN, QKV = 28, 1024, 4096
-
-
-def timed(fn, calls: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return round(min(time_graph(graph, calls) for _ in range(3)), 2)
 
 
 def main() -> None:
@@ -57,7 +48,7 @@ def main() -> None:
     result = {"rows": ns.rows}
     for _ in range(2):
         for name, fn in (("norm", norms), ("gemm", gemms), ("chained", chained)):
-            result[name] = min(result.get(name, 1e9), timed(fn, LAYERS))
+            result[name] = min(result.get(name, 1e9), round(time_fn(fn, LAYERS), 2))
     result["boundary_us"] = round(result["chained"] - result["norm"] - result["gemm"], 2)
     import inspect
 

@@ -16,7 +16,7 @@ import argparse
 import json
 
 import torch
-from bench_decode_attention import time_graph
+from bench_decode_attention import time_fn, time_graph
 
 from nanoserve.bench import roofline
 from nanoserve.bench.throughput import workload
@@ -24,15 +24,6 @@ from nanoserve.kernels.decode_attention import decode_attention
 from nanoserve.kernels.decode_order import longest_first_order
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
-
-
-def graph_us(fn, calls: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return min(time_graph(graph, calls) for _ in range(3))
 
 
 def measure(engine, bs: int) -> dict:
@@ -53,7 +44,7 @@ def measure(engine, bs: int) -> dict:
             decode_attention(q, k, v, seq_lens, tables, scale, out=out, order=order)
 
     result = {"batch": bs, "mean_len": round(sum(lens) / bs, 1), "min_len": min(lens), "max_len": max(lens)}
-    us = graph_us(attention, len(layers))
+    us = time_fn(attention, len(layers))
     result["attention_us"] = round(us, 2)
     result["attention_gb_s"] = round(kv_bytes / us / 1e3, 1)
     # The same keys with each sequence's blocks in order: copy them into a fresh pool laid out sequence by sequence.
@@ -69,7 +60,7 @@ def measure(engine, bs: int) -> dict:
         rows = torch.cat([src[b, :n] for b, n in enumerate(blocks)])
         fresh.append((k[rows].contiguous(), v[rows].contiguous()))
     cycled = [fresh[i % len(fresh)] for i in range(len(layers))]
-    us = graph_us(lambda: attention(in_order, cycled), len(layers))
+    us = time_fn(lambda: attention(in_order, cycled), len(layers))
     result["in_order_gb_s"] = round(kv_bytes / us / 1e3, 1)
     result["copy_tb_s"] = round(roofline.measure_bandwidth(torch.device("cuda")) / 1e12, 3)
     # The whole step as the engine replays it.

@@ -15,7 +15,7 @@ import tempfile
 
 import torch
 import torch.cuda.tunable as tunable
-from bench_decode_attention import time_graph
+from bench_decode_attention import time_fn
 
 LAYERS = 28
 SHAPES = {"qkv": (1024, 4096), "o": (2048, 1024), "gate_up": (1024, 6144), "down": (3072, 1024)}  # (K, N)
@@ -30,12 +30,7 @@ def time_shape(rows: int, k: int, n: int) -> float:
         for w in weights:
             torch.mm(x, w.t(), out=out)
 
-    calls()  # TunableOp tunes here, outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
-    return round(min(time_graph(graph, LAYERS) for _ in range(3)), 2)
+    return round(time_fn(calls, LAYERS), 2)  # TunableOp tunes in its warm-up run, outside the capture
 
 
 def main() -> None:
