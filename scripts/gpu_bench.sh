@@ -57,6 +57,8 @@ for step in $steps; do
     probe-step-attn) timeout 300 python scripts/probe_step_attention.py --model "$cfg/qwen3-0.6b" 2>&1 | tail -1 ;;
     probe-boundaries) for r in 256 64; do timeout 120 python scripts/probe_kernel_boundaries.py --rows $r; done ;;
     probe-tunable) timeout 300 python scripts/probe_tunable_gemm.py | tail -1 ;;
+    # Inductor's max-autotune Triton GEMMs (TMA-persistent templates included) against cuBLAS on the same shapes.
+    probe-inductor) timeout 500 python scripts/probe_inductor_gemm.py 2>/dev/null | tail -1 ;;
     sweep-decode) for b in 256 128; do timeout 200 python scripts/sweep_decode_config.py --batch $b | tail -9; done ;;
     # A persistent kernel with grid barriers against one launch per GEMV, for the MLP half of a batch-1 layer.
     probe-mlp) timeout 200 python scripts/probe_persistent_mlp.py ;;
