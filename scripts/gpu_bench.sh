@@ -71,6 +71,8 @@ for step in $steps; do
     # The batch-1 decode of bench latency's shape through step_bubbles: is the GPU ever idle between steps?
     bubbles-b1) timeout 200 python scripts/step_bubbles.py --model "$cfg/qwen3-0.6b" --num-prompts 1 --max-len 640 2>&1 | grep -v Warn | tail -8 ;;
     prefill-attn) timeout 300 python scripts/bench_prefill_attention.py ;;
+    # Whether prefill attention's K/V loads are software-pipelined (cp.async in the launched kernel's PTX).
+    probe-pipelining) timeout 120 python scripts/probe_prefill_pipelining.py | tail -1 ;;
     # The prefix step's prefill attention taken apart (fixed cost, key tiles, merge) by editing its map.
     probe-prefix-attn) for a in "" "--block-m 128" "--block-m 32"; do timeout 120 python scripts/probe_prefix_attention.py $a | tail -1; done ;;
     # Host time of a graph replay and how late a graph starts on an idle GPU (prefill buckets, batch-1 decode).
