@@ -21,7 +21,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (RequestOutput.error says why)
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
     @property
@@ -47,3 +47,4 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    error: str | None = None  # set when the engine failed this request alone (its samples end with "error")

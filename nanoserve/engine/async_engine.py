@@ -29,11 +29,12 @@ from nanoserve.engine.engine_process import ProcessEngineCore
 from nanoserve.engine.engine_thread import ThreadEngineCore
 from nanoserve.engine.frontend import EngineFrontend
 from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.engine.streams import EngineDeadError, RequestGroup, RequestStream
+from nanoserve.engine.streams import EngineDeadError, RequestFailedError, RequestGroup, RequestStream
 from nanoserve.sampling_params import SamplingParams
 
 # The names the server and the tests import from here.
-__all__ = ["AsyncEngine", "EngineCore", "EngineDeadError", "EngineStats", "RequestGroup", "_RequestStream"]
+__all__ = ["AsyncEngine", "EngineCore", "EngineDeadError", "EngineStats", "RequestFailedError", "RequestGroup",
+           "_RequestStream"]
 _RequestStream = RequestStream
 
 

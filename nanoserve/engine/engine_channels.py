@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.engine_loop import AbortAll, AbortRequest, AddError, AddRequest, Command, EngineStats, Stop
+from nanoserve.engine.engine_loop import AbortAll, AbortRequest, AddRequest, Command, EngineStats, RequestError, Stop
 from nanoserve.engine.output_delta import DeltaEncoder, RequestDelta
 from nanoserve.outputs import RequestOutput
 
@@ -56,7 +56,7 @@ class Step:
     """On a channel: what one loop iteration produced for that channel's requests."""
 
     deltas: list[RequestDelta]
-    errors: list[AddError]
+    errors: list[RequestError]
     stats: EngineStats
 
 
@@ -98,9 +98,9 @@ class ChannelMux:
             if commands or not block:
                 return commands
 
-    def publish(self, outputs: list[RequestOutput], errors: list[AddError], stats: EngineStats) -> None:
+    def publish(self, outputs: list[RequestOutput], errors: list[RequestError], stats: EngineStats) -> None:
         deltas: list[list[RequestDelta]] = [[] for _ in self._channels]
-        refused: list[list[AddError]] = [[] for _ in self._channels]
+        refused: list[list[RequestError]] = [[] for _ in self._channels]
         for delta in self._encoder.encode(outputs):
             engine_id, finished = delta[0], delta[2]
             route = self._routes.pop(engine_id, None) if finished else self._routes.get(engine_id)
@@ -108,6 +108,7 @@ class ChannelMux:
                 index, request_id = route
                 deltas[index].append((request_id, *delta[1:]) if self._suffixed else delta)
         for engine_id, exc in errors:
+            self._encoder.forget(engine_id)  # a request that failed after some outputs were sent
             if (route := self._routes.pop(engine_id, None)) is not None:
                 refused[route[0]].append((route[1], exc))
         for index, conn in enumerate(self._channels):

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.streams import RequestFailedError
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import SamplingParams
 
@@ -82,13 +83,14 @@ class Stop:
 
 
 Command = AddRequest | AbortRequest | AbortAll | Setup | Stop
-# (request id, why the engine refused it): a ValueError the caller should see as a 400.
-AddError = tuple[str, ValueError]
+# (request id, why it ended without a last output): a ValueError when the engine refused the request (the
+# caller's 400), a RequestFailedError when working on it raised (the engine itself goes on).
+RequestError = tuple[str, Exception]
 
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, receive: Callable[[bool], list[Command]],
-                 publish: Callable[[list[RequestOutput], list[AddError], EngineStats], None]) -> None:
+                 publish: Callable[[list[RequestOutput], list[RequestError], EngineStats], None]) -> None:
         """receive(block) returns the commands sent since the last call (waiting for one when block is
         true); publish(outputs, add_errors, stats) hands on one iteration's results. Whatever they raise
         ends the loop and propagates: they are the transport, not the engine."""
@@ -112,7 +114,11 @@ class EngineLoop:
                         return None
                     self._apply(command, outputs, errors)
                 if engine.has_unfinished_requests():
-                    outputs += engine.step()
+                    for out in engine.step():
+                        if out.error is None:
+                            outputs.append(out)
+                        else:
+                            errors.append((out.request_id, RequestFailedError(out.error)))
             except Exception as exc:  # the engine's state is unknown now: it must not run again
                 logger.exception("engine loop failed")
                 return f"the engine failed: {type(exc).__name__}: {exc}"
@@ -121,7 +127,7 @@ class EngineLoop:
                 self.publish(outputs, errors, stats)
                 last_stats = stats
 
-    def _apply(self, command: Command, outputs: list[RequestOutput], errors: list[AddError]) -> None:
+    def _apply(self, command: Command, outputs: list[RequestOutput], errors: list[RequestError]) -> None:
         engine = self.engine
         if isinstance(command, AddRequest):
             self.num_added += 1
@@ -129,6 +135,9 @@ class EngineLoop:
                 engine.add_request(command.request_id, command.prompt_token_ids, command.params)
             except ValueError as exc:  # validated at the edge already; a late refusal still reaches the caller
                 errors.append((command.request_id, exc))
+            except Exception as exc:  # add_request changes nothing when it raises: only this request fails
+                logger.exception("adding request %s failed", command.request_id)
+                errors.append((command.request_id, RequestFailedError(f"{type(exc).__name__}: {exc}")))
         elif isinstance(command, AbortRequest):
             out = engine.abort_request(command.request_id)
             if out is not None:

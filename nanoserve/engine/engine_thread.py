@@ -14,11 +14,11 @@ from collections.abc import Callable
 from nanoserve.engine.engine_loop import (
     AbortAll,
     AbortRequest,
-    AddError,
     AddRequest,
     Command,
     EngineLoop,
     EngineStats,
+    RequestError,
     Setup,
     Stop,
 )
@@ -82,7 +82,7 @@ class ThreadEngineCore:
             except queue.Empty:
                 return commands
 
-    def _publish(self, outputs: list[RequestOutput], errors: list[AddError], stats: EngineStats) -> None:
+    def _publish(self, outputs: list[RequestOutput], errors: list[RequestError], stats: EngineStats) -> None:
         items: list[tuple[RequestStream, RequestOutput | BaseException]] = []
         with self._lock:
             for request_id, exc in errors:

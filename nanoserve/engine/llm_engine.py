@@ -11,7 +11,8 @@ from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
 from nanoserve.engine.frontend import EngineFrontend, load_tokenizer
 from nanoserve.engine.request import Request, SeqStatus, Sequence
-from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
+from nanoserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from nanoserve.layers.sampler import SamplerOutput
 from nanoserve.outputs import CompletionOutput, Logprob, RequestOutput
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.worker.model_runner import LaunchedStep, ModelRunner
@@ -38,7 +39,7 @@ class LLMEngine(EngineFrontend):
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.args.block_size,
                                           config.args.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.args.max_num_seqs,
-                                   config.args.max_num_batched_tokens, self._new_sequence)
+                                   config.args.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self.num_generation_tokens = 0
         self.num_prompt_tokens = 0
@@ -63,15 +64,19 @@ class LLMEngine(EngineFrontend):
         vocab = self.config.model.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids: ids must be in [0, {vocab})")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab}), got {max(params.logit_bias)}")
         room = self.max_model_len - len(prompt_ids)
         request = Request(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params,
                           max_tokens=min(params.max_tokens or room, room), priority=priority)
+        # Every sample is built before the request is registered: a failure leaves the engine as it was.
+        first, *request.unforked = [self._new_sequence(request, i) for i in range(params.n)]
+        request.seqs.append(first)
         self.requests[request_id] = request
-        self.scheduler.add(self._new_sequence(request))
+        self.scheduler.add(first)
         return request
 
-    def _new_sequence(self, request: Request) -> Sequence:
-        index = len(request.seqs)
+    def _new_sequence(self, request: Request, index: int) -> Sequence:
         params = request.params
         generator = None
         if params.seed is not None:
@@ -79,18 +84,26 @@ class LLMEngine(EngineFrontend):
             generator = torch.Generator(device=self.config.device).manual_seed(params.seed + index)
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens,
                                        params.stop)
-        seq = Sequence(request, index, list(request.prompt_token_ids), len(request.prompt_token_ids), detok,
-                       generator, logprobs=[] if params.logprobs is not None else None)
-        request.seqs.append(seq)
-        return seq
+        return Sequence(request, index, list(request.prompt_token_ids), len(request.prompt_token_ids), detok,
+                        generator, logprobs=[] if params.logprobs is not None else None)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
+        return self._end_request(request_id, "abort")
+
+    def _fail_request(self, request: Request, exc: Exception) -> RequestOutput | None:
+        """Finish `request` alone with finish_reason "error", after something raised while working on it."""
+        logger.error("request %s failed: %s: %s", request.request_id, type(exc).__name__, exc, exc_info=exc)
+        request.error = f"{type(exc).__name__}: {exc}"
+        return self._end_request(request.request_id, "error")
+
+    def _end_request(self, request_id: str, reason: str) -> RequestOutput | None:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
         for seq in self.scheduler.abort_request(request):
-            seq.finish_reason = "abort"
+            seq.finish_reason = reason
         request.aborted = True
+        request.metrics.finished_time = time.monotonic()
         return self._output(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -133,29 +146,28 @@ class LLMEngine(EngineFrontend):
         return launched
 
     def _process(self, launched: LaunchedStep, final_only: bool) -> list[RequestOutput]:
-        """Read a launched step's samples and append them: stop checks, detokenizing, outputs."""
+        """Read a launched step's samples and append them: stop checks, detokenizing, outputs. Whatever
+        raises while one request's tokens are handled fails that request alone."""
         sampled = launched.result()
         touched: dict[str, Request] = {}
+        failed: list[RequestOutput] = []
         row = 0
         for entry in launched.batch.scheduled:
-            seq = entry.seq
-            request = seq.request
-            if request.request_id in launched.prompt_logprobs:
-                self._add_prompt_logprobs(request, launched.prompt_logprobs[request.request_id])
-            # Before the sampled token is appended: a sample it finishes frees its blocks.
-            self.block_manager.cache_full_blocks(seq)
-            for s in entry.sample_seqs:
-                token, logprobs = sampled.token_ids[row], sampled.logprobs[row]
-                row += 1
-                if s.is_finished:  # finished or aborted since the launch: the token is not wanted
+            request = entry.seq.request
+            rows = range(row, row + len(entry.sample_seqs))
+            row = rows.stop
+            try:
+                if request.aborted:  # aborted or failed since the launch
                     continue
-                if s.num_stale:  # forced over since the launch (they arrive in launch order)
-                    s.num_stale -= 1
-                    continue
-                s.num_pending -= 1
-                self._append_token(s, token, logprobs)
-                touched[request.request_id] = request
-        outputs = []
+                if any(r in sampled.failed for r in rows):
+                    raise next(sampled.failed[r] for r in rows if r in sampled.failed)
+                if self._append_sampled(entry, launched, sampled, rows):
+                    touched[request.request_id] = request
+            except Exception as exc:
+                touched.pop(request.request_id, None)
+                if request.request_id in self.requests:
+                    failed.append(self._fail_request(request, exc))
+        outputs = failed
         for request in touched.values():
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = time.monotonic()
@@ -166,6 +178,27 @@ class LLMEngine(EngineFrontend):
                 request.metrics.finished_time = time.monotonic()
                 del self.requests[request.request_id]
         return outputs
+
+    def _append_sampled(self, entry: ScheduledSeq, launched: LaunchedStep, sampled: SamplerOutput,
+                        rows: range) -> bool:
+        """Append one scheduled entry's sampled tokens; returns whether any sample got one."""
+        seq = entry.seq
+        request = seq.request
+        if request.request_id in launched.prompt_logprobs:
+            self._add_prompt_logprobs(request, launched.prompt_logprobs[request.request_id])
+        # Before the sampled token is appended: a sample it finishes frees its blocks.
+        self.block_manager.cache_full_blocks(seq)
+        appended = False
+        for s, r in zip(entry.sample_seqs, rows, strict=True):
+            if s.is_finished:  # finished or aborted since the launch: the token is not wanted
+                continue
+            if s.num_stale:  # forced over since the launch (they arrive in launch order)
+                s.num_stale -= 1
+                continue
+            s.num_pending -= 1
+            self._append_token(s, sampled.token_ids[r], sampled.logprobs[r])
+            appended = True
+        return appended
 
     def _append_token(self, seq: Sequence, token: int, logprobs) -> None:
         if seq.is_finished:
@@ -230,7 +263,7 @@ class LLMEngine(EngineFrontend):
                              request.finished,
                              prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs else None,
                              num_cached_tokens=request.seqs[0].num_cached_tokens,
-                             metrics=request.metrics)
+                             metrics=request.metrics, error=request.error)
 
     # -- tool use (chat_engine.py) ------------------------------------------------------------------
     def add_step_hook(self, hook: Callable[[list[RequestOutput]], list[RequestOutput]]) -> None:

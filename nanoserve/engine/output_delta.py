@@ -53,6 +53,10 @@ class DeltaEncoder:
     def encode(self, outputs: list[RequestOutput]) -> list[RequestDelta]:
         return [self._encode(out) for out in outputs]
 
+    def forget(self, request_id: str) -> None:
+        """Drop what was sent of a request that ends without a last output (it failed)."""
+        self._sent.pop(request_id, None)
+
     def _encode(self, out: RequestOutput) -> RequestDelta:
         sent = self._sent.setdefault(out.request_id, _SentRequest())
         samples = []

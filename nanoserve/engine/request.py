@@ -81,10 +81,14 @@ class Request:
     max_tokens: int  # params.max_tokens resolved against the context length
     priority: int = 0  # lower runs first, as in vLLM
     arrival_time: float = field(default_factory=time.monotonic)
-    seqs: list[Sequence] = field(default_factory=list)
+    seqs: list[Sequence] = field(default_factory=list)  # the samples started so far
+    # Samples 1 .. n-1, built with the request (so that whatever could fail in building one fails when the
+    # request is added, not in the middle of a step) and started when the prompt's prefill ends.
+    unforked: list[Sequence] = field(default_factory=list)
     metrics: RequestMetrics = field(init=False)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     aborted: bool = False
+    error: str | None = None  # why the engine failed this request alone (finish_reason "error")
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
@@ -96,7 +100,12 @@ class Request:
     @property
     def needs_fork(self) -> bool:
         """n > 1 samples are forked from the first one once its prompt is prefilled."""
-        return not self.aborted and len(self.seqs) < self.params.n
+        return not self.aborted and bool(self.unforked)
+
+    def start_fork(self) -> Sequence:
+        seq = self.unforked.pop(0)
+        self.seqs.append(seq)
+        return seq
 
     @property
     def finished(self) -> bool:

@@ -44,12 +44,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 make_fork) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.make_fork = make_fork  # Request -> new Sequence (built by the engine, which owns tokenizers)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -93,7 +91,7 @@ class Scheduler:
         self.waiting.sort(key=lambda s: s.request.sort_key)
         while self.waiting and budget > 0 and not preempted:
             seq = self.waiting[0]
-            if len(self.running) + seq.request.params.n - len(seq.request.seqs) + 1 > self.max_num_seqs:
+            if len(self.running) + len(seq.request.unforked) + 1 > self.max_num_seqs:
                 break
             prefix = self.block_manager.match_prefix(seq) if seq.num_computed_tokens == 0 else []
             computed = len(prefix) * self.block_manager.block_size
@@ -119,7 +117,7 @@ class Scheduler:
         entry.sample_seqs = [seq]
         request = seq.request
         while request.needs_fork:
-            child = self.make_fork(request)
+            child = request.start_fork()
             self.block_manager.fork(seq, child)
             child.num_computed_tokens = seq.num_computed_tokens
             child.status = SeqStatus.RUNNING

@@ -16,6 +16,10 @@ class EngineDeadError(RuntimeError):
     """The engine failed (or was shut down); no request can run any more."""
 
 
+class RequestFailedError(RuntimeError):
+    """Working on this request raised inside the engine; the engine and every other request go on."""
+
+
 class RequestStream:
     """One request's outputs, filled from an engine-side thread, read on the event loop.
 

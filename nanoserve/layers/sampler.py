@@ -7,7 +7,8 @@ penalties: the common case) samples in one Triton pass instead (kernels/sampling
 form of the same draw), which reads the logits once instead of about nine times.
 """
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +21,7 @@ class SamplerOutput:
     token_ids: list[int]
     # Per row, when logprobs were asked: (top ids, top logprobs, sampled logprob, sampled rank).
     logprobs: list[tuple[list[int], list[float], float, int] | None]
+    failed: dict[int, Exception] = field(default_factory=dict)  # row -> what raised while sampling it alone
 
 
 @dataclass
@@ -33,6 +35,7 @@ class SampledTokens:
     ranks: torch.Tensor | None = None  # [rows]
     top_ids: torch.Tensor | None = None  # [rows, max n]
     top_values: torch.Tensor | None = None
+    failed: dict[int, Exception] = field(default_factory=dict)  # rows whose own sampling work raised
 
     def to_host(self) -> "SampledTokens":
         def copy(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -40,18 +43,18 @@ class SampledTokens:
             return None if t is None else t.to("cpu", non_blocking=True)
 
         return SampledTokens(copy(self.token_ids), self.num_logprobs, copy(self.chosen), copy(self.ranks),
-                             copy(self.top_ids), copy(self.top_values))
+                             copy(self.top_ids), copy(self.top_values), self.failed)
 
     def result(self) -> SamplerOutput:
         token_ids = self.token_ids.tolist()
         if self.chosen is None:
-            return SamplerOutput(token_ids, [None] * len(token_ids))
+            return SamplerOutput(token_ids, [None] * len(token_ids), self.failed)
         chosen, ranks = self.chosen.tolist(), self.ranks.tolist()
         top_ids = self.top_ids.tolist() if self.top_ids is not None else [[]] * len(token_ids)
         top_values = self.top_values.tolist() if self.top_values is not None else [[]] * len(token_ids)
         logprobs = [None if n is None else (top_ids[i][:n], top_values[i][:n], chosen[i], ranks[i])
                     for i, n in enumerate(self.num_logprobs)]
-        return SamplerOutput(token_ids, logprobs)
+        return SamplerOutput(token_ids, logprobs, self.failed)
 
 
 class Sampler:
@@ -68,7 +71,8 @@ class Sampler:
         return self.sample(logits, seqs).result()
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
-        """Sample one token per row, without reading anything back to the host."""
+        """Sample one token per row, without reading anything back to the host. Per-row work that raises
+        (a sequence's own generator, its penalties) marks that row failed instead of failing the batch."""
         # One pass over the rows: this runs every step for every sequence, on the host's critical path.
         params = [s.params for s in seqs]
         sampled_rows, temps, top_k, top_p, min_p = [], [], [], [], []
@@ -81,16 +85,19 @@ class Sampler:
                 top_p.append(p.top_p)
                 min_p.append(p.min_p)
                 plain = plain and p.top_k <= 0 and p.top_p >= 1 and p.min_p <= 0 and seqs[i].generator is None
-            plain = plain and not p.has_penalties
+            plain = plain and not p.has_penalties and not p.logit_bias
         if plain:
             return self._sample_fused(logits, seqs, params)
+        failed: dict[int, Exception] = {}
         # .float() copies bf16 logits; fp32 ones are cloned, since the masks below write in place.
         logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         self._mask_stop_tokens(logits, seqs, params)
-        self._apply_penalties(logits, seqs, params)
+        self._apply_logit_bias(logits, params)
+        _each_row([i for i, p in enumerate(params) if p.has_penalties],
+                  lambda i: self._apply_penalties(logits[i], seqs[i]), failed)
         everyone_samples = len(sampled_rows) == len(seqs)
         tokens = None if everyone_samples else logits.argmax(dim=-1)
         if sampled_rows:
@@ -101,15 +108,17 @@ class Sampler:
                 rows = to_device(sampled_rows, torch.int64, self.device)
                 probs = self._filtered_probs(logits[rows], temps, top_k, top_p, min_p)
             q = torch.empty_like(probs).exponential_(generator=self.generator)
-            for j, i in enumerate(sampled_rows):
-                if seqs[i].generator is not None:
-                    q[j].exponential_(generator=seqs[i].generator)
+            seeded = [(j, i) for j, i in enumerate(sampled_rows) if seqs[i].generator is not None]
+            _each_row(seeded, lambda ji: q[ji[0]].exponential_(generator=seqs[ji[1]].generator), failed,
+                      row=lambda ji: ji[1])
             picked = (probs / q).argmax(dim=-1)
             if rows is None:
                 tokens = picked
             else:
                 tokens[rows] = picked
-        return self._logprobs(raw_logprobs, tokens, params)
+        out = self._logprobs(raw_logprobs, tokens, params)
+        out.failed = failed
+        return out
 
     def _sample_fused(self, logits: torch.Tensor, seqs: list[Sequence], params: list) -> SampledTokens:
         from nanoserve.kernels.sampling import gumbel_max_sample
@@ -135,25 +144,31 @@ class Sampler:
         if rows:
             logits[to_device(rows, torch.int64, self.device), to_device(cols, torch.int64, self.device)] = -float("inf")
 
-    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence], params: list) -> None:
-        rows = [i for i, p in enumerate(params) if p.has_penalties]
-        if not rows:
-            return
-        vocab = logits.shape[1]
-        for i in rows:
-            p = params[i]
-            out_ids = torch.tensor(seqs[i].output_token_ids, dtype=torch.long, device=self.device)
-            row = logits[i]
-            if p.repetition_penalty != 1:
-                # As in Hugging Face (CTRL): over prompt and output, shrink positive logits, grow negative.
-                seen = torch.tensor(seqs[i].token_ids, dtype=torch.long, device=self.device).unique()
-                picked = row[seen]
-                row[seen] = torch.where(picked > 0, picked / p.repetition_penalty,
-                                        picked * p.repetition_penalty)
-            if p.presence_penalty or p.frequency_penalty:
-                # As in OpenAI's API: over generated tokens only.
-                counts = torch.bincount(out_ids, minlength=vocab).to(row.dtype)
-                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    def _apply_logit_bias(self, logits: torch.Tensor, params: list) -> None:
+        """OpenAI's logit_bias: each listed token's logit moves by its bias, before penalties and sampling."""
+        rows, cols, biases = [], [], []
+        for i, p in enumerate(params):
+            if p.logit_bias:
+                rows += [i] * len(p.logit_bias)
+                cols += p.logit_bias.keys()
+                biases += p.logit_bias.values()
+        if rows:
+            # (row, token) pairs are unique (dict keys per row), so a plain indexed add is exact.
+            index = (to_device(rows, torch.int64, self.device), to_device(cols, torch.int64, self.device))
+            logits.index_put_(index, to_device(biases, torch.float32, self.device), accumulate=True)
+
+    def _apply_penalties(self, row: torch.Tensor, seq: Sequence) -> None:
+        p = seq.params
+        if p.repetition_penalty != 1:
+            # As in Hugging Face (CTRL): over prompt and output, shrink positive logits, grow negative.
+            seen = torch.tensor(seq.token_ids, dtype=torch.long, device=self.device).unique()
+            picked = row[seen]
+            row[seen] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
+        if p.presence_penalty or p.frequency_penalty:
+            # As in OpenAI's API: over generated tokens only.
+            out_ids = torch.tensor(seq.output_token_ids, dtype=torch.long, device=self.device)
+            counts = torch.bincount(out_ids, minlength=row.shape[0]).to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
     def _filtered_probs(self, logits: torch.Tensor, temps: list[float], top_k: list[int], top_p: list[float],
                         min_p: list[float]) -> torch.Tensor:
@@ -191,3 +206,12 @@ class Sampler:
         top = raw.topk(max_n, dim=1) if max_n else None
         return SampledTokens(tokens, num_logprobs, chosen[:, 0], ranks, top.indices if top is not None else None,
                              top.values if top is not None else None)
+
+
+def _each_row(items: list, fn: Callable, failed: dict[int, Exception], row: Callable = lambda i: i) -> None:
+    """fn(item) for each item; one that raises is recorded as its row's failure, and the others go on."""
+    for item in items:
+        try:
+            fn(item)
+        except Exception as exc:
+            failed.setdefault(row(item), exc)

@@ -18,7 +18,7 @@ from typing import Protocol
 
 from starlette.types import Send
 
-from nanoserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestGroup
+from nanoserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestGroup
 from nanoserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.errors import APIError, bad_request, error_body
@@ -162,6 +162,8 @@ class ServingBase:
                     finals[prompt_index] = out
         except EngineDeadError as exc:
             raise APIError(500, str(exc), code="engine_dead") from None
+        except RequestFailedError as exc:
+            raise APIError(500, f"the request failed in the engine: {exc}", code="request_failed") from None
         except ValueError as exc:  # the engine refused the request after the edge checks passed
             raise bad_request(exc) from None
         return finals
@@ -189,6 +191,10 @@ class ServingBase:
             raise  # a send failed, the client is gone: no one to tell
         except EngineDeadError as exc:
             last += sse(error_body(500, str(exc), code="engine_dead"))
+        except RequestFailedError as exc:
+            last += sse(error_body(500, f"the request failed in the engine: {exc}", code="request_failed"))
+        except ValueError as exc:  # the engine refused the request after the edge checks passed
+            last += sse(bad_request(exc).to_dict())
         except Exception as exc:  # a bug here must still end the stream with an error, not a cut
             logger.exception("stream failed")
             last += sse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"))

@@ -84,7 +84,7 @@ def test_presence_and_frequency_penalties():
     output = [4, 4, 4, 9]
     p = SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.25)
     out = logits.clone()
-    s._apply_penalties(out, [fake_seq(p, prompt=(7,), output=output)], [p])
+    s._apply_penalties(out[0], fake_seq(p, prompt=(7,), output=output))
     expected = logits.clone()
     expected[0, 4] -= 0.5 + 3 * 0.25
     expected[0, 9] -= 0.5 + 1 * 0.25
@@ -96,7 +96,7 @@ def test_repetition_penalty_over_prompt_and_output():
     logits = torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5]])
     p = SamplingParams(temperature=0, repetition_penalty=2.0)
     out = logits.clone()
-    s._apply_penalties(out, [fake_seq(p, prompt=(0,), output=(1,))], [p])
+    s._apply_penalties(out[0], fake_seq(p, prompt=(0,), output=(1,)))
     torch.testing.assert_close(out, torch.tensor([[1.0, -4.0, 1.0, -1.0, 0.5]]))
 
 
