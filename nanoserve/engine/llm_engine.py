@@ -159,8 +159,8 @@ class LLMEngine(EngineFrontend):
             try:
                 if request.aborted:  # aborted or failed since the launch
                     continue
-                if any(r in sampled.failed for r in rows):
-                    raise next(sampled.failed[r] for r in rows if r in sampled.failed)
+                if sampled.failed and (errors := [sampled.failed[r] for r in rows if r in sampled.failed]):
+                    raise errors[0]
                 if self._append_sampled(entry, launched, sampled, rows):
                     touched[request.request_id] = request
             except Exception as exc:
