@@ -6,16 +6,12 @@ Engine and tool loop (greedy). Prints one JSON line last.
 
 import json
 import re
-import sys
-from pathlib import Path
 
 import torch
+from train_tiny_model import eval_prompts  # the training script beside this one: Python puts its folder on sys.path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from train_tiny_model import eval_prompts  # noqa: E402
-
-from nanoserve import LLM  # noqa: E402
-from nanoserve.chat_engine import Engine  # noqa: E402
+from nanoserve import LLM
+from nanoserve.chat_engine import Engine
 
 
 def main() -> None:

@@ -20,7 +20,6 @@ import json
 import math
 import random
 import re
-import sys
 import time
 from pathlib import Path
 
@@ -35,8 +34,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nanoserve.tools.calculator import calculator  # noqa: E402  (import after the path fix-up)
+from nanoserve.tools.calculator import calculator
 
 SPECIALS = [
     "<|bos|>",

@@ -286,14 +286,14 @@ def _decode_reduce_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_ob, stride_oh,
 def default_num_splits(batch_size: int, num_kv_heads: int, max_context_len: int) -> int:
     """About 1024 programs, but 2 to 16 splits, and never a split under 64 keys; one split past 1024 programs.
 
-    Measured on an H200 (scripts/bench_decode_attention.py, bf16, 8 kv heads, graph-captured): at batch 256
+    Measured on an H200 (bf16, 8 kv heads, graph-captured; probe at 275aa23): at batch 256
     two splits beat one by 4% (3.9 TB/s: long and short sequences balance better); at batch 1 with 128-640
     keys, 4-16 splits took 6.3-6.6 us where 128 took 11.8 us (empty splits and a long reduce are not free),
     and at 4,000 keys 16-32 splits were fastest. A captured graph sizes max_context_len to max_model_len,
     so the count must suit short and long contexts alike."""
     # Past 1,024 programs the GPU is full without splits, and the reduce launch is saved: on an H100 with
     # 128-key tiles, one split at batches over 128 (8 kv heads) cut the throughput recipe's GPU time 1.2-1.5 %
-    # (scripts/step_bubbles.py --decode-splits 1 --decode-options-min-batch 129).
+    # (probe at 275aa23).
     if batch_size * num_kv_heads > 1024:
         return 1
     wanted = min(16, max(2, triton.cdiv(1024, batch_size * num_kv_heads)))
@@ -343,8 +343,8 @@ def plan_split_launch(dtype: torch.dtype, out: torch.Tensor, k_cache: torch.Tens
     pdl = use_pdl(out)
     # Memory bound: two stages of 64-key tiles keep the next tile's gather in flight. Large 16-bit batches stream
     # more bytes per program with 128-key tiles in three stages (192 KB of shared memory at head_dim 128, too
-    # much in fp32): on an H100 (scripts/sweep_decode_config.py) 3 % faster at batch 128 and 256, and the
-    # throughput recipe's run 2.7 % shorter (scripts/step_bubbles.py --decode-options).
+    # much in fp32): on an H100, 3 % faster at batch 128 and 256, and the throughput recipe's run 2.7 % shorter
+    # (probes at 275aa23).
     block_n, num_stages = (128, 3) if batch >= _LARGE_BATCH and k_cache.element_size() == 2 else (_BLOCK_N, 2)
     options = dict(
         SPLIT=split, FUSED=fused,
@@ -391,7 +391,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     order, if given, is a permutation of 0..B-1 [B] (int64 or int32): the order in which the sequences' programs
     are dispatched. Longest first keeps a long sequence's programs from starting last, when the rest of the
-    launch has drained (scripts/probe_decode_order.py: 1.3 % faster at batch 256 over 100-2,048 keys on an H100).
+    launch has drained (1.3 % faster at batch 256 over 100-2,048 keys on an H100; probe at 275aa23).
     """
     assert q.stride(2) == 1
     out = torch.empty_like(q) if out is None else out

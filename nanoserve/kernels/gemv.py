@@ -4,8 +4,8 @@ At M <= 32 a linear layer is a pass over its weight, so the kernel is built to s
 once at full bandwidth: a program owns BLOCK_N output columns for all M rows and walks its [BLOCK_N, K]
 slab of the weight (contiguous along K) in wide, coalesced [BLOCK_N, BLOCK_K] tiles: on the CUDA cores at
 M = 1 (but for weights of 32 MB and more) and at M = 2 up to N = 2048, on the tensor cores (M padded to 16 or
-32) otherwise (from M = 9 when N < 2048). (The grid also tiles M, so a config with BLOCK_M < M runs: the probes
-of scripts/probe_gemm_decode.py.) There is one launch and no split-K partials to reduce, so a call adds one node
+32) otherwise (from M = 9 when N < 2048). (The grid also tiles M, so a config with BLOCK_M < M runs, as the
+decode-step probes at 275aa23 timed.) There is one launch and no split-K partials to reduce, so a call adds one node
 to a CUDA graph, and block sizes come from shapes by an explicit rule (no autotuning, which cannot run inside
 graph capture).
 
@@ -197,7 +197,7 @@ def _config(m: int, n: int, k: int, elem_size: int) -> _Config:
         if block_m == 1 and block_n == 2 and k >= 3072:
             # A long two-row slab at M = 1 (Qwen3-0.6B's down_proj) is three or more tiles, only two of them
             # loaded before the PDL wait: four rows in 1024-wide tiles halve the programs and measured 1.0 us
-            # a layer faster in the chained batch-1 GEMVs on an H100 (scripts/sweep_gemv_chain.py: 20.5 vs 21.6).
+            # a layer faster in the chained batch-1 GEMVs on an H100 (20.5 vs 21.6 us; probe at 275aa23).
             block_n, block_k = 4, 1024
         return _Config(False, block_m, block_n, min(block_k, k_cap), 4, 1)
     # Tensor-core path for M >= 3 (M >= 9 at small N): M FMAs per weight element would make the CUDA-core
@@ -208,7 +208,7 @@ def _config(m: int, n: int, k: int, elem_size: int) -> _Config:
     # pipelined over 4 stages (32 KB each for a 64 x 256 bf16 tile), so a few programs per SM already keep
     # the memory busy: 64-row slabs measured best wherever that still gives 64+ programs, 16-row ones below.
     # M = 17-32 pads to 32 rows with the same slabs: in whole Qwen3-0.6B decode steps on an H100 this beat cuBLAS
-    # by 2.8 % at 24 rows and 1.0 % at 32 (scripts/probe_gemm_decode.py --configs narrow), and lost at 48.
+    # by 2.8 % at 24 rows and 1.0 % at 32, and lost at 48 (probe at 275aa23).
     block_n = max(16, min(64, _pow2_floor(n // 64)))
     # fp32 tiles are twice the bytes (4 stages would need 320 KB): two fit in the 227 KB of shared memory.
     return _Config(True, max(16, block_m), block_n, min(256, k_cap), 4, 4 if elem_size <= 2 else 2)
@@ -281,7 +281,7 @@ def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
     streamed their weight, not as soon as they pass their wait. The CUDA-core path hides memory latency with many
     resident programs, and a next kernel with heavy programs that start early and wait beside them takes that
     room: Qwen3-0.6B's batch-1 qkv GEMV followed by decode_rope_attention measured 0.961 -> 0.901 ms a token
-    with it, against 0.922 for the unfused pair (H200; on an H100 1.024 -> 0.989 against the pair; BENCHMARKS.md).
+    with it, against 0.922 for the unfused pair (H200; on an H100 1.024 -> 0.989 against the pair).
     Where the next kernel waits for weights of its own (a GEMV) it costs more than it gains: every batch-1 GEMV
     with it, 0.945-0.952 -> 0.971-0.983 (H200).
 

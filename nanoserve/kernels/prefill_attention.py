@@ -127,8 +127,8 @@ def prefill_attention(
     names (its max_partials), and with its counters at zero (as allocated; every call leaves them so). Without
     split_scratch the map must split nothing (prefill_tile_map).
 
-    block_n (keys per inner tile), num_stages and num_warps override the measured defaults, for
-    scripts/bench_prefill_attention.py.
+    block_n (keys per inner tile), num_stages and num_warps override the measured defaults, for sweeps (the
+    benchmark that measured them is at 275aa23).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape

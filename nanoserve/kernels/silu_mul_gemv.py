@@ -8,12 +8,12 @@ programs an SM; a program with several row blocks walks them as one flattened lo
 stream does not drain between blocks.
 
 Measured on an H200 (`nanoserve bench latency --model .../llama-3.1-8b`, 2026-11-24, A/B copies of the tree):
-4.444-4.459 ms a token with cuBLAS, 4.273-4.278 with this kernel as scripts/probe_persistent_gemv.py first had it
+4.444-4.459 ms a token with cuBLAS, 4.273-4.278 with this kernel's first version (probe at 275aa23)
 (128 programs of 32 rows: 4.343); this file's version then ran 4.281-4.286 on another H200, and 5.806 on an H100
 (5.951-5.979 with cuBLAS). The skinny GEMM's CUDA-core path with the same blocks was slower than cuBLAS in the
-chained GEMVs (scripts/sweep_gemv_chain.py at c0ef833, +2.75 us a layer) and in the whole model (4.607-4.611 ms),
+chained GEMVs (+2.75 us a layer, measured at c0ef833; probe at 275aa23) and in the whole model (4.607-4.611 ms),
 and this kernel with the RMSNorm prologue on gate_up_proj lost to cuBLAS in the whole model (4.465-4.491 ms), so
-gate_up stays on cuBLAS (scripts/probe_persistent_gemv.py).
+gate_up stays on cuBLAS.
 """
 
 import torch

@@ -47,7 +47,7 @@ def prefill_block_m(num_tokens: int, pack: int = 1) -> int:
     # tiles, and a short chunk over a long cached prefix is several tiles per kv head whose long key ranges the
     # split map then cuts (100 tokens x 2 heads: four 64-row tiles). 128-row tiles (8 warps, one program per SM)
     # were slower than 64-row ones (4 warps, two per SM) on an H100 for 14 prompts of 100-1,024 tokens (133 vs
-    # 113 us a layer) and for 600 tokens over 30,000 cached (610 vs 573 us): scripts/bench_prefill_attention.py.
+    # 113 us a layer) and for 600 tokens over 30,000 cached (610 vs 573 us; benchmark at 275aa23).
     return min(64, max(16, _next_power_of_2(num_tokens * pack) // 4))
 
 

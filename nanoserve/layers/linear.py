@@ -11,13 +11,13 @@ from torch import nn
 from nanoserve.layers.activation import SiluAndMul
 from nanoserve.layers.norm import RMSNorm
 
-# Measured on an H200 inside CUDA graphs (scripts/bench_gemv.py): at one or two rows the Triton skinny GEMM
+# Measured on an H200 inside CUDA graphs (probe at 275aa23): at one or two rows the Triton skinny GEMM
 # streams Qwen3-0.6B's weights up to 3.5x faster than cuBLAS, and Llama-8B's qkv and o_proj (50 and 32 MB)
 # 3-9% faster, but its gate_up and down (235 and 117 MB) 4-5% slower. Launched eagerly (tens of microseconds of
 # Triton launch cost) cuBLAS is faster. Timed one GEMM at a time, cuBLAS was as fast from 4 rows on; but in whole
-# decode steps on an H100 (scripts/probe_gemm_decode.py, where the skinny GEMM starts under PDL beside the
-# Triton kernels around it), the skinny GEMM made Qwen3-0.6B's steps 1.0-8.6 % faster at 3-32 rows and
-# Llama-3.1-8B's (qkv and o_proj) 1.3-2.2 % at 4-32, and cuBLAS won from 48 rows.
+# decode steps on an H100 (where the skinny GEMM starts under PDL beside the Triton kernels around it; probe at
+# 275aa23), the skinny GEMM made Qwen3-0.6B's steps 1.0-8.6 % faster at 3-32 rows and Llama-3.1-8B's (qkv and
+# o_proj) 1.3-2.2 % at 4-32, and cuBLAS won from 48 rows.
 SKINNY_MAX_ROWS = 32
 SKINNY_MAX_WEIGHT_BYTES = 64 << 20
 
@@ -34,7 +34,7 @@ def capturing_cuda_graph(x: torch.Tensor) -> bool:
 
 def takes_fused_prologue(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the skinny GEMM also runs the op before it (forward_norm, forward_silu_mul). Only at one row:
-    measured on an H200 in graphs (scripts/bench_gemv.py --parts fused), fusing saves 0.2-0.9 us per GEMM at
+    measured on an H200 in graphs (probe at 275aa23), fusing saves 0.2-0.9 us per GEMM at
     one row but costs 0.2-3.4 us at two, where every program redoes the prologue for both rows. Nor on the tensor
     cores, which a large weight takes at one row (kernels/gemv.py)."""
     if not (x.dim() == 2 and x.shape[0] == 1 and takes_skinny_gemm(x, weight)):

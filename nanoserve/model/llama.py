@@ -17,7 +17,7 @@ from nanoserve.worker.cuda_graphs import FUSED_DECODE_MERGE_MAX_BATCH
 # Whether steps that are all decodes do q/k norm, rotary and the KV store inside decode attention's launch
 # (kernels/decode_rope_attention.py) instead of a launch of their own (qkv_rope_store). NANOSERVE_FUSED_ROPE_DECODE
 # "1": always, "0": never, unset or "auto": for models without q/k norms at up to FUSED_ROPE_DECODE_MAX_BATCH
-# sequences, and for models with them at one. Measured on an H100 (BENCHMARKS.md): Llama-3.1-8B batch-1 decode
+# sequences, and for models with them at one. Measured on an H100 (bench latency, A/B): Llama-3.1-8B batch-1 decode
 # 6.11 -> 6.01 ms/token and Qwen2.5-0.5B 0.88 -> 0.83 (f763de1); the throughput run (Qwen3-0.6B, batch 256) fell
 # from 76 to 73 % of bound (e01b115; on an H200 77.4 -> 72.8 % at 72f5345, with the plain kernel's longest-first
 # order). Qwen3-0.6B at batch 1 went 1.04 -> 1.17 until its qkv GEMV started attention's programs late
@@ -135,7 +135,8 @@ class LlamaDecoderLayer(nn.Module):
         late = attn.q_norm is not None and attn.fuses_rope_into_attention(x, meta)
         return attn.qkv_proj.forward_norm(x, residual, self.input_layernorm, late_dependents=late)
 
-    # The layer in the two pieces around attention (scripts/probe_two_batch.py runs them per half of a batch):
+    # The layer in the two pieces around attention (a two-batch overlap probe at 275aa23 ran them per half of a
+    # batch; on an H100 it lost, 7.86 against 7.40 s in the throughput recipe, so it is not in the engine):
     # before_attention, then self_attn.attn.attend, then after_attention is the same computation as forward.
     def before_attention(self, positions, x, residual, meta: AttentionMetadata):
         """The queries [T, num_heads, head_dim] (this step's K/V now in the cache) and the residual."""

@@ -55,7 +55,7 @@ def no_garbage_collection():
     test_graph_capture_survives_garbage_collection, without this guard). In the GPU tests, after the benchmarks
     had run on a cold Triton cache, a later engine's capture failed with "operation failed due to a previous
     error during capture" in 2 of 2 runs, and passed with this guard; which object the collector freed there is
-    not known (scripts/probe_capture_gc.py found the simpler cases harmless)."""
+    not known (a probe at 275aa23 found the simpler cases harmless)."""
     gc.collect()
     was_enabled = gc.isenabled()
     gc.disable()
@@ -101,13 +101,13 @@ class _Graphs:
 
 
 # Up to this batch size decode graphs merge attention's splits in the split kernel itself. Measured on an H200
-# (scripts/bench_decode_attention.py): one launch saves ~1 us a layer at batch 1 (16 splits), is even at batch 8
+# (probe at 275aa23): one launch saves ~1 us a layer at batch 1 (16 splits), is even at batch 8
 # and ~2-5 us slower at batch 256, where the merging programs' extra registers cost more than a launch.
 FUSED_DECODE_MERGE_MAX_BATCH = 4
 
 # From this batch size decode graphs sort their sequences longest first (on the device, in the graph) and decode
 # attention dispatches their programs in that order, so that no long sequence starts as the launch drains.
-# Measured on an H100 (scripts/probe_decode_order.py, contexts of 100-2,048 keys, us a call): batch 256
+# Measured on an H100 (contexts of 100-2,048 keys, us a call; probe at 275aa23): batch 256
 # 375.4 -> 370.5, 128 198.1 -> 196.8, 64 110.4 -> 109.7; the order costs one launch a step, once for all layers
 # (kernels/decode_order.py).
 DECODE_ORDER_MIN_BATCH = 128

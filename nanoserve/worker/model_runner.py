@@ -79,8 +79,7 @@ class ModelRunner:
         while prompts are admitted and as a batch drains. The first call at a new row count costs the host ~0.2 ms
         and up to tens of ms (an H100: mostly cuBLAS's per-shape work, lazy kernel loading the rest), during which
         the GPU can run dry; in the throughput recipe that was 0.06 s of GPU idle and a 2 % longer run
-        (scripts/probe_lm_head_shapes.py, scripts/step_bubbles.py --no-lm-head-warm-up). Paying it here keeps
-        it out of serving.
+        (H100; probes at 275aa23). Paying it here keeps it out of serving.
         """
         cfg = self.config
         rows = torch.zeros(cfg.args.max_num_seqs, cfg.model.hidden_size, dtype=cfg.dtype, device=self.device)
