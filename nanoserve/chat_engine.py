@@ -17,6 +17,11 @@ means the call is answered before any later step can sample past it, whoever dri
 Engine, `nanoserve chat`, or the server's engine thread or process. A sample ends at <|assistant_end|> or
 <|bos|> (or the model's eos, or max_tokens, which counts forced tokens too).
 
+Text: a request that hides special tokens (skip_special_tokens, the default) would show the call, its
+result and the answer run together ("12*3440812*34 = 408."); the tool loop puts markers in its text in
+their place, as `nanoserve chat` prints them: "[calculator: 12*34] 408\n12*34 = 408.". A request that keeps
+special tokens gets them as they are.
+
 Columns: samples advance in lockstep, one token per sample per column, so column t holds every
 sample's t-th generated token. Forced tokens enter the engine several at a time but are handed out one
 per column, as nanochat does. A sample's terminal token is yielded (mask 1); after it, and after a
@@ -29,12 +34,21 @@ import itertools
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.llm import LLM
+from nanoserve.engine.request import Sequence
 from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.tools.calculator import calculator
+
+if TYPE_CHECKING:  # llm.py imports this module for LLM.chat's tool loop
+    from nanoserve.llm import LLM
+
+# What the text shows in place of a tool token (ToolTokens' field names); the others show as nothing.
+# A later version gives tool calls OpenAI's `tool_calls` shape in the chat API; until then the text
+# carries them in this form.
+TOOL_MARKERS = {"python_start": "[calculator: ", "python_end": "] ", "output_end": "\n"}
 
 
 @dataclass(frozen=True)
@@ -69,6 +83,21 @@ class ToolCompletionOutput(CompletionOutput):
 class _SampleState:
     masks: list[int] = field(default_factory=list)  # one per output token seen so far
     expr: list[int] | None = None  # the token ids since <|python_start|>, while a call is open
+    # (offset in the detokenizer's text, marker) for each tool token seen; None: the text keeps special tokens.
+    markers: list[tuple[int, str]] | None = None
+
+    def with_markers(self, text: str) -> str:
+        """`text` with the markers of the tool tokens inside it put in."""
+        if not self.markers:
+            return text
+        parts, at = [], 0
+        for offset, marker in self.markers:
+            if offset > len(text):  # not shown yet (held back, or cut by a stop string)
+                break
+            parts += [text[at:offset], marker]
+            at = offset
+        parts.append(text[at:])
+        return "".join(parts)
 
 
 class ToolLoop:
@@ -86,6 +115,7 @@ class ToolLoop:
         self.tokens = tokens
         self.prefix = prefix
         self.states: dict[str, dict[int, _SampleState]] = {}  # request id -> sample index -> state
+        self.markers = {getattr(tokens, name): marker for name, marker in TOOL_MARKERS.items()}
 
     @classmethod
     def attach(cls, engine: LLMEngine, prefix: str) -> "ToolLoop | None":
@@ -108,13 +138,18 @@ class ToolLoop:
                 continue
             samples = self.states.setdefault(request_id, {})
             for seq in request.seqs:
-                state = samples.setdefault(seq.index, _SampleState())
+                state = samples.get(seq.index)
+                if state is None:
+                    state = samples[seq.index] = _SampleState(markers=[] if seq.params.skip_special_tokens else None)
                 new = seq.token_ids[seq.num_prompt_tokens + len(state.masks):]
                 state.masks += [1] * len(new)
+                self._mark(state, seq, new)
                 call = self._feed(state, new)
                 if call is not None and not seq.is_finished:
                     forced[request_id] = self.engine.force_tokens(request_id, seq.index, call)
-                    state.masks += [0] * (len(seq.output_token_ids) - len(state.masks))
+                    appended = seq.output_token_ids[len(state.masks):]
+                    state.masks += [0] * len(appended)
+                    self._mark(state, seq, appended)
         result = []
         for out in outputs:
             if out.request_id.startswith(self.prefix):
@@ -128,6 +163,15 @@ class ToolLoop:
         for request_id in [r for r in self.states if r not in self.engine.requests]:
             del self.states[request_id]
         return result
+
+    def _mark(self, state: _SampleState, seq: Sequence, new_tokens: list[int]) -> None:
+        """Record where the tool tokens among a sample's newest tokens fall in its text. A special token adds
+        no text, so that is the text's length now (the loop sees a sampled token in the step that made it)."""
+        if state.markers is None:
+            return
+        for token in new_tokens:
+            if token in self.markers:
+                state.markers.append((len(seq.detokenizer.text), self.markers[token]))
 
     def _feed(self, state: _SampleState, new_tokens: list[int]) -> list[int] | None:
         """Advance one sample's tool state; returns the tokens to force if a call just completed."""
@@ -153,8 +197,10 @@ class ToolLoop:
             fields = {f.name: getattr(c, f.name) for f in dataclasses.fields(CompletionOutput)}
             # A request that finished in this step left engine.requests before its last tokens were
             # seen; unseen tokens were sampled (forced ones are recorded as they are forced).
-            seen = samples[c.index].masks[:len(c.token_ids)] if c.index in samples else []
+            state = samples.get(c.index, _SampleState())
+            seen = state.masks[:len(c.token_ids)]
             masks = seen + [1] * (len(c.token_ids) - len(seen))
+            fields["text"] = state.with_markers(c.text)
             completions.append(ToolCompletionOutput(**fields, token_masks=masks))
         return dataclasses.replace(out, outputs=completions)
 
@@ -162,7 +208,7 @@ class ToolLoop:
 class Engine:
     """nanochat's Engine on an LLM: generate() yields token columns, generate_batch() whole samples."""
 
-    def __init__(self, llm: LLM) -> None:
+    def __init__(self, llm: "LLM") -> None:
         self.engine = llm.engine
         # A per-instance prefix names this Engine's requests, so its tool loop leaves others' alone.
         self._prefix = f"engine-{uuid.uuid4().hex[:8]}-"

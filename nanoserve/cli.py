@@ -1,11 +1,33 @@
 """Command line: nanoserve serve | generate | chat | bench."""
 
 import argparse
+import contextlib
 import dataclasses
+import importlib
+import itertools
+import logging
+import signal
 import sys
+import threading
 import typing
+from collections.abc import Callable, Iterator
 
+from nanoserve import __version__
 from nanoserve.config import EngineArgs
+
+BENCHMARKS = ("throughput", "latency", "serve", "prefix")
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# The exit status of a command stopped by Ctrl-C, as a shell reports a process that SIGINT ended.
+INTERRUPTED = 130
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every optional flag's help ends with its default; a description keeps its line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.required:
+            return action.help or ""
+        return super()._get_help_string(action)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -14,12 +36,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
+        help_ = f.metadata["help"]
         if kind is bool or kind == bool | None:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
         else:
             # `int | None` and the like: the flag parses the non-None member.
             base = next(a for a in typing.get_args(kind) if a is not type(None)) if typing.get_args(kind) else kind
-            parser.add_argument(flag, type=base, default=f.default)
+            parser.add_argument(flag, type=base, default=f.default, help=help_)
 
 
 def at_least_one(text: str) -> int:
@@ -34,15 +57,21 @@ def at_least_one(text: str) -> int:
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     """The HTTP server's own flags (`nanoserve serve` and `python -m nanoserve.server.app`)."""
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None)
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--max-waiting-requests", type=int, default=1024)
-    parser.add_argument("--drain-timeout", type=float, default=30.0)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--api-key", default=None, help="the key clients must send as a bearer token; None: no key")
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="one or more names clients may give as `model`; None: the model directory's name")
+    parser.add_argument("--max-waiting-requests", type=int, default=1024,
+                        help="requests that may wait to run before new ones get 429")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds that running requests get to finish on SIGTERM / Ctrl-C")
     parser.add_argument("--api-server-count", type=at_least_one, default=1,
                         help="API server processes (HTTP, tokenizing, streaming) in front of one engine process; "
                              "more than 1 runs the engine in a process of its own")
+    parser.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="info",
+                        help="uvicorn's own log level")
+    parser.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -50,11 +79,12 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=-1)
-    parser.add_argument("--sample-seed", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate per answer")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens "
+                                                                  "with this much probability")
+    parser.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest tokens; -1: all")
+    parser.add_argument("--sample-seed", type=int, default=None, help="seed of the sampling; None: unseeded")
 
 
 def _sampling_params(ns: argparse.Namespace, **overrides):
@@ -64,10 +94,16 @@ def _sampling_params(ns: argparse.Namespace, **overrides):
                           seed=ns.sample_seed, **overrides)
 
 
-def _stream(engine, request_id: str, render=lambda delta: delta):
-    """Print a request's text as it is generated (each delta through `render`); returns its final output."""
+def _stream(engine, request_id: str, render: Callable[[str], str] = lambda delta: delta,
+            interrupted: Callable[[], bool] = lambda: False):
+    """Print a request's text as it is generated (each delta through `render`); returns its final output, or
+    None if `interrupted()` turned true first (the request is then aborted)."""
     shown = 0
     while True:
+        if interrupted():
+            engine.abort_request(request_id)
+            print()
+            return None
         for out in engine.step():
             if out.request_id != request_id:
                 continue
@@ -77,6 +113,18 @@ def _stream(engine, request_id: str, render=lambda delta: delta):
             if out.finished:
                 print()
                 return out
+
+
+@contextlib.contextmanager
+def _sigint_as_flag() -> Iterator[threading.Event]:
+    """Within the block Ctrl-C sets the event instead of raising: the engine's step is never cut in the middle,
+    and the caller stops between steps."""
+    hit = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: hit.set())
+    try:
+        yield hit
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
@@ -92,8 +140,9 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def cmd_chat(ns: argparse.Namespace) -> int:
-    """Interactive chat, streamed, with the calculator tool loop on models that have its tokens."""
-    from nanoserve.chat_engine import ToolLoop
+    """Interactive chat, streamed, with the calculator tool loop on models that have its tokens. Ctrl-C stops
+    an answer (it is left out of the history, with its question); at the prompt it ends the chat."""
+    from nanoserve.chat_engine import TOOL_MARKERS, ToolLoop, ToolTokens
     from nanoserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine.from_engine_args(engine_args_from(ns))
@@ -101,8 +150,7 @@ def cmd_chat(ns: argparse.Namespace) -> int:
     # With tools, special tokens stay in the text (the history must hold the tool calls) and are
     # printed as markers: "[calculator: 123*456] 56088", then the answer on its own line.
     params = _sampling_params(ns, skip_special_tokens=tool_loop is None)
-    markers = {"<|python_start|>": "[calculator: ", "<|python_end|>": "] ", "<|output_start|>": "",
-               "<|output_end|>": "\n", "<|assistant_end|>": "", "<|bos|>": ""}
+    markers = {f"<|{f.name}|>": TOOL_MARKERS.get(f.name, "") for f in dataclasses.fields(ToolTokens)}
 
     def render(delta: str) -> str:
         # Each special token's text arrives whole within one delta (the detokenizer never splits
@@ -112,66 +160,100 @@ def cmd_chat(ns: argparse.Namespace) -> int:
         return delta
 
     messages: list[dict] = []
-    turn = 0
-    print("nanoserve chat: type a message, or /quit", flush=True)
-    while True:
+    print("nanoserve chat: type a message, or /quit (Ctrl-C stops an answer)", flush=True)
+    for turn in itertools.count():
         try:
             line = input("> ").strip()
         except EOFError:
             return 0
         if line in ("/quit", "/exit"):
             return 0
-        if not line:
-            continue
-        messages.append({"role": "user", "content": line})
-        engine.add_request(f"chat-{turn}", engine.apply_chat_template(messages), params)
-        text = _stream(engine, f"chat-{turn}", render).outputs[0].text
-        for terminal in ("<|assistant_end|>", "<|bos|>"):  # the template closes the turn itself
-            text = text.removesuffix(terminal)
-        messages.append({"role": "assistant", "content": text})
-        turn += 1
+        if line:
+            _chat_turn(engine, f"chat-{turn}", messages, line, params, render)
+
+
+def _chat_turn(engine, request_id: str, messages: list[dict], line: str, params, render: Callable[[str], str]) -> None:
+    """Ask `line` and stream the answer; both join `messages` unless the answer was stopped or refused."""
+    question = {"role": "user", "content": line}
+    try:
+        engine.add_request(request_id, engine.apply_chat_template([*messages, question]), params)
+    except ValueError as e:  # e.g. the conversation has outgrown the context: the chat goes on
+        print(f"error: {e}", flush=True)
+        return
+    with _sigint_as_flag() as interrupted:
+        out = _stream(engine, request_id, render, interrupted.is_set)
+    if out is None:
+        print("[stopped]", flush=True)
+        return
+    text = out.outputs[0].text
+    for terminal in ("<|assistant_end|>", "<|bos|>"):  # the template closes the turn itself
+        text = text.removesuffix(terminal)
+    messages += [question, {"role": "assistant", "content": text}]
+
+
+def _take_model_tag(ns: argparse.Namespace) -> None:
+    """`serve MODEL` sets --model; both, naming different directories, is an error."""
+    if ns.model_tag is None:
+        return
+    if ns.model is not None and ns.model != ns.model_tag:
+        raise ValueError(f"model: given twice, as {ns.model_tag!r} and as --model {ns.model!r}")
+    ns.model = ns.model_tag
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     from nanoserve.server.app import run_server
 
+    _take_model_tag(ns)
     return run_server(engine_args_from(ns), host=ns.host, port=ns.port, api_key=ns.api_key,
                       max_waiting_requests=ns.max_waiting_requests, drain_timeout=ns.drain_timeout,
-                      served_model_name=ns.served_model_name, api_server_count=ns.api_server_count)
+                      served_model_name=ns.served_model_name, api_server_count=ns.api_server_count,
+                      uvicorn_log_level=ns.uvicorn_log_level, disable_log_requests=ns.disable_log_requests)
 
 
-def cmd_bench(ns: argparse.Namespace, rest: list[str]) -> int:
-    import importlib
+def cmd_bench(kind: str, argv: list[str]) -> int:
+    """Run nanoserve/bench/<kind>.py with the rest of the command line, --help included."""
+    module = importlib.import_module(f"nanoserve.bench.{kind}")
+    return module.main(argv) or 0
 
-    module = importlib.import_module(f"nanoserve.bench.{ns.kind}")
-    return module.main(rest) or 0
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nanoserve", formatter_class=HelpFormatter,
+                                     description="A small LLM inference engine and OpenAI-compatible server.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=HelpFormatter)
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="the model directory, as vLLM's `serve MODEL` (the same as --model)")
+    add_engine_args(serve)
+    add_server_args(serve)
+    gen = sub.add_parser("generate", help="one completion, streamed to stdout", formatter_class=HelpFormatter)
+    add_engine_args(gen)
+    gen.add_argument("--prompt", required=True, help="the prompt's text")
+    _sampling_args(gen)
+    chat = sub.add_parser("chat", help="interactive terminal chat", formatter_class=HelpFormatter)
+    add_engine_args(chat)
+    _sampling_args(chat)
+    bench = sub.add_parser("bench", help=f"{' | '.join(BENCHMARKS)} (flags: bench KIND --help)",
+                           formatter_class=HelpFormatter)
+    bench.add_argument("kind", choices=BENCHMARKS, help="the benchmark; `nanoserve bench KIND --help` lists its flags")
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="nanoserve")
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    add_engine_args(serve)
-    add_server_args(serve)
-    gen = sub.add_parser("generate", help="one completion, streamed to stdout")
-    add_engine_args(gen)
-    gen.add_argument("--prompt", required=True)
-    _sampling_args(gen)
-    chat = sub.add_parser("chat", help="interactive terminal chat")
-    add_engine_args(chat)
-    _sampling_args(chat)
-    bench = sub.add_parser("bench", help="throughput | latency | serve | prefix (flags: bench KIND --help)")
-    bench.add_argument("kind", choices=["throughput", "latency", "serve", "prefix"])
-    ns, rest = parser.parse_known_args(argv)
-    if ns.command == "bench":
-        return cmd_bench(ns, rest)
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    argv = sys.argv[1:] if argv is None else argv
+    # A benchmark parses its own flags: everything after its name goes to it, --help included.
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHMARKS:
+        return cmd_bench(argv[1], argv[2:])
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return {"serve": cmd_serve, "generate": cmd_generate, "chat": cmd_chat}[ns.command](ns)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

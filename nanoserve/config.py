@@ -7,7 +7,13 @@ from pathlib import Path
 
 import torch
 
+from nanoserve.model.registry import check_architecture
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# The other names vLLM's --dtype takes.
+_DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
+# config.json keys nanoserve cannot guess.
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 def bundled_model_dir() -> str:
@@ -39,7 +45,9 @@ class ModelConfig:
     raw: dict = field(repr=False)
 
     @classmethod
-    def from_dir(cls, model_dir: str) -> "ModelConfig":
+    def from_dir(cls, model_dir: str, generation_config: str = "auto") -> "ModelConfig":
+        """config.json of `model_dir`, with the eos ids of the generation_config.json that
+        `generation_config` (EngineArgs') names."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ValueError(f"model: no config.json in {model_dir!r}")
@@ -47,6 +55,10 @@ class ModelConfig:
         archs = raw.get("architectures") or []
         if not archs:
             raise ValueError(f"model: config.json in {model_dir!r} names no 'architectures'")
+        check_architecture(archs[0])
+        missing = [key for key in _REQUIRED_KEYS if key not in raw]
+        if missing:
+            raise ValueError(f"model: config.json in {model_dir!r} has no {missing[0]!r}")
         heads = raw["num_attention_heads"]
         model_type = raw.get("model_type", "")
         # Qwen2 has q/k/v biases without saying so in config.json; the others say it (or have none).
@@ -71,7 +83,7 @@ class ModelConfig:
             hidden_act=raw.get("hidden_act", "silu"),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             sliding_window=sliding,
-            eos_token_ids=_eos_ids(model_dir, raw),
+            eos_token_ids=_eos_ids(_generation_config_dir(generation_config, model_dir), raw),
             raw=raw,
         )
 
@@ -84,11 +96,11 @@ def _rope_scaling_from_parameters(raw: dict) -> dict | None:
     return params
 
 
-def _eos_ids(model_dir: str, raw: dict) -> list[int]:
+def _eos_ids(generation_config_dir: str | None, raw: dict) -> list[int]:
     """All eos ids: generation_config.json's list wins over config.json's (it usually has more)."""
     ids: list[int] = []
-    gen = Path(model_dir) / "generation_config.json"
-    sources = [json.loads(gen.read_text()).get("eos_token_id")] if gen.is_file() else []
+    gen = Path(generation_config_dir) / "generation_config.json" if generation_config_dir else None
+    sources = [json.loads(gen.read_text()).get("eos_token_id")] if gen and gen.is_file() else []
     sources.append(raw.get("eos_token_id"))
     for src in sources:
         for i in src if isinstance(src, list) else [src]:
@@ -97,33 +109,52 @@ def _eos_ids(model_dir: str, raw: dict) -> list[int]:
     return ids
 
 
+def _arg(default, help: str):
+    """An EngineArgs field with the one-line help its command-line flag shows."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class EngineArgs:
     """Everything a user may set, with the same names in LLM(...), EngineArgs and the CLI."""
 
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    load_format: str = "auto"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False
+    model: str | None = _arg(None, "a local Hugging Face model directory (config.json, *.safetensors, tokenizer); "
+                                   "None: the bundled tiny chat model")
+    tokenizer: str | None = _arg(None, "the tokenizer's directory; None: the model's")
+    dtype: str = _arg("auto", "weights and activations: auto (the checkpoint's on CUDA, float32 on the CPU), "
+                              "float16 (half, fp16), bfloat16 (bf16) or float32 (float, fp32)")
+    device: str = _arg("auto", "auto (cuda when torch sees a GPU), cuda or cpu")
+    load_format: str = _arg("auto", "auto (the checkpoint's *.safetensors) or dummy (random weights: only "
+                                    "config.json is read)")
+    block_size: int = _arg(16, "tokens per KV-cache block (a power of two)")
+    num_kv_blocks: int | None = _arg(None, "KV-cache blocks; None: as many as fit in --gpu-memory-utilization "
+                                           "(1 GiB on the CPU)")
+    gpu_memory_utilization: float = _arg(0.9, "share of the GPU's memory the engine may use: weights, "
+                                              "activations and the KV cache")
+    max_num_seqs: int = _arg(256, "most sequences in one step")
+    max_num_batched_tokens: int = _arg(8192, "most tokens in one step (prompts are prefilled in chunks)")
+    max_model_len: int | None = _arg(None, "context length, prompt and output; None: the model's "
+                                           "max_position_embeddings (or sliding_window), capped by the KV cache")
+    enable_prefix_caching: bool = _arg(True, "share the KV blocks of common prompt prefixes between requests")
+    enforce_eager: bool = _arg(False, "run without CUDA graphs (quicker start, slower steps)")
     # Plan step N+1 while step N runs (LLMEngine.step). None: on for CUDA; on the CPU a step runs
     # to its end before the host goes on, so there it would only delay each output by a step.
-    async_scheduling: bool | None = None
-    tensor_parallel_size: int = 1
-    seed: int = 0
+    async_scheduling: bool | None = _arg(None, "schedule step N+1 while the GPU runs step N; None: on for CUDA")
+    tensor_parallel_size: int = _arg(1, "GPUs per model (only 1 in this version)")
+    seed: int = _arg(0, "seed of random weights (--load-format dummy) and of sampling without a seed")
     # The server only (AsyncEngine): run the engine in a process of its own, so that its host work
     # (scheduling, detokenizing, building outputs) does not share a GIL with the HTTP event loop.
     # None (resolve_engine_process): on for CUDA, where that shared GIL is what limited the server
     # (docs/server.md has the figures); off on the CPU, where it was never measured to help.
-    engine_process: bool | None = None
+    engine_process: bool | None = _arg(None, "serve only: run the engine in a process of its own; "
+                                             "None: on for CUDA")
+    chat_template: str | None = _arg(None, "a Jinja chat template, as a file or as the template's text, used "
+                                           "in place of the tokenizer's")
+    generation_config: str = _arg("auto", "where eos ids beyond config.json's come from: auto (the model "
+                                          "directory's generation_config.json), vllm or none (not read), or a "
+                                          "directory holding a generation_config.json. Only eos_token_id is "
+                                          "read: its sampling values (temperature, top_p, ...) are not defaults "
+                                          "here, each request sets its own")
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -144,13 +175,16 @@ class EngineConfig:
     dtype: torch.dtype
     device: torch.device
     max_model_len: int
+    # What set max_model_len, for the start-up summary: the model's limit, the user, or the KV pool.
+    max_model_len_source: str = "the model's max_position_embeddings"
+    chat_template: str | None = None  # the template's text (args.chat_template may name a file)
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> "EngineConfig":
         model_dir = args.model or bundled_model_dir()
         if not os.path.isdir(model_dir):
             raise ValueError(f"model: {model_dir!r} is not a directory (no model hub is used; give a local path)")
-        model = ModelConfig.from_dir(model_dir)
+        model = ModelConfig.from_dir(model_dir, args.generation_config)
         _check_positive(args, "block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
         if args.block_size & (args.block_size - 1):
             raise ValueError(f"block_size: must be a power of two, got {args.block_size}")
@@ -163,9 +197,42 @@ class EngineConfig:
         if args.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size: only 1 is supported in this version")
         device = resolve_device(args.device)
+        if device.type == "cuda":
+            _check_kernel_shapes(args, model)
         dtype = _resolve_dtype(args.dtype, model.torch_dtype, device)
-        max_model_len = _resolve_max_model_len(args.max_model_len, model)
-        return cls(args, model_dir, args.tokenizer or model_dir, model, dtype, device, max_model_len)
+        max_model_len, source = _resolve_max_model_len(args.max_model_len, model)
+        return cls(args, model_dir, args.tokenizer or model_dir, model, dtype, device, max_model_len, source,
+                   _load_chat_template(args.chat_template))
+
+    def fit_kv_pool(self, num_kv_blocks: int) -> None:
+        """Lower max_model_len to what the KV pool holds: one sequence must fit in it alone."""
+        pool_tokens = num_kv_blocks * self.args.block_size
+        if pool_tokens >= self.max_model_len:
+            return
+        if self.args.max_model_len is not None:
+            raise ValueError(f"max_model_len: {self.max_model_len} does not fit the KV pool of "
+                             f"{pool_tokens} tokens (num_kv_blocks={num_kv_blocks})")
+        self.max_model_len = pool_tokens
+        self.max_model_len_source = f"the KV pool's size; the model allows {_model_limit(self.model)[0]}"
+
+    def summary(self, num_kv_blocks: int) -> str:
+        """One line on what the engine loaded, for the log at start."""
+        weights = "random weights" if self.args.load_format == "dummy" else "weights"
+        dtype = str(self.dtype).removeprefix("torch.")
+        block = self.args.block_size
+        return (f"loaded {self.model.architecture} {weights} from {self.model_dir} as {dtype} on {self.device}; "
+                f"KV cache {num_kv_blocks} blocks x {block} = {num_kv_blocks * block} tokens; "
+                f"max_model_len {self.max_model_len} ({self.max_model_len_source})")
+
+
+def _check_kernel_shapes(args: EngineArgs, model: ModelConfig) -> None:
+    """What the Triton attention kernels take (kernels/decode_attention.py, prefill_attention.py): refused at
+    start, naming the field, rather than by an assert inside the first step."""
+    if model.head_dim not in (64, 128):
+        raise ValueError(f"model: head_dim {model.head_dim} is not supported on CUDA (the attention kernels take "
+                         "64 or 128)")
+    if args.block_size < 8:
+        raise ValueError(f"block_size: must be at least 8 on CUDA, got {args.block_size}")
 
 
 def _check_positive(args: EngineArgs, *names: str) -> None:
@@ -196,22 +263,55 @@ def resolve_device(device: str) -> torch.device:
 
 def _resolve_dtype(dtype: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
     if dtype != "auto":
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype: must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
-        return _DTYPES[dtype]
+        name = _DTYPE_ALIASES.get(dtype, dtype)
+        if name not in _DTYPES:
+            raise ValueError(f"dtype: must be auto, float16 (or half, fp16), bfloat16 (or bf16) or float32 "
+                             f"(or float, fp32); got {dtype!r}")
+        return _DTYPES[name]
     if device.type == "cpu":
         # Half precision matmuls on the CPU are slow and lossy; fp32 is what a laptop should run.
         return torch.float32
     return _DTYPES.get(checkpoint_dtype or "", torch.bfloat16)
 
 
-def _resolve_max_model_len(asked: int | None, model: ModelConfig) -> int:
-    limit = model.max_position_embeddings
-    if model.sliding_window:
+def _model_limit(model: ModelConfig) -> tuple[int, str]:
+    """The longest context the model runs exactly, and which of its fields says so."""
+    if model.sliding_window and model.sliding_window < model.max_position_embeddings:
         # Without a sliding-window kernel, attention is exact only while the context fits the window.
-        limit = min(limit, model.sliding_window)
+        return model.sliding_window, (f"the model's sliding_window: nanoserve has no sliding-window attention; "
+                                      f"max_position_embeddings is {model.max_position_embeddings}")
+    return model.max_position_embeddings, "the model's max_position_embeddings"
+
+
+def _resolve_max_model_len(asked: int | None, model: ModelConfig) -> tuple[int, str]:
+    """max_model_len, and what set it."""
+    limit, source = _model_limit(model)
     if asked is None:
-        return limit
+        return limit, source
     if asked < 1 or asked > limit:
         raise ValueError(f"max_model_len: must be in [1, {limit}] for this model, got {asked}")
-    return asked
+    return asked, "asked for with --max-model-len"
+
+
+def _generation_config_dir(generation_config: str, model_dir: str) -> str | None:
+    """The directory whose generation_config.json is read (for eos ids), or None for none."""
+    if generation_config == "auto":
+        return model_dir
+    if generation_config in ("vllm", "none"):
+        return None
+    if not (Path(generation_config) / "generation_config.json").is_file():
+        raise ValueError(f"generation_config: must be auto, vllm, none or a directory with a "
+                         f"generation_config.json; got {generation_config!r}")
+    return generation_config
+
+
+def _load_chat_template(chat_template: str | None) -> str | None:
+    """The template's text, from a file or given inline (as vLLM's --chat-template takes it). Its syntax is
+    checked where it is rendered, by transformers' Jinja environment (it has tags plain Jinja lacks)."""
+    if chat_template is None:
+        return None
+    if os.path.isfile(chat_template):
+        return Path(chat_template).read_text()
+    if "{" not in chat_template:
+        raise ValueError(f"chat_template: {chat_template!r} is neither a file nor a Jinja template")
+    return chat_template

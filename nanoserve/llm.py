@@ -5,12 +5,16 @@ from contextlib import nullcontext
 
 from tqdm import tqdm
 
+from nanoserve.chat_engine import ToolLoop
 from nanoserve.config import EngineArgs
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import SamplingParams
 
 Prompt = str | list[int]
+
+# LLM.chat's request ids start with this; the calculator tool loop runs on exactly these.
+_CHAT_PREFIX = "offline-chat-"
 
 
 class LLM:
@@ -31,6 +35,11 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Completions in the order of `prompts` (a string, token ids, or a list of either)."""
+        return self._generate(prompts, sampling_params, use_tqdm, priority, "offline-")
+
+    def _generate(self, prompts: Prompt | Sequence[Prompt],
+                  sampling_params: SamplingParams | Sequence[SamplingParams] | None, use_tqdm: bool,
+                  priority: Sequence[int] | None, prefix: str) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -41,11 +50,11 @@ class LLM:
         ids = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-                request_id = f"offline-{self._counter}"
+                request_id = f"{prefix}{self._counter}"
                 self._counter += 1
                 self.engine.add_request(request_id, prompt, p, priority[i] if priority else 0)
                 ids.append(request_id)
-        except ValueError:
+        except Exception:  # none of this call's requests may stay behind without a caller
             for request_id in ids:
                 self.engine.abort_request(request_id)
             raise
@@ -66,10 +75,12 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the chat template."""
+        """Generate replies to one conversation or a list of them, through the chat template. On a model
+        with the calculator's tokens (the bundled one) the calculator answers its calls, as in `nanoserve chat`."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        ToolLoop.attach(self.engine, _CHAT_PREFIX)
+        return self._generate(prompts, sampling_params, use_tqdm, None, _CHAT_PREFIX)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return self.engine.apply_chat_template(messages, add_generation_prompt)

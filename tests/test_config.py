@@ -38,3 +38,17 @@ def test_the_server_runs_the_engine_on_a_thread_by_default_on_the_cpu():
         assert engine.engine.config.args.engine_process is False  # resolved, as the engine reports it
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("head_dim, block_size, field", [(64, 4, "block_size"), (96, 16, "model")])
+def test_shapes_the_cuda_kernels_cannot_take_are_refused_at_start(monkeypatch, tmp_path, head_dim, block_size, field):
+    # The check runs where the device resolves to CUDA; here the device is faked so that it runs on the CPU.
+    from checkpoints import write_checkpoint
+
+    import nanoserve.config as config
+
+    monkeypatch.setattr(config, "resolve_device", lambda device: torch.device("cuda"))
+    model_dir = write_checkpoint(tmp_path / "m", "llama", head_dim=head_dim)
+    args = EngineArgs(model=str(model_dir), block_size=block_size)
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        args.create_config()

@@ -10,15 +10,17 @@ from pathlib import Path
 import torch
 
 from nanoserve.bench import roofline
-from nanoserve.cli import add_engine_args, engine_args_from
+from nanoserve.cli import HelpFormatter, add_engine_args, engine_args_from
 from nanoserve.config import EngineArgs, resolve_device
 
 
-def parser(description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description)
+def parser(kind: str, description: str) -> argparse.ArgumentParser:
+    """The flags of `nanoserve bench <kind>`: the engine's, and a baseline to compare with."""
+    p = argparse.ArgumentParser(prog=f"nanoserve bench {kind}", description=description, formatter_class=HelpFormatter)
     add_engine_args(p)
     p.set_defaults(dtype="bfloat16")
-    p.add_argument("--baseline", choices=["none", "hf"], default="none")
+    p.add_argument("--baseline", choices=["none", "hf"], default="none",
+                   help="also run transformers (hf) on the same work, to compare")
     return p
 
 
@@ -36,7 +38,7 @@ def ceilings_at_start(args: EngineArgs, matmul: bool = False) -> tuple[float | N
 
     Measured after the engine's run instead (before c0ef833), the copy read 4.04-4.22 TB/s on one H200 from run to
     run, which moved a batch-1 MBU by 4 % at the same ms/token (84.5 and 88.2 % at 4.523 and 4.526 ms). At the
-    start it has read 4.12-4.25 on H200s and 2.95-2.99 on H100s (BENCHMARKS.md, 2026-11-24).
+    start it has read 4.12-4.25 on H200s and 2.95-2.99 on H100s (2026-11-24).
     """
     if resolve_device(args.device).type != "cuda":
         return None, None

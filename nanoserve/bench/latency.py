@@ -1,6 +1,8 @@
 """Decode latency at a fixed batch (1 by default) and memory-bandwidth utilisation (MBU).
 
-    nanoserve bench latency --model ../shared/bench-configs/llama-3.1-8b [--batch-size 1] [--baseline hf]
+    nanoserve bench latency --model DIR [--batch-size 1] [--baseline hf]
+
+DIR: a model directory; with only a config.json in it, the weights are random (--load-format dummy).
 
 MBU = (weight bytes + the KV bytes a step reads) / time per step / measured copy bandwidth. With --batch-size B,
 B prompts of random ids (distinct, so no prefix is shared) decode together, and ms_per_token is the time a step.
@@ -18,12 +20,13 @@ from nanoserve.sampling_params import SamplingParams
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = parser(__doc__)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=512)
-    p.add_argument("--batch-size", type=at_least_one, default=1)
-    p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--hf-output-len", type=int, default=64, help="the baseline is slow: fewer tokens")
+    p = parser("latency", __doc__)
+    p.add_argument("--input-len", type=int, default=128, help="prompt length in tokens")
+    p.add_argument("--output-len", type=int, default=512, help="tokens decoded per run (eos ignored)")
+    p.add_argument("--batch-size", type=at_least_one, default=1, help="sequences decoding together")
+    p.add_argument("--iters", type=int, default=3, help="timed runs (their median counts)")
+    p.add_argument("--hf-output-len", type=int, default=64,
+                   help="tokens the transformers baseline decodes (it is slow)")
     ns = p.parse_args(argv)
     args = engine_args(ns)
     bw, _ = ceilings_at_start(args)

@@ -1,6 +1,8 @@
 """Prefix caching: time to first token with a long shared system prompt, with and without the cache.
 
-    nanoserve bench prefix --model ../shared/bench-configs/qwen3-0.6b
+    nanoserve bench prefix --model DIR
+
+DIR: a model directory; with only a config.json in it, the weights are random (--load-format dummy).
 Requests arrive one at a time (so TTFT is the prefill alone, not queueing); the first one warms the cache.
 """
 
@@ -31,10 +33,10 @@ def prefix_prompts(vocab_size: int, shared_len: int, suffix_len: int, n: int, se
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = parser(__doc__)
-    p.add_argument("--num-requests", type=int, default=200)
-    p.add_argument("--shared-len", type=int, default=2000)
-    p.add_argument("--suffix-len", type=int, default=100)
+    p = parser("prefix", __doc__)
+    p.add_argument("--num-requests", type=int, default=200, help="requests timed, one at a time")
+    p.add_argument("--shared-len", type=int, default=2000, help="tokens of the prefix every prompt shares")
+    p.add_argument("--suffix-len", type=int, default=100, help="tokens of each prompt's own suffix")
     ns = p.parse_args(argv)
     result = {"bench": "prefix", "num_requests": ns.num_requests, "shared_len": ns.shared_len,
               "suffix_len": ns.suffix_len}

@@ -1,4 +1,4 @@
-"""Benchmark 3 (DESIGN.md): the OpenAI server under load from a client process.
+"""The OpenAI server under load from a client process.
 
 N streaming /v1/completions requests of random token-id prompts of an exact length, max_tokens with
 ignore_eos (so every request generates exactly that many tokens), sent all at once (rate inf) or as
@@ -9,7 +9,8 @@ in ms; the last line printed is one JSON object.
     python -m nanoserve.bench.serve --launch --num-prompts 50 --model DIR --load-format dummy
 
 With --launch, flags this benchmark does not know are passed to the server it starts: e.g. --engine-process
-(the engine in a process of its own; scripts/serve_cpu_overhead.py runs both ways side by side).
+(the engine in a process of its own: on an H100 at rate inf it served 158.7 req/s against 92.8 with the engine
+on the server's thread, d224d89).
 """
 
 import argparse
@@ -30,6 +31,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from tqdm import tqdm
 
 from nanoserve.bench.common import environment
+from nanoserve.cli import HelpFormatter
 
 
 @dataclass
@@ -44,21 +46,21 @@ class RequestResult:
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(prog="nanoserve bench serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="nanoserve bench serve", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server to load (ignored with --launch)")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--num-prompts", type=int, default=500)
+    p.add_argument("--api-key", default=None, help="the server's --api-key")
+    p.add_argument("--num-prompts", type=int, default=500, help="requests sent")
     p.add_argument("--input-len", type=int, default=512, help="prompt length in tokens")
     p.add_argument("--output-len", type=int, default=128, help="max_tokens, with ignore_eos")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
-    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
-    p.add_argument("--vocab-size", type=int, default=None, help="default: read from /v1/models")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight; None: no cap")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="vocabulary of the random prompt ids; None: read from /v1/models")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the arrival times")
     p.add_argument("--launch", action="store_true", help="start a server (python -m nanoserve.server.app) with "
                                                          "the unknown flags, and stop it afterwards")
     p.add_argument("--launch-timeout", type=float, default=900, help="seconds to wait for a launched server")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args, rest = p.parse_known_args(argv)
     if rest and not args.launch:
         p.error(f"unrecognized arguments: {' '.join(rest)} (server flags need --launch)")

@@ -1,6 +1,8 @@
 """Offline throughput (the nano-vllm recipe) against the roofline bound measured in the same run.
 
-    nanoserve bench throughput --model ../shared/bench-configs/qwen3-0.6b [--baseline hf]
+    nanoserve bench throughput --model DIR [--baseline hf]
+
+DIR: a model directory; with only a config.json in it, the weights are random (--load-format dummy).
 """
 
 import time
@@ -22,11 +24,13 @@ def workload(num: int, lo_in: int, hi_in: int, lo_out: int, hi_out: int, vocab: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = parser(__doc__)
-    p.add_argument("--num-prompts", type=int, default=256)
-    p.add_argument("--input-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
-    p.add_argument("--output-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
-    p.add_argument("--temperature", type=float, default=0.6)
+    p = parser("throughput", __doc__)
+    p.add_argument("--num-prompts", type=int, default=256, help="requests, all submitted at once")
+    p.add_argument("--input-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"),
+                   help="prompt lengths, uniform in [MIN, MAX]")
+    p.add_argument("--output-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"),
+                   help="output lengths (eos ignored), uniform in [MIN, MAX]")
+    p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature")
     ns = p.parse_args(argv)
     args = engine_args(ns)
     bw, flops = ceilings_at_start(args, matmul=True)

@@ -9,6 +9,7 @@ engine process settled on.
 import struct
 from pathlib import Path
 
+import jinja2
 import numpy as np
 
 from nanoserve.config import EngineConfig
@@ -40,11 +41,18 @@ class EngineFrontend:
         return list(prompt)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation rendered by the tokenizer's chat template."""
+        """Token ids of a conversation rendered by the chat template: --chat-template's, else the tokenizer's."""
         tok = self.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise ValueError("messages: this model has no chat template")
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        if tok is None:
+            raise ValueError("messages: this model has no tokenizer to render a conversation with")
+        own = {"chat_template": self.config.chat_template} if self.config.chat_template else {}
+        if not own and not getattr(tok, "chat_template", None):
+            raise ValueError("messages: this model has no chat template (give one with --chat-template)")
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           **own)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ValueError(f"chat_template: line {exc.lineno}: {exc.message}") from None
         return tok.encode(text, add_special_tokens=False)
 
     def validate_prompt(self, prompt_ids: list[int]) -> None:

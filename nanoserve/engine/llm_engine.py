@@ -26,16 +26,14 @@ class LLMEngine(EngineFrontend):
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config, load_tokenizer(config.tokenizer_dir))
+        if self.tokenizer is None:
+            logger.warning("no tokenizer in %s (no tokenizer.json or tokenizer.model): prompts must be token ids, "
+                           "and chat needs --tokenizer DIR", config.tokenizer_dir)
         if not config.model.eos_token_ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             config.model.eos_token_ids = [self.tokenizer.eos_token_id]
         self.runner = ModelRunner(config)
-        pool_tokens = self.runner.num_kv_blocks * config.args.block_size
-        if pool_tokens < config.max_model_len:
-            if config.args.max_model_len is not None:
-                raise ValueError(f"max_model_len: {config.max_model_len} does not fit the KV pool of "
-                                 f"{pool_tokens} tokens (num_kv_blocks={self.runner.num_kv_blocks})")
-            logger.info("max_model_len lowered to %d, the size of the KV pool", pool_tokens)
-            config.max_model_len = pool_tokens
+        config.fit_kv_pool(self.runner.num_kv_blocks)
+        logger.info("%s", config.summary(self.runner.num_kv_blocks))
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.args.block_size,
                                           config.args.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.args.max_num_seqs,

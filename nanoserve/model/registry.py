@@ -1,19 +1,28 @@
-"""Which class runs which `architectures` entry of config.json."""
+"""Which class runs which `architectures` entry of config.json.
+
+Classes are named, not imported, here: config.py checks a checkpoint's architecture before it reads
+the rest of config.json, and the model modules import config.py.
+"""
+
+import importlib
 
 from torch import nn
 
-from nanoserve.model.llama import LlamaForCausalLM
-from nanoserve.model.qwen3 import Qwen3ForCausalLM
-
-MODELS: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+# architecture -> (module, class)
+MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("nanoserve.model.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("nanoserve.model.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("nanoserve.model.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("nanoserve.model.qwen3", "Qwen3ForCausalLM"),
 }
 
 
-def model_class(architecture: str) -> type[nn.Module]:
+def check_architecture(architecture: str) -> None:
     if architecture not in MODELS:
-        raise ValueError(f"architectures: {architecture!r} is not supported; supported: {', '.join(MODELS)}")
-    return MODELS[architecture]
+        raise ValueError(f"model: architecture {architecture!r} is not supported; supported: {', '.join(MODELS)}")
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    check_architecture(architecture)
+    module, name = MODELS[architecture]
+    return getattr(importlib.import_module(module), name)

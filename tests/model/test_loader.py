@@ -47,7 +47,7 @@ def test_unknown_architecture_is_named(tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["architectures"] = ["GPTBigCodeForCausalLM"]
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="architectures: 'GPTBigCodeForCausalLM' is not supported"):
+    with pytest.raises(ValueError, match="model: architecture 'GPTBigCodeForCausalLM' is not supported"):
         LLM(str(d))
 
 

@@ -1,4 +1,5 @@
-"""Chat completions on the bundled model run the calculator tool loop; forced chunks are marked."""
+"""Chat completions on the bundled model run the calculator tool loop; forced chunks are marked, and the
+text shows the call and its result apart from the answer."""
 
 import json
 
@@ -10,9 +11,10 @@ from nanoserve.config import bundled_model_dir
 QUESTION = [{"role": "user", "content": "What is 12*34?"}]
 
 
-@pytest.fixture(scope="module")
-def bundled(launch):
-    server = launch("--model", bundled_model_dir(), "--served-model-name", "nanoserve-tiny")
+@pytest.fixture(scope="module", params=["--no-engine-process", "--engine-process"])
+def bundled(launch, request):
+    # The engine process sends text as deltas (engine/output_delta.py): the tool loop's text must only grow.
+    server = launch("--model", bundled_model_dir(), "--served-model-name", "nanoserve-tiny", request.param)
     yield server
     server.stop()
 
@@ -32,13 +34,14 @@ def test_chat_completion_uses_the_calculator(bundled):
     out = bundled.client().chat.completions.create(model="nanoserve-tiny", messages=QUESTION, max_tokens=48,
                                                    temperature=0)
     text = out.choices[0].message.content
-    assert "408" in text and out.choices[0].finish_reason == "stop"
+    assert text.startswith("[calculator: 12*34] 408\n") and out.choices[0].finish_reason == "stop", text
+    assert "408" in text.split("\n", 1)[1]  # the answer, on a line of its own, uses the result
     streamed = _stream(bundled)
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in streamed) == text
 
 
 @pytest.mark.parametrize("skip_special_tokens,forced_text", [
-    (True, "408"), (False, "<|output_start|>408<|output_end|>")])
+    (True, "408\n"), (False, "<|output_start|>408<|output_end|>")])
 def test_streamed_tool_output_is_marked(bundled, skip_special_tokens, forced_text):
     chunks = _stream(bundled, skip_special_tokens=skip_special_tokens)
     deltas = [c["choices"][0]["delta"] for c in chunks]

@@ -101,7 +101,8 @@ def test_tool_loop_runs_in_the_engine_process(bundled):
     assert "408" in text
     deltas = [json.loads(e)["choices"][0]["delta"] for e in _sse_events(stream)[:-1]]
     assert "".join(d.get("content", "") for d in deltas) == text
-    assert "".join(d.get("content", "") for d in deltas if d.get("tool_output")) == "408"
+    # The tool turn ends its line (chat_engine.TOOL_MARKERS).
+    assert "".join(d.get("content", "") for d in deltas if d.get("tool_output")) == "408\n"
 
 
 def test_abort_all_ends_what_runs(bundled):
