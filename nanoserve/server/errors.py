@@ -12,8 +12,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
+# The other 4xx are "invalid_request_error" and the other 5xx "internal_server_error" (error_type).
+_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error",
+          503: "service_unavailable_error"}
 
 
 @dataclass
@@ -26,13 +27,16 @@ class APIError(Exception):
     def to_dict(self) -> dict:
         return error_body(self.status, self.message, self.param, self.code)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.to_dict(), status_code=self.status)
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.to_dict(), status_code=self.status, headers=headers)
+
+
+def error_type(status: int) -> str:
+    return _TYPES.get(status) or ("invalid_request_error" if 400 <= status < 500 else "internal_server_error")
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "internal_server_error"),
-                      "param": param, "code": code or str(status)}}
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code or str(status)}}
 
 
 def bad_request(exc: ValueError) -> APIError:
@@ -51,15 +55,22 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         # FastAPI answers 422 by default; OpenAI's API (and its clients) expect 400 naming the field.
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":  # its loc holds the character offset, not a field
+            reason = first.get("ctx", {}).get("error", "")
+            offset = first.get("loc", (None, None))[-1]
+            return APIError(400, f"the request body is not valid JSON: {reason} at character {offset}").response()
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         # Union members add their type name to the path ("prompt.str"); the field is what matters.
         param = ".".join(p for p in loc if not _looks_like_type(p)) or None
-        message = first.get("msg", "invalid request")
+        message = first.get("msg", "invalid request").removeprefix("Value error, ")
         return APIError(400, f"{param}: {message}" if param else message, param).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail)).response()
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        if exc.status_code == 405 and exc.headers and "Allow" in exc.headers:
+            message += f" (allowed: {exc.headers['Allow']})"
+        return APIError(exc.status_code, message).response(exc.headers)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:

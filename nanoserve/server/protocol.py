@@ -1,17 +1,40 @@
 """Request bodies of the OpenAI-compatible API, as pydantic models.
 
 Unknown fields are ignored (pydantic's default), so clients that send fields nanoserve does not
-implement (suffix, logit_bias, tools ...) still work. Range checks on sampling fields live in
-SamplingParams, which names the field in its error; these models only check types and shapes.
+implement (suffix, tools ...) still work. Range checks on sampling fields live in SamplingParams, which
+names the field in its error; these models only check types and shapes, and that text is valid Unicode.
 """
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from nanoserve.sampling_params import SamplingParams
 
 TokenIds = list[Annotated[int, Field(strict=True)]]
+
+
+def valid_unicode(value: str | list | None) -> str | list | None:
+    """A field validator's body: JSON's "\\ud800" (a lone surrogate) parses to a str that neither the tokenizer
+    nor a UTF-8 response can take, so it is refused here, where the field can still be named. `value` is a
+    str, or a list whose str items (or TextPart texts) are checked."""
+    items = [value] if isinstance(value, str) else value if isinstance(value, list) else []
+    for i, item in enumerate(items):
+        text = item.text if isinstance(item, TextPart) else item
+        if not isinstance(text, str):
+            continue
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            where = f"item {i}, " if items is value else ""
+            raise ValueError(f"must be valid Unicode, got a lone surrogate U+{ord(text[exc.start]):04X} at "
+                             f"{where}character {exc.start}") from None
+    return value
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
 
 
 class StreamOptions(BaseModel):
@@ -40,6 +63,9 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a JSON object's keys are strings) -> bias
+
+    _valid_stop = field_validator("stop")(valid_unicode)
 
     @property
     def include_usage(self) -> bool:
@@ -55,7 +81,16 @@ class SamplingFields(BaseModel):
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, logit_bias=_token_id_keys(self.logit_bias))
+
+
+def _token_id_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    bad = next((key for key in bias if not key.isascii() or not key.isdigit()), None)
+    if bad is not None:
+        raise ValueError(f"logit_bias: keys must be token ids (non-negative integers), got {bad!r}")
+    return {int(key): value for key, value in bias.items()}
 
 
 class CompletionRequest(SamplingFields):
@@ -65,6 +100,8 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     echo: bool = False
 
+    _valid_prompt = field_validator("prompt")(valid_unicode)
+
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
         if isinstance(p, str) or (p and isinstance(p[0], int)):
@@ -72,19 +109,20 @@ class CompletionRequest(SamplingFields):
         return list(p) or [[]]  # an empty list is one empty prompt, refused as such later
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"]  # developer: OpenAI's newer name for system
     content: str | list[TextPart] | None = None
+
+    _valid_content = field_validator("content")(valid_unicode)
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict:
+        """The message as the chat template takes it (templates know no developer role)."""
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -98,6 +136,8 @@ class ChatCompletionRequest(SamplingFields):
 class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
+
+    _valid_prompt = field_validator("prompt")(valid_unicode)
     messages: list[ChatMessage] | None = None
 
 

@@ -12,6 +12,7 @@ in one write, and the last output's chunks go out with the usage chunk and [DONE
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -23,6 +24,7 @@ from nanoserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.errors import APIError, bad_request, error_body
 from nanoserve.server.metrics import RequestTracker, ServerMetrics
+from nanoserve.server.protocol import SamplingFields
 from nanoserve.server.streaming import SSE_DONE, sse
 
 logger = logging.getLogger(__name__)
@@ -68,6 +70,7 @@ class Generation:
     group: RequestGroup
     tracker: RequestTracker
     choices: dict[int, ChoiceState] = field(default_factory=dict)
+    arrival: float = field(default_factory=time.monotonic)  # when the HTTP request came in
 
     def choice_index(self, prompt_index: int, sample_index: int) -> int:
         return prompt_index * self.n + sample_index
@@ -86,17 +89,48 @@ class Generation:
 
 
 class ServingBase:
-    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics,
-                 max_waiting_requests: int | None) -> None:
+    def __init__(self, engine: AsyncEngine, model_names: list[str], metrics: ServerMetrics,
+                 max_waiting_requests: int | None, log_requests: bool = False) -> None:
+        """model_names: the names this server answers to, the first the default; log_requests: one INFO line
+        per request when it is over."""
         self.engine = engine
-        self.model_name = model_name
+        self.model_names = model_names
         self.metrics = metrics
         self.max_waiting_requests = max_waiting_requests
+        self.log_requests = log_requests
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"model: {model!r} is not served here; this server serves "
-                                f"{self.model_name!r}", "model", "model_not_found")
+    def check_model(self, model: str | None) -> str:
+        """The served name a request asked for (the first one if it named none): its response echoes it."""
+        if model is None:
+            return self.model_names[0]
+        if model not in self.model_names:
+            served = ", ".join(repr(name) for name in self.model_names)
+            raise APIError(404, f"model: {model!r} is not served here; this server serves {served}", "model",
+                           "model_not_found")
+        return model
+
+    def check_stream_options(self, req: SamplingFields) -> None:
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options: only allowed with stream=true", "stream_options")
+
+    def check_capacity(self, num_prompts: int) -> None:
+        """503 if the engine has died; 400 if the queue could never take this many prompts, 429 if it cannot now.
+        Called before the prompts are tokenized (to spare the work) and again, with no await before the submit,
+        by start()."""
+        if self.engine.dead:
+            # Before the queue check: a dead engine's last stats still count the requests it failed, so the queue
+            # would look full for good and clients would retry a dead server forever.
+            raise APIError(503, self.engine.error, code="engine_dead")
+        limit = self.max_waiting_requests
+        if limit is None:
+            return
+        if num_prompts > limit:
+            raise APIError(400, f"prompt: {num_prompts} prompts in one request, over the server's limit of "
+                                f"{limit} waiting requests", "prompt")
+        waiting = self.engine.num_waiting
+        if waiting + num_prompts > limit:
+            raise APIError(429, f"{waiting} requests are waiting to run and this one adds {num_prompts} (limit "
+                                f"{limit}); retry later", code="too_many_waiting_requests")
 
     def check_prompt(self, prompt_ids: list[int], max_tokens: int | None, param: str = "prompt") -> None:
         try:
@@ -123,34 +157,34 @@ class ServingBase:
         vocab = config.model.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise APIError(400, f"stop_token_ids: ids must be in [0, {vocab})", "stop_token_ids")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise APIError(400, f"logit_bias: token id {max(params.logit_bias)} is outside the vocabulary "
+                                f"[0, {vocab})", "logit_bias")
         return params
 
-    def start(self, prefix: str, prompts: list[list[int]], params: SamplingParams) -> Generation:
+    def start(self, prefix: str, prompts: list[list[int]], params: SamplingParams, model: str,
+              arrival: float) -> Generation:
         """Submit one engine request per prompt; raises 429 / 503 at once when it cannot run.
-        No await between the check and the submit, so concurrent handlers cannot both slip in."""
-        if self.engine.dead:
-            # Before the queue check: a dead engine's last stats still count the requests it failed, so the queue
-            # would look full for good and clients would retry a dead server forever.
-            raise APIError(503, self.engine.error, code="engine_dead")
-        waiting, limit = self.engine.num_waiting, self.max_waiting_requests
-        if limit is not None and waiting >= limit:
-            raise APIError(429, f"{waiting} requests are waiting to run (limit {limit}); retry later",
-                           code="too_many_waiting_requests")
+        No await between the check and the submit, so concurrent handlers cannot both slip in.
+        `model`: the name the response echoes; `arrival`: time.monotonic() when the request came in."""
+        self.check_capacity(len(prompts))
         response_id = f"{prefix}-{uuid.uuid4().hex}"
         requests = [(f"{response_id}-{i}", ids, params) for i, ids in enumerate(prompts)]
         try:
             group = self.engine.submit(requests)
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_dead") from None
-        return Generation(response_id, int(time.time()), self.model_name, prompts, params.n, group,
-                          self.metrics.tracker())
+        return Generation(response_id, int(time.time()), model, prompts, params.n, group,
+                          self.metrics.tracker(params), arrival=arrival)
 
     def close(self, gen: Generation) -> None:
         """The HTTP side is done with `gen` (finished, client gone, or failed): abort what still runs."""
         gen.tracker.flush()
         aborted = gen.group.abort()
         if aborted:  # their last outputs have no reader, so the tracker never sees them finish
-            self.metrics.finished.labels(finish_reason="abort").inc(aborted * gen.n)
+            self.metrics.count_finished("abort", aborted * gen.n)
+        if self.log_requests:
+            _log_request(gen, aborted * gen.n)
 
     async def collect(self, gen: Generation) -> dict[int, RequestOutput]:
         """Every prompt's final output. Engine failure becomes a 500 in OpenAI's shape."""
@@ -199,6 +233,15 @@ class ServingBase:
             logger.exception("stream failed")
             last += sse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"))
         await send({"type": "http.response.body", "body": (last + SSE_DONE).encode(), "more_body": False})
+
+
+def _log_request(gen: Generation, num_aborted: int) -> None:
+    """One line for a request that is over: its finish reasons, one per sample ("stop x3, length" for four)."""
+    reasons = Counter(gen.tracker.finish_reasons + ["abort"] * num_aborted)
+    logger.info("request %s: %d prompt tokens, %d generated, finish_reason %s, %.3f s", gen.response_id,
+                sum(len(p) for p in gen.prompts), gen.tracker.generated_tokens,
+                ", ".join(f"{r} x{k}" if k > 1 else r for r, k in sorted(reasons.items())) or "none",
+                time.monotonic() - gen.arrival)
 
 
 class StreamChunks(Protocol):

@@ -9,6 +9,7 @@ sample and streamed like sampled text, in chunks of its own whose delta says "to
 """
 
 import functools
+import time
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -34,15 +35,17 @@ ID_PREFIX = "chatcmpl"
 
 
 class ServingChat(ServingBase):
-    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics,
-                 max_waiting_requests: int | None) -> None:
-        super().__init__(engine, model_name, metrics, max_waiting_requests)
+    def __init__(self, engine: AsyncEngine, model_names: list[str], metrics: ServerMetrics,
+                 max_waiting_requests: int | None, log_requests: bool = False) -> None:
+        super().__init__(engine, model_names, metrics, max_waiting_requests, log_requests)
         # The tool loop is a step hook, so it is installed where the engine runs (its thread, or its
         # process), before any chat request; a model without the tool tokens gets none.
         engine.setup(functools.partial(ToolLoop.attach, prefix=ID_PREFIX + "-"))
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        self.check_model(req.model)
+        arrival = time.monotonic()
+        model = self.check_model(req.model)
+        self.check_stream_options(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -53,13 +56,13 @@ class ServingChat(ServingBase):
             if err.param == "logprobs":  # the chat API calls the count top_logprobs
                 raise APIError(400, err.message.replace("logprobs", "top_logprobs", 1), "top_logprobs") from None
             raise
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [m.for_template() for m in req.messages]
         try:
             prompt_ids = await self.engine.apply_chat_template(messages, req.add_generation_prompt)
         except ValueError as exc:
             raise bad_request(exc) from None
         self.check_prompt(prompt_ids, max_tokens, param="messages")
-        gen = self.start(ID_PREFIX, [prompt_ids], params)
+        gen = self.start(ID_PREFIX, [prompt_ids], params, model, arrival)
         if req.stream:
             chunks = ChatChunks(gen, req.include_usage, req.top_logprobs or 0)
             return EngineStreamResponse(lambda send: self.stream(gen, chunks, send), lambda: self.close(gen))
@@ -72,6 +75,8 @@ class ServingChat(ServingBase):
             for c in out.outputs:
                 block = (_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
                          if c.logprobs is not None else None)
+                # Under the tool loop the text shows each calculator call and its result with markers
+                # (chat_engine.TOOL_MARKERS), as the stream's deltas do, until tool calls get OpenAI's shape.
                 choices.append({"index": gen.choice_index(prompt_index, c.index),
                                 "message": {"role": "assistant", "content": c.text},
                                 "logprobs": block, "finish_reason": c.finish_reason,

@@ -5,6 +5,7 @@ its prompt; with echo and logprobs, the prompt's tokens are scored too (the firs
 before it, so its logprob is null), as OpenAI does.
 """
 
+import time
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -26,9 +27,12 @@ from nanoserve.server.streaming import (
 
 class ServingCompletions(ServingBase):
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
-        self.check_model(req.model)
+        arrival = time.monotonic()
+        model = self.check_model(req.model)
+        self.check_stream_options(req)
         scored_prompt = req.logprobs if req.echo else None
         params = self.sampling_params(lambda: req.sampling_params(req.max_tokens, req.logprobs, scored_prompt))
+        self.check_capacity(len(req.prompts()))
         prompts = []
         for prompt in req.prompts():
             try:
@@ -38,7 +42,7 @@ class ServingCompletions(ServingBase):
             self.check_prompt(ids, req.max_tokens)
             prompts.append(ids)
         echoes = [await self._echo(p) for p in prompts] if req.echo else None
-        gen = self.start("cmpl", prompts, params)
+        gen = self.start("cmpl", prompts, params, model, arrival)
         if req.stream:
             chunks = CompletionChunks(gen, req.include_usage, echoes)
             return EngineStreamResponse(lambda send: self.stream(gen, chunks, send), lambda: self.close(gen))

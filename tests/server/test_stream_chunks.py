@@ -126,7 +126,7 @@ def _sent(items, include_usage: bool) -> list[str]:
         assert message["type"] == "http.response.body"
         messages.append((message["body"].decode(), message["more_body"]))
 
-    serving = ServingBase(None, "tiny-llama", metrics, None)
+    serving = ServingBase(None, ["tiny-llama"], metrics, None)
     asyncio.run(serving.stream(gen, CompletionChunks(gen, include_usage, None), send))
     assert [more for _, more in messages] == [True] * (len(messages) - 1) + [False]
     return [body for body, _ in messages]
