@@ -34,7 +34,7 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
 
 def ceilings_at_start(args: EngineArgs, matmul: bool = False) -> tuple[float | None, float | None]:
     """The roofline's ceilings, copy bandwidth and (with matmul) the bf16 matmul rate, measured at the start of the
-    run as DESIGN.md asks: on an idle device, before the engine takes its memory. (None, None) off CUDA.
+    run, as the roofline bound needs them: on an idle device, before the engine takes its memory. (None, None) off CUDA.
 
     Measured after the engine's run instead (before c0ef833), the copy read 4.04-4.22 TB/s on one H200 from run to
     run, which moved a batch-1 MBU by 4 % at the same ms/token (84.5 and 88.2 % at 4.523 and 4.526 ms). At the
