@@ -149,8 +149,10 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix: list[int] = ()) -> list[tuple[int, int]]:
         """Give `seq` room for `num_new_tokens` more tokens; returns (src, dst) block copies to do
         before the forward pass. The caller has checked can_allocate."""
-        if not seq.block_table and self.enable_prefix_caching and seq.num_output_tokens == 0:
-            # Counted when the request is admitted, not at each look-up while it waits for room.
+        first_admission = seq.request.metrics.first_scheduled_time is None
+        if not seq.block_table and self.enable_prefix_caching and first_admission:
+            # Counted when the request is first admitted, not at each look-up while it waits for room, nor when a
+            # prompt preempted in its prefill comes back (its own blocks would count as hits).
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += len(prefix) * self.block_size
         if not seq.block_table and prefix:

@@ -121,8 +121,12 @@ class Scheduler:
             self.block_manager.fork(seq, child)
             child.num_computed_tokens = seq.num_computed_tokens
             child.status = SeqStatus.RUNNING
-            self.running.append(child)
             entry.sample_seqs.append(child)
+        if len(entry.sample_seqs) > 1:
+            # Beside their parent, so that running stays in priority order: preemption takes running[-1], and a
+            # fork there would go first while freeing nothing (its blocks are all shared with the parent).
+            at = self.running.index(seq) + 1
+            self.running[at:at] = entry.sample_seqs[1:]
         return entry
 
     def _preempt(self, seq: Sequence) -> None:
