@@ -139,30 +139,23 @@ def test_the_budget_is_never_exceeded_when_it_runs_out_among_decodes():
     assert max(counts) == 3 and sum(counts) == 5 * 4
 
 
-def test_max_num_seqs_counts_the_unforked_samples_of_a_waiting_request():
+def test_max_num_seqs_counts_every_sample_of_a_request_forked_or_not():
     h = Harness(max_num_seqs=4)
-    h.add(tokens(5), request_id="solo", max_tokens=3)
-    h.step()
-    wide = h.add(tokens(5, 50), request_id="wide", n=4, max_tokens=2)
-    # One sequence now, four once its prompt is prefilled: 1 + 4 > 4, so it waits.
-    while h.sched.running:
-        out = h.step()
-        assert all(e.seq.request is not wide for e in out.scheduled)
+    a = h.add(tokens(5), request_id="a", n=3, max_tokens=2)
+    b = h.add(tokens(5, 50), request_id="b", n=2, max_tokens=2)
+    c = h.add(tokens(5, 90), request_id="c", n=2, max_tokens=2)
     out = h.step()
-    assert plan(out) == [("wide", 0, 5)]
-    assert len(h.sched.running) == 4 and not wide.unforked
-
-
-def test_max_num_seqs_counts_forked_samples_when_admitting():
-    h = Harness(max_num_seqs=4)
-    h.add(tokens(5), request_id="a", n=3, max_tokens=2)
-    h.add(tokens(5, 50), request_id="b", n=2, max_tokens=2)
-    h.add(tokens(5, 90), request_id="c", max_tokens=2)
+    # a forks to 3 samples within the step; b is one sequence now but two once its prompt is prefilled
+    # (3 + 2 > 4), so it waits, and c, behind it in the queue, with it.
+    assert plan(out) == [("a", 0, 5)] and h.sched.running == a.seqs and len(a.seqs) == 3
+    assert h.sched.waiting == [b.seqs[0], c.seqs[0]]
+    h.step()  # a's samples take their last token and finish
     out = h.step()
-    # a forks to 3 within the step; b (3 + 2 > 4) waits, and c, behind b in the queue, with it.
-    assert plan(out) == [("a", 0, 5)] and len(h.sched.running) == 3
-    assert [s.request.request_id for s in h.sched.waiting] == ["b", "c"]
+    # b forks in this step; then c, 2 + 2 samples, just fits.
+    assert plan(out) == [("b", 0, 5), ("c", 0, 5)]
+    assert h.sched.running == b.seqs + c.seqs and len(h.sched.running) == 4
     h.run_to_end()
+    assert h.bm.num_free_blocks == h.bm.num_blocks
 
 
 # -- admission --------------------------------------------------------------------------------------
@@ -201,6 +194,20 @@ def test_nothing_is_admitted_in_a_step_that_preempted():
     assert a.seqs[0].status == SeqStatus.RUNNING
     out = h.step()
     assert ("tiny", 0, 1) in plan(out)
+
+
+def test_a_prompt_starts_after_its_cached_full_blocks():
+    h = Harness()
+    first = h.add(tokens(10), request_id="first", max_tokens=1)
+    h.run_to_end()  # its two full blocks stay in the cache, parked in the free queue
+    cached = [h.bm.cached[x] for x in first.seqs[0].block_hashes[:2]]
+    shared = h.add(tokens(9) + [77, 78], request_id="shared")  # 2 full blocks + 1 token
+    exact = h.add(tokens(8), request_id="exact")  # its last token is computed all the same
+    out = h.step()
+    assert plan(out) == [("shared", 8, 3), ("exact", 4, 4)]
+    assert shared.seqs[0].block_table[:2] == cached and exact.seqs[0].block_table[:1] == cached[:1]
+    assert (shared.seqs[0].num_cached_tokens, exact.seqs[0].num_cached_tokens) == (8, 4)
+    assert (h.bm.prefix_queries, h.bm.prefix_hits) == (10 + 11 + 8, 8 + 4)
 
 
 # -- preemption ---------------------------------------------------------------------------------------
@@ -354,7 +361,9 @@ def test_prefix_stats_count_a_prompt_preempted_in_its_prefill_once():
     long = h.add(tokens(12), request_id="long", priority=1, max_tokens=1)
     h.run_to_end()
     assert h.sched.num_preemptions >= 1 and long.seqs[0].is_finished
+    # Its own blocks, found in the cache when it came back, are neither hits nor cached tokens.
     assert (h.bm.prefix_queries, h.bm.prefix_hits) == (4 + 12, 0)
+    assert long.seqs[0].num_cached_tokens == 0
 
 
 def test_samples_forked_in_a_step_are_not_preempted_before_lower_priority_sequences():
