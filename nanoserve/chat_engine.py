@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.request import Sequence
-from nanoserve.outputs import CompletionOutput, RequestOutput
+from nanoserve.outputs import CompletionOutput, RequestOutput, ToolCompletionOutput
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.tools.calculator import calculator
 
@@ -70,13 +70,6 @@ class ToolTokens:
         if any(token not in vocab for token in names.values()):
             return None
         return cls(**{name: vocab[token] for name, token in names.items()})
-
-
-@dataclass
-class ToolCompletionOutput(CompletionOutput):
-    """A CompletionOutput of a request under the tool loop, with one mask per token id."""
-
-    token_masks: list[int] = field(default_factory=list)  # 1: sampled, 0: forced by the tool
 
 
 @dataclass

@@ -148,6 +148,10 @@ class EngineArgs:
     # (docs/server.md has the figures); off on the CPU, where it was never measured to help.
     engine_process: bool | None = _arg(None, "serve only: run the engine in a process of its own; "
                                              "None: on for CUDA")
+    # Where the engine process's host time goes under load (runtime/engine_core_process.py).
+    profile_engine: str | None = _arg(None, "serve with the engine process only: cProfile its loop and write the "
+                                            "stats to this file when it stops (`python -m pstats FILE` reads "
+                                            "them); None: no profile")
     chat_template: str | None = _arg(None, "a Jinja chat template, as a file or as the template's text, used "
                                            "in place of the tokenizer's")
     generation_config: str = _arg("auto", "where eos ids beyond config.json's come from: auto (the model "
@@ -155,6 +159,12 @@ class EngineArgs:
                                           "directory holding a generation_config.json. Only eos_token_id is "
                                           "read: its sampling values (temperature, top_p, ...) are not defaults "
                                           "here, each request sets its own")
+    fused_rope_decode: str = _arg("auto", "CUDA: q/k norm, rotary and the KV store inside decode attention's launch "
+                                          "for steps that are all decodes: auto (up to 4 sequences of a model "
+                                          "without q/k norms, 1 of a model with them, as measured), on (every such "
+                                          "step) or off (none)")
+    pdl: bool = _arg(True, "CUDA: launch kernels with programmatic dependent launch on compute capability 9.0+ "
+                           "(--no-pdl to measure what it gives or rule it out)")
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -196,6 +206,11 @@ class EngineConfig:
             raise ValueError(f"load_format: must be 'auto' or 'dummy', got {args.load_format!r}")
         if args.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size: only 1 is supported in this version")
+        if args.fused_rope_decode not in ("auto", "on", "off"):
+            raise ValueError(f"fused_rope_decode: must be auto, on or off, got {args.fused_rope_decode!r}")
+        if not isinstance(args.pdl, bool):
+            raise ValueError(f"pdl: must be True or False, got {args.pdl!r}")
+        _check_profile_engine(args)
         device = resolve_device(args.device)
         if device.type == "cuda":
             _check_kernel_shapes(args, model)
@@ -226,13 +241,27 @@ class EngineConfig:
 
 
 def _check_kernel_shapes(args: EngineArgs, model: ModelConfig) -> None:
-    """What the Triton attention kernels take (kernels/decode_attention.py, prefill_attention.py): refused at
+    """What the Triton attention kernels take (kernels/decode_attention.py, kernels/prefill/): refused at
     start, naming the field, rather than by an assert inside the first step."""
     if model.head_dim not in (64, 128):
         raise ValueError(f"model: head_dim {model.head_dim} is not supported on CUDA (the attention kernels take "
                          "64 or 128)")
     if args.block_size < 8:
         raise ValueError(f"block_size: must be at least 8 on CUDA, got {args.block_size}")
+
+
+def _check_profile_engine(args: EngineArgs) -> None:
+    """A profile is written by the engine process (run_engine_core_process), when it stops: a path it could not
+    write would be found out only then."""
+    path = args.profile_engine
+    if path is None:
+        return
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"profile_engine: must be a file path, got {path!r}")
+    if args.engine_process is not True:
+        raise ValueError("profile_engine: only the engine process is profiled (serve with --engine-process)")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise ValueError(f"profile_engine: the directory of {path!r} does not exist")
 
 
 def _check_positive(args: EngineArgs, *names: str) -> None:

@@ -30,6 +30,14 @@ class CompletionOutput:
 
 
 @dataclass
+class ToolCompletionOutput(CompletionOutput):
+    """A CompletionOutput of a request under the calculator tool loop (chat_engine.ToolLoop), with one mask
+    per token id."""
+
+    token_masks: list[int] = field(default_factory=list)  # 1: sampled, 0: forced by the tool
+
+
+@dataclass
 class RequestMetrics:
     arrival_time: float
     first_scheduled_time: float | None = None

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from nanoserve.config import EngineArgs, resolve_engine_process
-from nanoserve.engine.async_engine import AsyncEngine
-from nanoserve.engine.engine_thread import ThreadEngineCore
+from nanoserve.runtime.async_engine import AsyncEngine
+from nanoserve.runtime.thread_client import ThreadEngineClient
 
 
 def test_engine_process_is_off_on_the_cpu_unless_asked_for():
@@ -34,10 +34,23 @@ def test_an_explicit_engine_process_is_kept_whatever_the_device(monkeypatch, ava
 def test_the_server_runs_the_engine_on_a_thread_by_default_on_the_cpu():
     engine = AsyncEngine.from_engine_args(EngineArgs(num_kv_blocks=16))
     try:
-        assert isinstance(engine.core, ThreadEngineCore)
+        assert isinstance(engine.client, ThreadEngineClient)
         assert engine.engine.config.args.engine_process is False  # resolved, as the engine reports it
     finally:
         engine.shutdown()
+
+
+def test_profile_engine_is_checked_at_start(tmp_path):
+    def config(**kwargs):
+        return EngineArgs(num_kv_blocks=16, **kwargs).create_config()
+
+    assert config(engine_process=True, profile_engine=str(tmp_path / "p")).args.profile_engine == str(tmp_path / "p")
+    with pytest.raises(ValueError, match="^profile_engine: only the engine process"):
+        config(engine_process=False, profile_engine=str(tmp_path / "p"))
+    with pytest.raises(ValueError, match="^profile_engine: the directory"):
+        config(engine_process=True, profile_engine=str(tmp_path / "missing" / "p"))
+    with pytest.raises(ValueError, match="^profile_engine: must be a file path"):
+        config(engine_process=True, profile_engine="")
 
 
 @pytest.mark.parametrize("head_dim, block_size, field", [(64, 4, "block_size"), (96, 16, "model")])

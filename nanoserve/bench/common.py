@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
+from nanoserve.args import HelpFormatter, add_engine_args, engine_args_from
 from nanoserve.bench import roofline
-from nanoserve.cli import HelpFormatter, add_engine_args, engine_args_from
 from nanoserve.config import EngineArgs, resolve_device
 
 

@@ -12,9 +12,9 @@ import time
 
 import numpy as np
 
+from nanoserve.args import at_least_one
 from nanoserve.bench import roofline
 from nanoserve.bench.common import ceilings_at_start, emit, engine_args, free_device_memory, parser
-from nanoserve.cli import at_least_one
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
 

@@ -30,8 +30,8 @@ import numpy as np
 from aiohttp.http_exceptions import HttpProcessingError
 from tqdm import tqdm
 
+from nanoserve.args import HelpFormatter
 from nanoserve.bench.common import environment
-from nanoserve.cli import HelpFormatter
 
 
 @dataclass

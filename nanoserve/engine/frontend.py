@@ -2,8 +2,9 @@
 
 The final configuration, the tokenizer, and the checks a prompt must pass: none of it needs the model.
 LLMEngine is one (it adds the model, the scheduler and the KV cache); when the engine runs in a process
-of its own (engine/engine_process.py), the server holds a bare one, built from the configuration the
-engine process settled on.
+of its own (runtime/engine_core_process.py), the server holds a bare one (runtime/process_client.py), built
+from the configuration the engine process settled on. It stays in engine/, below runtime/, as LLMEngine's
+base class.
 """
 
 import struct

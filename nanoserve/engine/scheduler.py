@@ -17,6 +17,8 @@ from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.request import Request, SeqStatus, Sequence
 
 
+# The model runner reads a step's batch through worker/batch.py's Protocols (ScheduledBatch, ScheduledEntry,
+# BatchSeq), which these types and request.Sequence satisfy: a field renamed here is renamed there.
 @dataclass
 class ScheduledSeq:
     seq: Sequence

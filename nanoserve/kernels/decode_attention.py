@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.kernels.pdl import use_pdl, wait_for_prior_grids
-from nanoserve.kernels.prefill_attention import gather_kv
+from nanoserve.kernels.prefill.attention import gather_kv
 
 _BLOCK_N = 64
 _LARGE_BATCH = 64

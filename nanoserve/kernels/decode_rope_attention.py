@@ -173,7 +173,7 @@ def decode_rope_attention(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int
     given). qkv is left as it is: the rotated q is not written back. Arguments as in those two functions.
 
     prefetch: whether each program loads its first key tile before waiting on the kernel before it (see
-    _prefetch_pays); None decides from the grid. A measurement knob: the output is the same either way.
+    _prefetch_pays); None decides from the grid. Tests set it to cover both paths; the output is the same either way.
     """
     num_tokens, width = qkv.shape
     head_dim = width // (num_q_heads + 2 * num_kv_heads)

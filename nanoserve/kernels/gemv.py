@@ -161,8 +161,8 @@ class _Config(NamedTuple):
 
 
 def tensor_cores_at(m: int, weight: torch.Tensor) -> bool:
-    """Whether m rows times this weight take the tensor-core path. layers/linear.py fuses no prologue into it: at
-    one row, with the norm fused in, Llama-3.1-8B's batch-1 decode was slower (see _config)."""
+    """Whether m rows times this weight take the tensor-core path. layers/step_plan.py fuses no prologue into it:
+    at one row, with the norm fused in, Llama-3.1-8B's batch-1 decode was slower (see _config)."""
     return _config(m, weight.shape[0], weight.shape[1], weight.element_size()).use_dot
 
 

@@ -14,23 +14,31 @@ sees after its own wait.
 """
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+# The engine's switch (EngineArgs.pdl, applied by layers/step_plan.py's KernelPlanner when the engine starts): off,
+# to measure what PDL gives or to rule it out when chasing a bug. On by default, for kernels called directly.
+_enabled = True
+
+
+def set_pdl(enabled: bool) -> None:
+    """Let kernels launch with PDL where the device supports it (True), or never (False)."""
+    global _enabled
+    _enabled = enabled
+
 
 @functools.lru_cache
 def _device_supports_pdl(index: int) -> bool:
-    # NANOSERVE_PDL=0 switches it off, to measure what it gives or to rule it out when chasing a bug.
-    return torch.cuda.get_device_capability(index)[0] >= 9 and os.environ.get("NANOSERVE_PDL", "1") != "0"
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def use_pdl(t: torch.Tensor) -> bool:
-    """Whether kernels working on t's device launch with PDL: CUDA devices of compute capability 9.0 and up."""
-    return t.is_cuda and _device_supports_pdl(t.device.index if t.device.index is not None else
-                                              torch.cuda.current_device())
+    """Whether kernels working on t's device launch with PDL: switched on, and a CUDA device that supports it."""
+    return t.is_cuda and _enabled and _device_supports_pdl(t.device.index if t.device.index is not None else
+                                                           torch.cuda.current_device())
 
 
 @triton.jit

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoserve.kernels.split_scratch import SplitScratch
+from nanoserve.kernels.prefill.split_scratch import SplitScratch
+from nanoserve.layers.step_plan import EAGER, KernelPlan
 
 
 @dataclass
@@ -25,7 +26,7 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes sequences bring exactly one token each
     seq_lens_cpu: list[int] | None = None  # for the PyTorch path, which loops over sequences
     cu_seqlens_q_cpu: list[int] | None = None
-    # The prefill kernel's work list for the sequences after the decodes (kernels/prefill_attention.py),
+    # The prefill kernel's work list for the sequences after the decodes (kernels/prefill/attention.py),
     # built on the host once per step; without it the kernel reads the lengths back at every layer. A split
     # map (long tiles' keys cut across programs) also needs the scratch its partial results go to.
     tile_map: torch.Tensor | None = None
@@ -34,11 +35,13 @@ class AttentionMetadata:
     # Query heads per program that tile_map was built for (GQA packing); None: all of a kv head's.
     pack: int | None = None
     # Zeroed int32 counters (>= decodes x kv heads) that let decode attention merge its splits in the same
-    # launch (kernels/decode_attention.py); None: a second launch merges them.
+    # launch (kernels/decode_attention.py), where plan.fused_decode_merge; None: a second launch merges them.
     decode_counters: torch.Tensor | None = None
     # The decodes longest first (a permutation of 0..num_decodes-1), the order in which decode attention dispatches
-    # their programs; None: batch order.
+    # their programs, where plan.decode_order; None: batch order.
     decode_order: torch.Tensor | None = None
+    # The step's kernel choices (layers/step_plan.py), which the layers read; the default is the plain path.
+    plan: KernelPlan = EAGER
 
 
 class TorchBackend:
@@ -88,7 +91,7 @@ class TritonBackend:
     def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float) -> torch.Tensor:
         from nanoserve.kernels.decode_attention import decode_attention
-        from nanoserve.kernels.prefill_attention import prefill_attention
+        from nanoserve.kernels.prefill.attention import prefill_attention
 
         out = torch.empty_like(q)
         nd = meta.num_decodes

@@ -5,15 +5,34 @@ seeded row draws its noise from its own generator and samples the same tokens wh
 the batch. On CUDA, a batch that asks for nothing but temperatures (no top-k/top-p/min-p, no seeds, no
 penalties: the common case) samples in one Triton pass instead (kernels/sampling.py, the Gumbel-max
 form of the same draw), which reads the logits once instead of about nine times.
+
+A row is anything with SamplingRow's fields: the engine passes its own sequences (engine/request.py), which
+the per-row loop reads in place, with no per-row copy.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from nanoserve.engine.request import Sequence
+from nanoserve.sampling_params import SamplingParams
 from nanoserve.utils import to_device
+
+
+class SamplingRow(Protocol):
+    """What the sampler reads of the sample behind one row of logits (engine.request.Sequence is one)."""
+
+    @property
+    def params(self) -> SamplingParams: ...
+    @property
+    def generator(self) -> torch.Generator | None: ...  # a seeded sample's own generator
+    @property
+    def token_ids(self) -> list[int]: ...  # prompt, then generated tokens (repetition penalty)
+    @property
+    def output_token_ids(self) -> list[int]: ...  # presence / frequency penalties
+    @property
+    def num_output_tokens(self) -> int: ...  # min_tokens: generated so far, any still in flight included
 
 
 @dataclass
@@ -67,10 +86,10 @@ class Sampler:
         self.seed = seed
         self.num_calls = 0
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seqs: Sequence[SamplingRow]) -> SamplerOutput:
         return self.sample(logits, seqs).result()
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
+    def sample(self, logits: torch.Tensor, seqs: Sequence[SamplingRow]) -> SampledTokens:
         """Sample one token per row, without reading anything back to the host. Per-row work that raises
         (a sequence's own generator, its penalties) marks that row failed instead of failing the batch."""
         # One pass over the rows: this runs every step for every sequence, on the host's critical path.
@@ -120,7 +139,7 @@ class Sampler:
         out.failed = failed
         return out
 
-    def _sample_fused(self, logits: torch.Tensor, seqs: list[Sequence], params: list) -> SampledTokens:
+    def _sample_fused(self, logits: torch.Tensor, seqs: Sequence[SamplingRow], params: list) -> SampledTokens:
         from nanoserve.kernels.sampling import gumbel_max_sample
 
         raw_logprobs = None
@@ -134,7 +153,7 @@ class Sampler:
         key = (self.seed * 0x9E3779B1 + self.num_calls * 0x632BE5AB) & 0xFFFFFFFF
         return self._logprobs(raw_logprobs, gumbel_max_sample(logits, temps, key), params)
 
-    def _mask_stop_tokens(self, logits: torch.Tensor, seqs: list[Sequence], params: list) -> None:
+    def _mask_stop_tokens(self, logits: torch.Tensor, seqs: Sequence[SamplingRow], params: list) -> None:
         rows, cols = [], []
         for i, (s, p) in enumerate(zip(seqs, params, strict=True)):
             if p.min_tokens and s.num_output_tokens < p.min_tokens:
@@ -157,7 +176,7 @@ class Sampler:
             index = (to_device(rows, torch.int64, self.device), to_device(cols, torch.int64, self.device))
             logits.index_put_(index, to_device(biases, torch.float32, self.device), accumulate=True)
 
-    def _apply_penalties(self, row: torch.Tensor, seq: Sequence) -> None:
+    def _apply_penalties(self, row: torch.Tensor, seq: SamplingRow) -> None:
         p = seq.params
         if p.repetition_penalty != 1:
             # As in Hugging Face (CTRL): over prompt and output, shrink positive logits, grow negative.

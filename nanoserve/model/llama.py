@@ -1,34 +1,16 @@
 """The Llama family: Llama 2/3, Mistral and Qwen2 (q/k/v bias); Qwen3 adds q/k norms (qwen3.py)."""
 
-import os
-
 import torch
 from torch import nn
 
 from nanoserve.config import ModelConfig
 from nanoserve.layers.activation import SiluAndMul
-from nanoserve.layers.attention import Attention, AttentionMetadata, TritonBackend
+from nanoserve.layers.attention import Attention, AttentionMetadata
 from nanoserve.layers.embedding import LMHead
 from nanoserve.layers.linear import GateUpLinear, Linear, QKVLinear
 from nanoserve.layers.norm import RMSNorm
 from nanoserve.layers.rotary import RotaryEmbedding
-from nanoserve.worker.cuda_graphs import FUSED_DECODE_MERGE_MAX_BATCH
-
-# Whether steps that are all decodes do q/k norm, rotary and the KV store inside decode attention's launch
-# (kernels/decode_rope_attention.py) instead of a launch of their own (qkv_rope_store). NANOSERVE_FUSED_ROPE_DECODE
-# "1": always, "0": never, unset or "auto": for models without q/k norms at up to FUSED_ROPE_DECODE_MAX_BATCH
-# sequences, and for models with them at one. Measured on an H100 (bench latency, A/B): Llama-3.1-8B batch-1 decode
-# 6.11 -> 6.01 ms/token and Qwen2.5-0.5B 0.88 -> 0.83 (f763de1); the throughput run (Qwen3-0.6B, batch 256) fell
-# from 76 to 73 % of bound (e01b115; on an H200 77.4 -> 72.8 % at 72f5345, with the plain kernel's longest-first
-# order). Qwen3-0.6B at batch 1 went 1.04 -> 1.17 until its qkv GEMV started attention's programs late
-# (late_dependents in kernels/gemv.py): against the unfused pair, H200 0.922 -> 0.901, H100 1.024 -> 0.989 (medians
-# of interleaved runs on one machine each). Read once, at import.
-FUSED_ROPE_DECODE = os.environ.get("NANOSERVE_FUSED_ROPE_DECODE", "auto")
-if FUSED_ROPE_DECODE not in ("auto", "0", "1"):
-    raise ValueError(f"NANOSERVE_FUSED_ROPE_DECODE must be auto, 0 or 1, got {FUSED_ROPE_DECODE!r}")
-# Up to the batch size whose decode graphs merge attention's splits in the split kernel, where the fused launch is
-# one kernel, not two; at batch 4 it measured 29.0 -> 27.8 us a Llama-3.1-8B layer (128 keys).
-FUSED_ROPE_DECODE_MAX_BATCH = FUSED_DECODE_MERGE_MAX_BATCH
+from nanoserve.layers.step_plan import KernelPlan
 
 
 class LlamaAttention(nn.Module):
@@ -47,25 +29,20 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
 
-    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Attention from qkv_proj's output (which the decoder layer computes, fused with its input norm), before
-        o_proj: [T, num_heads, head_dim]."""
-        if self.fuses_rope_into_attention(qkv, meta):
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.attend(positions, self.qkv_proj(x, meta.plan), meta)
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention and o_proj from qkv_proj's output [T, (num_heads + 2 num_kv_heads) * head_dim]."""
+        if meta.plan.fused_rope_decode:
             # Every sequence brings one token: the work of `store` and attention in one launch, not two.
             from nanoserve.kernels.decode_rope_attention import decode_rope_attention
 
-            return decode_rope_attention(*self._rope_args(positions, qkv, meta), meta.seq_lens, meta.block_tables,
-                                         self.attn.scale, counters=meta.decode_counters)
-        return self.attn.attend(self.store(positions, qkv, meta), meta)
-
-    def fuses_rope_into_attention(self, qkv: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """FUSED_ROPE_DECODE's choice for this step (only with the Triton backend: a reference run may put the
-        PyTorch one on a GPU); qkv may be any tensor with the step's rows (the layer asks before projecting)."""
-        if not (qkv.is_cuda and meta.num_decodes == qkv.shape[0] and self.attn.backend is TritonBackend):
-            return False
-        if FUSED_ROPE_DECODE == "auto":
-            return qkv.shape[0] <= (FUSED_ROPE_DECODE_MAX_BATCH if self.q_norm is None else 1)
-        return FUSED_ROPE_DECODE == "1"
+            out = decode_rope_attention(*self._rope_args(positions, qkv, meta), meta.seq_lens, meta.block_tables,
+                                        self.attn.scale, counters=meta.decode_counters)
+        else:
+            out = self.attn.attend(self.store(positions, qkv, meta), meta)
+        return self.o_proj(out.flatten(1), meta.plan)
 
     def _rope_args(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> tuple:
         norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
@@ -103,10 +80,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act = SiluAndMul()
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """down_proj(silu(gate) * up) from gate_up_proj's output (computed by the decoder layer, fused with its
-        input norm); SiLU-and-mul runs inside down_proj's GEMM where that can take it."""
-        return self.down_proj.forward_silu_mul(gate_up, self.act)
+    def forward(self, x: torch.Tensor, plan: KernelPlan) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x, plan)), plan)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -117,37 +92,36 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, x, residual, meta: AttentionMetadata):
-        qkv, residual = self.project_qkv(x, residual, meta)
-        return self.after_attention(self.self_attn(positions, qkv, meta), residual)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm -> attention -> norm -> MLP, each norm with the residual add before it (none in the first layer);
+        returns the layer's output and the residual. Where the step's plan fuses prologues (a one-row CUDA graph),
+        the same computation runs as fused_forward.
 
-    def project_qkv(self, x: torch.Tensor, residual: torch.Tensor | None,
-                    meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """qkv_proj(input_layernorm(x + residual)) and the next residual."""
-        # Each norm (with the residual add before it; none in the first layer) is applied by the projection that
-        # consumes it: in a batch-1 decode graph the two run as one kernel (Linear.forward_norm), since there
-        # each launch costs 2-3 us while a whole Qwen3-0.6B layer streams its weights in about 7 us. Elsewhere:
-        # the norm module, then the projection. Before the fused rope decode of a model with q/k norms, whose
-        # programs would otherwise wait beside the GEMV's from its start, that one kernel lets them start once its
-        # weight is loaded (only there: the CUDA-core GEMV of a batch-1 graph, under PDL; measured for Qwen3-0.6B,
-        # see kernels/gemv.py, skinny_norm_linear).
-        attn = self.self_attn
-        late = attn.q_norm is not None and attn.fuses_rope_into_attention(x, meta)
-        return attn.qkv_proj.forward_norm(x, residual, self.input_layernorm, late_dependents=late)
+        (The layer was also run in two pieces around attention, per half of a batch, by a two-batch overlap probe at
+        275aa23; on an H100 it lost, 7.86 against 7.40 s in the throughput recipe, so it is not in the engine.)
+        """
+        if meta.plan.fused_prologues:
+            return self.fused_forward(positions, x, residual, meta)
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x, meta.plan), residual
 
-    # The layer in the two pieces around attention (a two-batch overlap probe at 275aa23 ran them per half of a
-    # batch; on an H100 it lost, 7.86 against 7.40 s in the throughput recipe, so it is not in the engine):
-    # before_attention, then self_attn.attn.attend, then after_attention is the same computation as forward.
-    def before_attention(self, positions, x, residual, meta: AttentionMetadata):
-        """The queries [T, num_heads, head_dim] (this step's K/V now in the cache) and the residual."""
-        qkv, residual = self.self_attn.qkv_proj.forward_norm(x, residual, self.input_layernorm)
-        return self.self_attn.store(positions, qkv, meta), residual
-
-    def after_attention(self, attn_out: torch.Tensor, residual: torch.Tensor):
-        """The layer's output and the residual, from attention's output [T, num_heads, head_dim]."""
-        x = self.self_attn.o_proj(attn_out.flatten(1))
-        gate_up, residual = self.mlp.gate_up_proj.forward_norm(x, residual, self.post_attention_layernorm)
-        return self.mlp(gate_up), residual
+    def fused_forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward with each norm run by the projection after it, and SiLU-and-mul by down_proj: one kernel each
+        where the plan's rules take that weight (Linear.forward_norm, forward_silu_mul; layers/step_plan.py), else
+        the op, then the GEMM. At batch 1 a launch costs 2-3 us while a whole Qwen3-0.6B layer streams its weights
+        in about 7 us."""
+        plan, attn, mlp = meta.plan, self.self_attn, self.mlp
+        qkv, residual = attn.qkv_proj.forward_norm(x, residual, self.input_layernorm, plan)
+        x = attn.attend(positions, qkv, meta)
+        gate_up, residual = mlp.gate_up_proj.forward_norm(x, residual, self.post_attention_layernorm, plan)
+        return mlp.down_proj.forward_silu_mul(gate_up, mlp.act, plan), residual
 
 
 class LlamaModel(nn.Module):

@@ -8,10 +8,10 @@ Under load one server process's event loop is what limits the server: with hundr
    all on the one port with SO_REUSEPORT, so that the kernel spreads new connections evenly over them. (One
    shared socket spread a burst of connections badly: uvloop accepts until the backlog is empty, so the
    first server to wake took most of them, 161 of 200 in a test with two.)
-2. starts the engine process with one channel per API server (engine_channels.py), and N API server
+2. starts the engine core process with one channel per API server (runtime/channels.py), and N API server
    processes (spawn) while the engine loads its model (their imports take seconds too);
 3. hands each API server the engine's final configuration once the model is loaded; each builds the app
-   around an EngineClient on its own channel, with its own event loop, tokenizer pool and streams, and
+   around a ChannelEngineClient on its own channel, with its own event loop, tokenizer pool and streams, and
    says when it is ready;
 4. once all are ready, tells them to serve: each listens on its socket;
 5. relays SIGTERM / SIGINT to every API server over its control pipe: a drain, and a second signal aborts
@@ -41,11 +41,11 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
 from nanoserve.config import EngineArgs
-from nanoserve.engine.async_engine import AsyncEngine
-from nanoserve.engine.engine_channels import Ready
-from nanoserve.engine.engine_client import EngineClient
-from nanoserve.engine.engine_process import EngineProcess
 from nanoserve.engine.frontend import load_tokenizer
+from nanoserve.runtime.async_engine import AsyncEngine
+from nanoserve.runtime.channels import Ready
+from nanoserve.runtime.engine_core_process import EngineCoreProcess
+from nanoserve.runtime.process_client import ChannelEngineClient
 from nanoserve.server.app import build_app, event_loop_factory, freeze_startup_objects, uvicorn_config
 from nanoserve.server.gate import GateState
 from nanoserve.server.http_limits import HEADER_TIMEOUT_S, MAX_HEADER_BYTES
@@ -89,7 +89,7 @@ class _Supervisor:
     def __init__(self, count: int, options: ServerOptions) -> None:
         self.count = count
         self.options = options
-        self.engine: EngineProcess | None = None
+        self.engine: EngineCoreProcess | None = None
         self.servers: list[_ApiServer] = []
         self.serving = False
         self.stopping = False
@@ -105,7 +105,7 @@ class _Supervisor:
         previous_env = os.environ.get(_MULTIPROC_ENV)
         previous_handlers = {sig: signal.signal(sig, self._on_signal) for sig in _SIGNALS}
         try:
-            self.engine = EngineProcess.spawn(engine_args, self.count)
+            self.engine = EngineCoreProcess.spawn(engine_args, self.count)
             # Set before the API servers start: prometheus_client picks its multiprocess mode on import.
             os.environ[_MULTIPROC_ENV] = metrics_dir
             self._start_servers(sockets)
@@ -260,7 +260,7 @@ def _pidfd(pid: int) -> int | None:
 # -- an API server process ----------------------------------------------------------------------------------
 def run_api_server(index: int, sock: socket.socket, channel: Connection, control: Connection, engine_pid: int,
                    options: ServerOptions, log_level: int) -> None:
-    """An API server process's main: the app around an EngineClient on `channel`, served on `sock`."""
+    """An API server process's main: the app around a ChannelEngineClient on `channel`, served on `sock`."""
     # The supervisor relays signals over `control`; taking them here too would drain twice.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -268,7 +268,8 @@ def run_api_server(index: int, sock: socket.socket, channel: Connection, control
                         format=f"%(asctime)s %(levelname)s %(name)s (api server {index}): %(message)s")
     ready: Ready = control.recv()  # once the engine has loaded its model
     watch = _pidfd(engine_pid)
-    async_engine = AsyncEngine(EngineClient(channel, ready, load_tokenizer(ready.config.tokenizer_dir), watch))
+    client = ChannelEngineClient(channel, ready, load_tokenizer(ready.config.tokenizer_dir), watch)
+    async_engine = AsyncEngine(client)
     try:
         gate = GateState()
         app = build_app(async_engine, options.served_model_name, options.api_key, options.max_waiting_requests,

@@ -18,9 +18,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import nanoserve
-from nanoserve.cli import add_engine_args, add_server_args
+from nanoserve.args import add_engine_args, add_server_args, engine_args_from
 from nanoserve.config import EngineArgs
-from nanoserve.engine.async_engine import AsyncEngine
+from nanoserve.runtime.async_engine import AsyncEngine
 from nanoserve.server.errors import APIError, bad_request, install_error_handlers
 from nanoserve.server.gate import GateMiddleware, GateState
 from nanoserve.server.http_limits import HEADER_TIMEOUT_S, MAX_HEADER_BYTES, limited_http_protocol
@@ -225,8 +225,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    engine_args = EngineArgs(**{name: getattr(args, name) for name in EngineArgs.field_names()})
-    return run_server(engine_args, args.host, args.port, args.api_key, args.max_waiting_requests,
+    return run_server(engine_args_from(args), args.host, args.port, args.api_key, args.max_waiting_requests,
                       args.drain_timeout, args.served_model_name, args.api_server_count,
                       uvicorn_log_level=args.uvicorn_log_level, disable_log_requests=args.disable_log_requests)
 

@@ -18,9 +18,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.utils import floatToGoString
 
-from nanoserve.engine.async_engine import AsyncEngine
-from nanoserve.engine.engine_loop import ITERATION_TOKEN_BUCKETS, EngineStats
 from nanoserve.outputs import RequestOutput
+from nanoserve.runtime.async_engine import AsyncEngine
+from nanoserve.runtime.engine_core import ITERATION_TOKEN_BUCKETS, EngineStats
 from nanoserve.sampling_params import SamplingParams
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -19,8 +19,8 @@ from typing import Protocol
 
 from starlette.types import Send
 
-from nanoserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestGroup
 from nanoserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from nanoserve.runtime.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestGroup
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.errors import APIError, bad_request, error_body
 from nanoserve.server.metrics import RequestTracker, ServerMetrics

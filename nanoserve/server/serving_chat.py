@@ -15,8 +15,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from nanoserve.chat_engine import ToolLoop
-from nanoserve.engine.async_engine import AsyncEngine
 from nanoserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from nanoserve.runtime.async_engine import AsyncEngine
 from nanoserve.server.errors import APIError, bad_request
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.protocol import ChatCompletionRequest

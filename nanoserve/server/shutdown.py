@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 
 import uvicorn
 
-from nanoserve.engine.async_engine import AsyncEngine
+from nanoserve.runtime.async_engine import AsyncEngine
 from nanoserve.server.gate import GateState
 
 logger = logging.getLogger(__name__)

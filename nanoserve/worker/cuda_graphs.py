@@ -9,7 +9,8 @@ them all in one launch. Two kinds:
   prefill kernel's split map for all sequences (a decode is a one-token tile), so the launches depend
   only on the bucket; which long tiles have their keys split, and how, is chosen per step on the host
   and copied in with the map. Padded tokens belong to no tile and store nothing; padded sequences are empty.
-  Each attention program serves all the query heads of one kv head (kernels/tile_map.py, GQA packing).
+  Each attention program serves all the query heads of one kv head (kernels/prefill/tile_map.py, GQA packing).
+Each graph runs the kernel plan of its shape (layers/step_plan.py), decided once, when it is captured.
 """
 
 import contextlib
@@ -19,18 +20,10 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from nanoserve.kernels.split_scratch import SplitScratch, split_scratch_views
-from nanoserve.kernels.tile_map import (
-    SPLIT_MAP_COLUMNS,
-    eager_split_map,
-    max_kv_partials,
-    max_prefill_tiles,
-    prefill_block_m,
-    prefill_programs_per_sm,
-    prefill_split_map,
-    split_slots_used,
-)
+from nanoserve.kernels.prefill import PrefillPlanner
+from nanoserve.kernels.prefill.tile_map import SPLIT_MAP_COLUMNS
 from nanoserve.layers.attention import Attention, AttentionMetadata
+from nanoserve.layers.step_plan import FUSED_DECODE_MERGE_MAX_BATCH, KernelPlanner
 from nanoserve.utils import pinned, to_device
 
 
@@ -100,24 +93,13 @@ class _Graphs:
         return next(s for s in self.sizes if s >= n)
 
 
-# Up to this batch size decode graphs merge attention's splits in the split kernel itself. Measured on an H200
-# (probe at 275aa23): one launch saves ~1 us a layer at batch 1 (16 splits), is even at batch 8
-# and ~2-5 us slower at batch 256, where the merging programs' extra registers cost more than a launch.
-FUSED_DECODE_MERGE_MAX_BATCH = 4
-
-# From this batch size decode graphs sort their sequences longest first (on the device, in the graph) and decode
-# attention dispatches their programs in that order, so that no long sequence starts as the launch drains.
-# Measured on an H100 (contexts of 100-2,048 keys, us a call; probe at 275aa23): batch 256
-# 375.4 -> 370.5, 128 198.1 -> 196.8, 64 110.4 -> 109.7; the order costs one launch a step, once for all layers
-# (kernels/decode_order.py).
-DECODE_ORDER_MIN_BATCH = 128
-
-
 class CUDAGraphRunner(_Graphs):
     """Decode graphs on a batch-size ladder."""
 
-    def __init__(self, model: nn.Module, max_batch_size: int, max_blocks_per_seq: int, device: torch.device):
+    def __init__(self, model: nn.Module, max_batch_size: int, max_blocks_per_seq: int, device: torch.device,
+                 planner: KernelPlanner):
         super().__init__(model, batch_size_ladder(max_batch_size), "capturing decode graphs")
+        self.planner = planner
         n = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
@@ -131,14 +113,15 @@ class CUDAGraphRunner(_Graphs):
         self.decode_order = torch.zeros(n, dtype=torch.int64, device=device)
 
     def _args(self, bs: int) -> tuple:
+        plan = self.planner.plan(bs, bs, bs, graph=True)
         meta = AttentionMetadata(self.slot_mapping[:bs], self.cu_seqlens_q[:bs + 1], self.seq_lens[:bs],
                                  self.block_tables[:bs], max_seqlen_q=1, num_decodes=bs,
-                                 decode_counters=self.decode_counters if bs <= FUSED_DECODE_MERGE_MAX_BATCH else None,
-                                 decode_order=self.decode_order[:bs] if bs >= DECODE_ORDER_MIN_BATCH else None)
+                                 decode_counters=self.decode_counters if plan.fused_decode_merge else None,
+                                 decode_order=self.decode_order[:bs] if plan.decode_order else None, plan=plan)
         return self.input_ids[:bs], self.positions[:bs], meta
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if meta.decode_order is not None:
+        if meta.plan.decode_order:
             from nanoserve.kernels.decode_order import longest_first_order
 
             longest_first_order(meta.seq_lens, meta.decode_order)
@@ -166,25 +149,21 @@ class PrefillGraphRunner(_Graphs):
     """Graphs for steps with prefill chunks, one per token-count bucket up to max_num_batched_tokens."""
 
     def __init__(self, model: nn.Module, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
-                 device: torch.device, num_sms: int | None = None):
-        """num_sms: the device's SM count, asked of it when None (to size key splits)."""
+                 device: torch.device, planner: KernelPlanner):
+        """planner: the engine's, with its prefill attention planner (which eager steps use too)."""
         super().__init__(model, token_ladder(max_num_tokens), "capturing prefill graphs")
-        self.max_num_seqs = max_num_seqs
+        self.max_num_seqs, self.planner = max_num_seqs, planner
         attn = next(m for m in model.modules() if isinstance(m, Attention))
         # Programs per map row: one per kv head, serving its `pack` query heads.
-        self.pack = attn.num_heads // attn.num_kv_heads
-        self.program_heads = attn.num_kv_heads
-        num_sms = num_sms or torch.cuda.get_device_properties(device).multi_processor_count
+        self.prefill = planner.prefill
+        assert self.prefill.program_heads == attn.num_kv_heads, "the prefill planner is for another model's heads"
+        self.pack = self.prefill.pack
         t = self.sizes[-1]
         s = self._num_seqs(t)
-        self.block_m = {n: prefill_block_m(n, self.pack) for n in self.sizes}
-        self.num_tiles = {n: max_prefill_tiles(n, self._num_seqs(n), self.block_m[n], self.pack) for n in self.sizes}
+        self.launches = {n: self.prefill.for_bucket(n, self._num_seqs(n)) for n in self.sizes}
         # Key splits: a bounded number of scratch slots per bucket, in one allocation that every bucket and layer
         # shares (one runs at a time); pieces of split tiles take the map rows that a step's tiles leave free.
-        self.max_partials = {n: max_kv_partials(self.block_m[n], self.program_heads) for n in self.sizes}
-        self.concurrency = {n: num_sms * prefill_programs_per_sm(self.block_m[n]) for n in self.sizes}
-        scratch = split_scratch_views([(self.max_partials[n], self.block_m[n]) for n in self.sizes],
-                                      self.program_heads, attn.head_dim, device)
+        scratch = self.prefill.shared_scratch([self.launches[n] for n in self.sizes], attn.head_dim, device)
         self.split_scratch = dict(zip(self.sizes, scratch, strict=True))
         self.input_ids = torch.zeros(t, dtype=torch.int64, device=device)
         self.positions = torch.zeros(t, dtype=torch.int64, device=device)
@@ -192,18 +171,19 @@ class PrefillGraphRunner(_Graphs):
         self.cu_seqlens_q = torch.zeros(s + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(s, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(s, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.tile_map = torch.full((max(self.num_tiles.values()), SPLIT_MAP_COLUMNS), -1, dtype=torch.int32,
-                                   device=device)
+        self.tile_map = torch.full((max(launch.num_rows for launch in self.launches.values()), SPLIT_MAP_COLUMNS),
+                                   -1, dtype=torch.int32, device=device)
 
     def _num_seqs(self, num_tokens: int) -> int:
         return min(num_tokens, self.max_num_seqs)  # every sequence in a step brings at least one token
 
     def _args(self, n: int) -> tuple:
-        s = self._num_seqs(n)
+        s, launch = self._num_seqs(n), self.launches[n]
         meta = AttentionMetadata(self.slot_mapping[:n], self.cu_seqlens_q[:s + 1], self.seq_lens[:s],
                                  self.block_tables[:s], max_seqlen_q=n, num_decodes=0,
-                                 tile_map=self.tile_map[:self.num_tiles[n]], block_m=self.block_m[n],
-                                 split_scratch=self.split_scratch[n], pack=self.pack)
+                                 tile_map=self.tile_map[:launch.num_rows], block_m=launch.block_m,
+                                 split_scratch=self.split_scratch[n], pack=self.pack,
+                                 plan=self.planner.plan(s, 0, n, graph=True))
         return self.input_ids[:n], self.positions[:n], meta
 
     def can_run(self, num_tokens: int, num_seqs: int) -> bool:
@@ -223,10 +203,9 @@ class PrefillGraphRunner(_Graphs):
         self.seq_lens[:b].copy_(meta.seq_lens)
         self.seq_lens[b:s].zero_()
         self.block_tables[:b, :meta.block_tables.shape[1]].copy_(meta.block_tables)
-        tiles = prefill_split_map(meta.cu_seqlens_q_cpu, meta.seq_lens_cpu, self.block_m[t], self.num_tiles[t],
-                                  self.program_heads, self.concurrency[t], self.max_partials[t], pack=self.pack)
+        tiles = self.prefill.split_map(self.launches[t], meta.cu_seqlens_q_cpu, meta.seq_lens_cpu)
         tiles = pinned(torch.from_numpy(tiles), self.tile_map.device)
-        self.tile_map[:self.num_tiles[t]].copy_(tiles, non_blocking=True)
+        self.tile_map[:self.launches[t].num_rows].copy_(tiles, non_blocking=True)
         return t
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -235,22 +214,16 @@ class PrefillGraphRunner(_Graphs):
         return out[:input_ids.shape[0]]
 
 
-def eager_tile_map(meta: AttentionMetadata, device: torch.device, num_heads: int, head_dim: int,
-                   num_sms: int | None = None, num_kv_heads: int | None = None) -> None:
-    """Give an eager step's prefill part its split map and scratch, so the kernel never reads lengths back.
-    num_sms: the device's SM count, asked of it when None. num_kv_heads: with it, each program serves all the
-    query heads of one kv head (GQA packing), as in the graphs; without, one query head."""
+def eager_tile_map(meta: AttentionMetadata, device: torch.device, head_dim: int, planner: PrefillPlanner) -> None:
+    """Give an eager step's prefill part its split map and scratch (planner: the model's heads on this device), so
+    the kernel never reads lengths back."""
     nd = meta.num_decodes
     cu = [c - nd for c in meta.cu_seqlens_q_cpu[nd:]]
     lens = meta.seq_lens_cpu[nd:]
     if not lens:
         return
-    pack = num_heads // num_kv_heads if num_kv_heads else 1
-    block_m = prefill_block_m(max(cu[i + 1] - cu[i] for i in range(len(lens))), pack)
-    num_sms = num_sms or torch.cuda.get_device_properties(device).multi_processor_count
-    split_map = eager_split_map(cu, lens, block_m, num_heads // pack, num_sms, pack)
+    launch, split_map = planner.for_batch(cu, lens)
     meta.tile_map = to_device(split_map, torch.int32, device)
-    meta.block_m, meta.pack = block_m, pack
+    meta.block_m, meta.pack = launch.block_m, planner.pack
     # Eager steps may allocate: just the slots this map uses.
-    slots = max(1, split_slots_used(split_map))
-    meta.split_scratch = SplitScratch.allocate(slots, num_heads // pack, block_m, head_dim, device)
+    meta.split_scratch = planner.scratch_for(split_map, launch.block_m, head_dim, device)

@@ -6,11 +6,13 @@ import numpy as np
 import torch
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.scheduler import SchedulerOutput
-from nanoserve.layers.attention import Attention, AttentionMetadata, backend_for
+from nanoserve.kernels.prefill import PrefillPlanner
+from nanoserve.layers.attention import Attention, AttentionMetadata, TritonBackend, backend_for
 from nanoserve.layers.sampler import SampledTokens, Sampler, SamplerOutput
+from nanoserve.layers.step_plan import KernelPlanner
 from nanoserve.model.loader import load_model
 from nanoserve.utils import to_device
+from nanoserve.worker.batch import ScheduledBatch
 from nanoserve.worker.cuda_graphs import CUDAGraphRunner, PrefillGraphRunner, eager_tile_map
 from nanoserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
 
@@ -28,7 +30,7 @@ def chunk_slots(block_table: list[int], start: int, n: int, block_size: int) -> 
 class LaunchedStep:
     """A step whose kernels are queued on the device; result() waits for its samples."""
 
-    batch: SchedulerOutput
+    batch: ScheduledBatch
     sampled: SampledTokens | None  # on the device: the next step reads pending tokens from here
     rows: dict[int, int]  # seq_id -> row of sampled
     host: SampledTokens | None  # the same, being copied to the host
@@ -53,6 +55,15 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attn_layers:
             layer.backend = backend_for(self.device)
+        # The one place that picks each step's kernels (layers/step_plan.py): graphs ask it once per shape, eager
+        # steps once per step. Prefill attention's launches are planned for the model's heads and the device's SMs.
+        attn = self.attn_layers[0]
+        prefill = None
+        if self.device.type == "cuda":
+            num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            prefill = PrefillPlanner(attn.num_heads, attn.num_kv_heads, num_sms)
+        self.planner = KernelPlanner(config.args.fused_rope_decode, config.args.pdl,
+                                     getattr(self.model, "qk_norm", False), self.device, prefill)
         fixed_pool = config.args.num_kv_blocks is not None
         self.num_kv_blocks = num_blocks_for(config, None if fixed_pool else self._free_memory())
         self.kv_cache = allocate_kv_cache(config, self.num_kv_blocks)
@@ -64,9 +75,10 @@ class ModelRunner:
             max_blocks = -(-config.max_model_len // self.block_size)
             # Prefill graphs first: their largest bucket makes the memory pool every other graph shares.
             self.prefill_graphs = PrefillGraphRunner(self.model, args.max_num_batched_tokens, args.max_num_seqs,
-                                                     max_blocks, self.device)
+                                                     max_blocks, self.device, self.planner)
             pool = self.prefill_graphs.capture()
-            self.graphs = CUDAGraphRunner(self.model, min(args.max_num_seqs, 512), max_blocks, self.device)
+            self.graphs = CUDAGraphRunner(self.model, min(args.max_num_seqs, 512), max_blocks, self.device,
+                                          self.planner)
             self.graphs.capture(pool)
         if self.device.type == "cuda":
             self.warm_up_lm_head()
@@ -132,7 +144,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak - blocks_per_seq * bytes_per_block(cfg)
 
-    def prepare(self, batch: SchedulerOutput, prev: LaunchedStep | None = None,
+    def prepare(self, batch: ScheduledBatch, prev: LaunchedStep | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None]:
         """input_ids, positions, attention metadata, and the hidden rows to sample from (None: every row,
         once). A token that `prev` sampled and the host has not read yet is taken from prev's device tensor."""
@@ -202,7 +214,7 @@ class ModelRunner:
         return ids, pos, meta, None if sample_all else rows_d
 
     @torch.inference_mode()
-    def launch(self, batch: SchedulerOutput, prev: LaunchedStep | None = None) -> LaunchedStep:
+    def launch(self, batch: ScheduledBatch, prev: LaunchedStep | None = None) -> LaunchedStep:
         """Queue one step's forward pass and sampling on the device without waiting for them. Requests
         that asked for prompt_logprobs get them now, as {request_id: [(target id, logprob, rank,
         top ids, top logprobs), ...]} (that path reads back to the host)."""
@@ -217,9 +229,11 @@ class ModelRunner:
         elif self.prefill_graphs is not None and self.prefill_graphs.can_run(input_ids.shape[0], num_seqs):
             hidden = self.prefill_graphs.run(input_ids, positions, meta)
         else:
-            if self.device.type == "cuda":
-                eager_tile_map(meta, self.device, self.attn_layers[0].num_heads, self.attn_layers[0].head_dim,
-                               num_kv_heads=self.attn_layers[0].num_kv_heads)
+            # An eager step gets its plan here (a graph replays the one it was captured with).
+            meta.plan = self.planner.plan(num_seqs, meta.num_decodes, input_ids.shape[0],
+                                          triton=self.attn_layers[0].backend is TritonBackend)
+            if self.planner.prefill is not None:
+                eager_tile_map(meta, self.device, self.attn_layers[0].head_dim, self.planner.prefill)
             hidden = self.model(input_ids, positions, meta)
         prompt_logprobs = self._prompt_logprobs(batch, hidden, meta.cu_seqlens_q_cpu)
         seqs = [s for e in batch.scheduled for s in e.sample_seqs]
@@ -237,7 +251,7 @@ class ModelRunner:
         rows = {s.seq_id: i for i, s in enumerate(seqs)}
         return LaunchedStep(batch, sampled, rows, host, done, prompt_logprobs)
 
-    def _prompt_logprobs(self, batch: SchedulerOutput, hidden: torch.Tensor, cu: list[int]) -> dict:
+    def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor, cu: list[int]) -> dict:
         result = {}
         for i, entry in enumerate(batch.scheduled):
             seq, n = entry.seq, entry.seq.params.prompt_logprobs

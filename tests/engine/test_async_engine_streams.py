@@ -5,9 +5,8 @@ import asyncio
 
 import pytest
 
-from nanoserve.chat_engine import ToolCompletionOutput
-from nanoserve.engine.async_engine import RequestGroup, _RequestStream
-from nanoserve.outputs import CompletionOutput, RequestOutput
+from nanoserve.outputs import CompletionOutput, RequestOutput, ToolCompletionOutput
+from nanoserve.runtime.streams import RequestGroup, RequestStream
 
 
 def output(n: int, finished: bool = False, kind=CompletionOutput) -> RequestOutput:
@@ -18,7 +17,7 @@ def output(n: int, finished: bool = False, kind=CompletionOutput) -> RequestOutp
 def test_slow_reader_gets_merged_outputs():
     async def scenario():
         wake = asyncio.Event()
-        stream = _RequestStream("r", asyncio.get_running_loop(), wake)
+        stream = RequestStream("r", asyncio.get_running_loop(), wake)
         group = RequestGroup(engine=None, streams=[stream], wake=wake)
         for n in (1, 2, 3):  # three steps arrive before the reader runs
             stream.put(output(n))
@@ -33,7 +32,7 @@ def test_slow_reader_gets_merged_outputs():
 def test_error_after_outputs_is_raised():
     async def scenario():
         wake = asyncio.Event()
-        stream = _RequestStream("r", asyncio.get_running_loop(), wake)
+        stream = RequestStream("r", asyncio.get_running_loop(), wake)
         stream.put(output(1))
         stream.put(RuntimeError("engine died"))
         seen = []

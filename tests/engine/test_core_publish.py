@@ -1,7 +1,7 @@
-"""How the engine cores publish. Both publish a step's stats before its outputs: whoever a finished request
-wakes sees the engine without it (with the old order, outputs then stats, a test that waited for its own
-requests to run could read the previous test's stats and act too early). And a failure in publishing still
-ends every request with an error."""
+"""How the engine clients publish (ThreadEngineClient, ProcessEngineClient). Both publish a step's stats before
+its outputs: whoever a finished request wakes sees the engine without it (with the old order, outputs then
+stats, a test that waited for its own requests to run could read the previous test's stats and act too early).
+And a failure in publishing still ends every request with an error."""
 
 import asyncio
 import functools
@@ -11,20 +11,20 @@ import time
 import pytest
 
 from nanoserve.config import EngineArgs
-from nanoserve.engine import engine_client, engine_thread
-from nanoserve.engine.async_engine import AsyncEngine
-from nanoserve.engine.streams import EngineDeadError
+from nanoserve.runtime import process_client, thread_client
+from nanoserve.runtime.async_engine import AsyncEngine
+from nanoserve.runtime.streams import EngineDeadError
 from nanoserve.sampling_params import SamplingParams
 
 
 def _late_deliver(real, items):
     real(items)
-    time.sleep(0.2)  # whatever the core does after delivering now lags far behind the woken reader
+    time.sleep(0.2)  # whatever the client does after delivering now lags far behind the woken reader
 
 
 @pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "process"])
 def test_finished_output_sees_its_own_stats(engine_process, monkeypatch):
-    module = engine_client if engine_process else engine_thread
+    module = process_client if engine_process else thread_client
     monkeypatch.setattr(module, "deliver", functools.partial(_late_deliver, module.deliver))
     engine = AsyncEngine.from_engine_args(EngineArgs(num_kv_blocks=16, engine_process=engine_process))
 
@@ -48,8 +48,8 @@ def _fail_first(real, calls, items):
     real(items)
 
 
-def test_thread_core_failing_to_publish_fails_its_requests(monkeypatch):
-    monkeypatch.setattr(engine_thread, "deliver", functools.partial(_fail_first, engine_thread.deliver,
+def test_thread_client_failing_to_publish_fails_its_requests(monkeypatch):
+    monkeypatch.setattr(thread_client, "deliver", functools.partial(_fail_first, thread_client.deliver,
                                                                     itertools.count()))
     engine = AsyncEngine.from_engine_args(EngineArgs(num_kv_blocks=16, engine_process=False))
 

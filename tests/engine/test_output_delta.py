@@ -8,10 +8,11 @@ import pickle
 import pytest
 import torch
 
-from nanoserve.chat_engine import ToolCompletionOutput, ToolLoop
+from nanoserve.chat_engine import ToolLoop
 from nanoserve.config import EngineArgs
 from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.engine.output_delta import DeltaEncoder, OutputAssembler
+from nanoserve.outputs import ToolCompletionOutput
+from nanoserve.runtime.output_delta import DeltaEncoder, OutputAssembler
 from nanoserve.sampling_params import SamplingParams
 
 

@@ -4,8 +4,8 @@ other request of the batch finishes with the tokens it would have had, and the e
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine.engine_loop import AddRequest, EngineLoop, Stop
-from nanoserve.engine.streams import RequestFailedError
+from nanoserve.runtime.engine_core import AddRequest, EngineCore, Stop
+from nanoserve.runtime.streams import RequestFailedError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]]
@@ -93,7 +93,7 @@ def test_fault_while_adding_leaves_nothing_behind(llm, reference, monkeypatch):
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
 
 
-def test_engine_loop_reports_a_failed_request_and_runs_on(llm, reference, monkeypatch):
+def test_engine_core_reports_a_failed_request_and_runs_on(llm, reference, monkeypatch):
     """Through the loop the server runs: the failed request's caller gets RequestFailedError, the others
     their outputs, and the loop keeps serving."""
     engine = llm.engine
@@ -116,7 +116,7 @@ def test_engine_loop_reports_a_failed_request_and_runs_on(llm, reference, monkey
         if any(o.request_id == "good" and o.finished for o in outputs):
             commands.append([Stop()])
 
-    assert EngineLoop(engine, receive, publish).run() is None  # stopped, not dead
+    assert EngineCore(engine, receive, publish).run() is None  # stopped, not dead
     errors = [e for _, errs in published for e in errs]
     assert len(errors) == 1 and errors[0][0] == "bad" and isinstance(errors[0][1], RequestFailedError)
     good = [o for outs, _ in published for o in outs if o.request_id == "good" and o.finished]

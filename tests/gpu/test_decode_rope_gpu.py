@@ -1,6 +1,6 @@
 """decode_rope_attention on the GPU in bf16: against the unfused kernels (qkv_rope_store, then decode_attention)
 eagerly and replayed from CUDA graphs with new lengths, positions and slots, and whole models' greedy tokens
-with NANOSERVE_FUSED_ROPE_DECODE's switch on and off."""
+with EngineArgs.fused_rope_decode on and off."""
 
 import pytest
 import torch
@@ -160,14 +160,13 @@ def _count_fused_calls(monkeypatch) -> list[int]:
     return calls
 
 
-def _greedy_tokens(ckpt, fused: str, monkeypatch) -> list[list[int]]:
+def _greedy_tokens(ckpt, fused: str) -> list[list[int]]:
     """Greedy tokens of 6 prompts: decode graphs at batch 1-6, counters up to 4."""
     from nanoserve import LLM, SamplingParams
 
-    monkeypatch.setattr("nanoserve.model.llama.FUSED_ROPE_DECODE", fused)  # read at every forward
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, 384, (n,), generator=g).tolist() for n in (5, 40, 77, 130, 9, 300)]
-    llm = LLM(str(ckpt), device="cuda", dtype="float32", num_kv_blocks=512)
+    llm = LLM(str(ckpt), device="cuda", dtype="float32", num_kv_blocks=512, fused_rope_decode=fused)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     del llm
@@ -182,10 +181,10 @@ def _greedy_tokens(ckpt, fused: str, monkeypatch) -> list[list[int]]:
 def test_model_tokens_with_switch_on_and_off(arch, overrides, tmp_path, monkeypatch):
     calls = _count_fused_calls(monkeypatch)
     ckpt = write_checkpoint(tmp_path / arch, arch, num_hidden_layers=3, **overrides)
-    fused = _greedy_tokens(ckpt, "1", monkeypatch)
+    fused = _greedy_tokens(ckpt, "on")
     assert calls, "the fused kernel was never called"
     calls.clear()
-    unfused = _greedy_tokens(ckpt, "0", monkeypatch)
+    unfused = _greedy_tokens(ckpt, "off")
     assert not calls
     assert fused == unfused
 
@@ -199,7 +198,7 @@ def test_auto_fuses_small_batches(arch, overrides, qk_norm, tmp_path, monkeypatc
     norms take the fused launch, of Qwen3's only one sequence (its qkv GEMV then starts attention late), larger
     ones never; the tokens are the unfused path's either way."""
     from nanoserve import LLM, SamplingParams
-    from nanoserve.model.llama import FUSED_ROPE_DECODE_MAX_BATCH
+    from nanoserve.layers.step_plan import FUSED_ROPE_DECODE_MAX_BATCH
 
     calls = _count_fused_calls(monkeypatch)
     ckpt = write_checkpoint(tmp_path / arch, arch, num_hidden_layers=3, **overrides)
@@ -207,11 +206,10 @@ def test_auto_fuses_small_batches(arch, overrides, qk_norm, tmp_path, monkeypatc
     prompts = [torch.randint(2, 384, (n,), generator=g).tolist() for n in (5, 40, 77, 130, 9, 300)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     tokens = {}
-    for mode in ("auto", "0"):
-        monkeypatch.setattr("nanoserve.model.llama.FUSED_ROPE_DECODE", mode)
+    for mode in ("auto", "off"):
         calls.clear()
         # Decode graphs choose their path when captured, here: the batch sizes that called the fused launch.
-        llm = LLM(str(ckpt), device="cuda", dtype="float32", num_kv_blocks=512)
+        llm = LLM(str(ckpt), device="cuda", dtype="float32", num_kv_blocks=512, fused_rope_decode=mode)
         captured = set(calls)
         # Three sequences decode in the batch-4 graph, then six in the batch-8 one.
         tokens[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts[:3], params, use_tqdm=False)]
@@ -224,4 +222,4 @@ def test_auto_fuses_small_batches(arch, overrides, qk_norm, tmp_path, monkeypatc
             assert captured == {b for b in (1, 2, 4) if b <= FUSED_ROPE_DECODE_MAX_BATCH} and 4 in captured
         else:
             assert not captured
-    assert tokens["auto"] == tokens["0"]
+    assert tokens["auto"] == tokens["off"]

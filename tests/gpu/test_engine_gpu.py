@@ -72,8 +72,8 @@ def test_triton_and_graphs_match_eager_torch(ckpt):
 
 def test_large_decode_graphs_sort_their_sequences(ckpt):
     """160 sequences decode together: their graph sorts them longest first for decode attention's dispatch order
-    (cuda_graphs.DECODE_ORDER_MIN_BATCH), and the tokens stay those of the eager PyTorch path."""
-    from nanoserve.worker.cuda_graphs import DECODE_ORDER_MIN_BATCH
+    (step_plan.DECODE_ORDER_MIN_BATCH), and the tokens stay those of the eager PyTorch path."""
+    from nanoserve.layers.step_plan import DECODE_ORDER_MIN_BATCH
 
     g = torch.Generator().manual_seed(1)
     many = [torch.randint(2, 384, (n,), generator=g).tolist() for n in torch.randint(1, 300, (160,), generator=g)]

@@ -127,7 +127,7 @@ def test_engine_batch_one_through_silu_mul_gemv(tmp_path, monkeypatch):
     through silu_mul_gemv, with the greedy tokens of the eager engine in fp32."""
     from nanoserve import LLM, SamplingParams
     from nanoserve.kernels import silu_mul_gemv
-    from nanoserve.layers import linear
+    from nanoserve.layers import step_plan
 
     ckpt = write_checkpoint(tmp_path / "llama", "llama", hidden_size=256, intermediate_size=1024,
                             num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
@@ -141,7 +141,7 @@ def test_engine_batch_one_through_silu_mul_gemv(tmp_path, monkeypatch):
     calls = []
     original = silu_mul_gemv.silu_mul_gemv
     monkeypatch.setattr(silu_mul_gemv, "silu_mul_gemv", lambda *a: calls.append(1) or original(*a))
-    monkeypatch.setattr(linear, "SKINNY_MAX_WEIGHT_BYTES", 0)
+    monkeypatch.setattr(step_plan, "SKINNY_MAX_WEIGHT_BYTES", 0)
     fast = LLM(str(ckpt), device="cuda", dtype="float32", num_kv_blocks=64)  # captures the decode graphs
     assert calls, "no decode graph captured silu_mul_gemv"
     assert tokens(fast) == reference

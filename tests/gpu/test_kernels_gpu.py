@@ -58,7 +58,7 @@ def test_store_kvcache_gpu():
 @pytest.mark.parametrize("pack", [None, 1])
 def test_prefill_attention_gpu(num_q_heads, num_kv_heads, head_dim, block_size, pack):
     """Eager calls (the kernel builds its own split map): a program per kv head (the default) or per query head."""
-    from nanoserve.kernels.prefill_attention import prefill_attention, prefill_attention_ref
+    from nanoserve.kernels.prefill import prefill_attention, prefill_attention_ref
 
     gen = torch.Generator().manual_seed(0)
     # Plain prefill, decode entries, cached prefixes, chunked prefill and lengths off every tile size.
@@ -187,8 +187,13 @@ def test_fused_decode_attention_deterministic():
 
 @pytest.mark.parametrize("pack", [1, 2])
 def test_prefill_attention_cuda_graph(pack):
-    from nanoserve.kernels.prefill_attention import prefill_attention, prefill_attention_ref
-    from nanoserve.kernels.tile_map import SPLIT_MAP_COLUMNS, max_prefill_tiles, prefill_block_m, prefill_tile_map
+    from nanoserve.kernels.prefill import prefill_attention, prefill_attention_ref
+    from nanoserve.kernels.prefill.tile_map import (
+        SPLIT_MAP_COLUMNS,
+        max_prefill_tiles,
+        prefill_block_m,
+        prefill_tile_map,
+    )
 
     gen = torch.Generator().manual_seed(0)
     num_q_heads, num_kv_heads, head_dim, block_size = 16, 8, 128, 16

@@ -15,7 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
     # Helpers before the kernels that call them: a kernel binds the jit helpers its module imported.
-    for _name in ("pdl", "prefill_split", "prefill_tile", "kv_store", "prefill_attention", "decode_attention",
+    for _name in ("pdl", "prefill.split", "prefill.tile", "kv_store", "prefill.attention", "decode_attention",
                   "decode_rope_attention", "qkv_rope_store", "gemv", "silu_mul_gemv", "sampling", "decode_order"):
         _module = sys.modules.get(f"nanoserve.kernels.{_name}")
         if _module is not None:
@@ -83,6 +83,15 @@ def _dense_attention(
     return out[0].transpose(0, 1)
 
 
+def _fake_graph_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plan every step as if it were captured in a CUDA graph (layers/step_plan.py), so that on the CPU the engine
+    takes the graphs' kernels (run by the interpreter)."""
+    from nanoserve.layers.step_plan import KernelPlanner
+
+    plan = KernelPlanner.plan
+    monkeypatch.setattr(KernelPlanner, "plan", lambda self, *a, **kw: plan(self, *a, **{**kw, "graph": True}))
+
+
 # Helpers are handed out as fixtures (factories) so test modules need not import conftest by name.
 @pytest.fixture
 def make_paged_kv():
@@ -92,6 +101,11 @@ def make_paged_kv():
 @pytest.fixture
 def dense_attention():
     return _dense_attention
+
+
+@pytest.fixture
+def fake_graph_capture():
+    return _fake_graph_capture
 
 
 @pytest.fixture

@@ -83,7 +83,7 @@ def test_matches_unfused_references(case, prefetch, make_paged_kv, gen, device, 
 @pytest.mark.parametrize("case", CASES[1:4], ids=range(1, 4))
 def test_matches_unfused_kernels(case, make_paged_kv, gen, device, tol):
     """Against qkv_rope_store then decode_attention with the same splits and merge, as llama.py runs them
-    without NANOSERVE_FUSED_ROPE_DECODE=1; with a length-0 row that has a slot (stored by both)."""
+    with fused_rope_decode off; with a length-0 row that has a slot (stored by both)."""
     rope, k_cache, v_cache, slots, seq, tables, splits, counters = _rope_inputs(
         case, make_paged_kv, gen, device, spare_slot_for_empty=True)
     qkv, hq = rope[0], rope[1]
@@ -141,44 +141,42 @@ def test_empty_batch(device):
 
 
 @pytest.mark.parametrize("qk_norm,fused_rows", [(False, {1, 2, 3, 4}), (True, {1})])
-def test_auto_rule(monkeypatch, qk_norm, fused_rows):
-    """NANOSERVE_FUSED_ROPE_DECODE=auto: decode steps of up to FUSED_ROPE_DECODE_MAX_BATCH sequences of a model
-    without q/k norms, one sequence of a model with them (whose qkv GEMV then starts attention late); never a step
-    with a prefill, a CPU tensor or the PyTorch backend. "1" fuses every decode step, "0" none."""
-    from types import SimpleNamespace
+def test_auto_rule(qk_norm, fused_rows):
+    """fused_rope_decode="auto": decode steps of up to FUSED_ROPE_DECODE_MAX_BATCH sequences of a model without q/k
+    norms, one sequence of a model with them (whose qkv GEMV then starts attention late); never a step with a
+    prefill or without the Triton attention kernels (the CPU's default). "on" fuses every decode step, "off" none."""
+    from nanoserve.layers.step_plan import FUSED_ROPE_DECODE_MAX_BATCH, KernelPlanner
 
-    from nanoserve.layers.attention import AttentionMetadata, TorchBackend, TritonBackend
-    from nanoserve.model import llama
-    from nanoserve.model.llama import LlamaAttention
+    assert FUSED_ROPE_DECODE_MAX_BATCH == 4
+    for mode, want in (("auto", fused_rows), ("on", set(range(1, 9))), ("off", set())):
+        planner = KernelPlanner(mode, qk_norm=qk_norm)
 
-    monkeypatch.setattr(llama, "FUSED_ROPE_DECODE_MAX_BATCH", 4)
-    attn = SimpleNamespace(q_norm=object() if qk_norm else None, attn=SimpleNamespace(backend=TritonBackend))
+        def plan(rows, num_decodes=None, triton=True, planner=planner):
+            return planner.plan(rows, rows if num_decodes is None else num_decodes, rows, triton=triton)
 
-    def fuses(rows, num_decodes=None, backend=TritonBackend, is_cuda=True):
-        attn.attn.backend = backend
-        meta = AttentionMetadata(None, None, None, None, 1, rows if num_decodes is None else num_decodes)
-        return LlamaAttention.fuses_rope_into_attention(attn, SimpleNamespace(is_cuda=is_cuda, shape=(rows, 8)), meta)
-
-    for mode, want in (("auto", fused_rows), ("1", set(range(1, 9))), ("0", set())):
-        monkeypatch.setattr(llama, "FUSED_ROPE_DECODE", mode)
-        assert {rows for rows in range(1, 9) if fuses(rows)} == want
-        assert not fuses(1, num_decodes=0)
-        assert not fuses(1, backend=TorchBackend)
-        assert not fuses(1, is_cuda=False)
+        assert {rows for rows in range(1, 9) if plan(rows).fused_rope_decode} == want
+        assert {rows for rows in range(1, 9) if plan(rows).late_qkv_start} == (want if qk_norm else set())
+        assert not plan(1, num_decodes=0).fused_rope_decode
+        assert not plan(1, triton=False).fused_rope_decode
+        assert not planner.plan(1, 1, 1).fused_rope_decode  # a CPU planner: the PyTorch backend
+    with pytest.raises(ValueError, match="^fused_rope_decode: must be auto, on or off"):
+        KernelPlanner("1")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="counts Python calls, which graph replays skip; on a GPU "
                     "tests/gpu/test_decode_rope_gpu.py checks the model's tokens")
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_model_starts_attention_late_where_it_fuses(tmp_path, monkeypatch, arch):
-    """A model on the CPU whose one-sequence decode steps are made to take the fused launch (run by the
-    interpreter over the PyTorch backend's caches): the decoder layer asks its qkv GEMV for the late start exactly
-    there and only for a model with q/k norms, and the greedy tokens are the unfused model's."""
+def test_model_fuses_where_planned(tmp_path, monkeypatch, arch):
+    """A model on the CPU whose one-sequence decode steps are planned as if on the Triton kernels, so that they take
+    the fused launch (run by the interpreter over the PyTorch backend's caches): it runs exactly there, in every
+    layer, the plan asks the qkv GEMV for the late start there only for a model with q/k norms, and the greedy
+    tokens are the unfused model's."""
     from checkpoints import write_checkpoint  # tests/checkpoints.py
 
     from nanoserve import LLM, SamplingParams
-    from nanoserve.layers.linear import Linear, QKVLinear
-    from nanoserve.model.llama import LlamaAttention
+    from nanoserve.kernels import decode_rope_attention as module
+    from nanoserve.layers.linear import QKVLinear
+    from nanoserve.layers.step_plan import KernelPlanner
 
     path = write_checkpoint(tmp_path / arch, arch, head_dim=64)  # decode attention takes head_dim 64 or 128
     prompts = [[5, 17, 300, 42, 9], [8, 1, 2]]
@@ -186,19 +184,25 @@ def test_model_starts_attention_late_where_it_fuses(tmp_path, monkeypatch, arch)
 
     def generate():
         llm = LLM(str(path), num_kv_blocks=16, max_num_seqs=2)
-        return [[o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
-                for batch in (prompts[:1], prompts)]
+        tokens = [[o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+                  for batch in (prompts[:1], prompts)]
+        return tokens, len(llm.engine.runner.model.model.layers)
 
-    reference = generate()
-    fused_steps, qkv_late = [], []
-    monkeypatch.setattr(LlamaAttention, "fuses_rope_into_attention",
-                        lambda self, qkv, meta: fused_steps.append(qkv.shape[0] == meta.num_decodes == 1)
-                        or fused_steps[-1])
-    forward_norm = Linear.forward_norm
-    monkeypatch.setattr(Linear, "forward_norm", lambda self, *a, late_dependents=False:
-                        (qkv_late.append(late_dependents) if isinstance(self, QKVLinear) else None)
-                        or forward_norm(self, *a, late_dependents=late_dependents))
-    assert generate() == reference
-    # Qwen3's layer asks before projecting, then its attention asks again (the same answer); Llama's only attention.
-    assert qkv_late == (fused_steps[::2] if arch == "qwen3" else [False] * len(qkv_late))
-    assert any(fused_steps) and any(qkv_late) == (arch == "qwen3")
+    reference, num_layers = generate()
+    plans, calls = [], []
+    plan = KernelPlanner.plan
+
+    def planned(self, num_seqs, num_decodes, num_tokens, graph=False, triton=None):
+        one = num_decodes == num_tokens == 1
+        plans.append((one, plan(self, num_seqs, num_decodes, num_tokens, graph=graph, triton=one or triton)))
+        return plans[-1][1]
+
+    monkeypatch.setattr(KernelPlanner, "plan", planned)
+    original = module.decode_rope_attention
+    monkeypatch.setattr(module, "decode_rope_attention", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    assert generate()[0] == reference
+    assert [p.fused_rope_decode for _, p in plans] == [one for one, _ in plans]
+    assert [p.late_qkv_start for _, p in plans] == [one and arch == "qwen3" for one, _ in plans]
+    assert any(one for one, _ in plans) and len(calls) == num_layers * sum(one for one, _ in plans)
+    qkv_proj = QKVLinear(64, 2, 1, 32, bias=False)
+    assert [qkv_proj.starts_next_late(p) for _, p in plans] == [p.late_qkv_start for _, p in plans]

@@ -139,39 +139,40 @@ def test_bad_inputs_raise(device, gen):
         skinny_silu_mul_linear(x, w)  # x is [2, 64]: gate | up of 32 each, but w takes 64
 
 
-def test_skinny_gemm_rule(monkeypatch):
+def test_skinny_gemm_rule():
     """The fused prologues ride on the skinny GEMM's own choice (1-32 rows, weights up to 64 MB, graph capture) and
-    take its CUDA-core path only."""
-    from nanoserve.layers import linear
+    take its CUDA-core path only: the step's plan (layers/step_plan.py) decides both."""
+    from nanoserve.layers.step_plan import KernelPlanner
 
-    x1, x2, x3, x32, x33 = (torch.zeros(m, 4096) for m in (1, 2, 3, 32, 33))
+    planner = KernelPlanner()
+
+    def plan(rows: int, graph: bool = True):
+        return planner.plan(rows, rows, rows, graph=graph)
+
     llama8b_qkv, llama8b_gate_up = torch.empty(6144, 4096, dtype=torch.bfloat16, device="meta"), torch.empty(
         28672, 4096, dtype=torch.bfloat16, device="meta")  # 50 and 235 MB
-    assert not linear.capturing_cuda_graph(x1)  # a CPU tensor is never in a capture
-    assert not linear.takes_skinny_gemm(x1, llama8b_qkv)
-    monkeypatch.setattr(linear, "capturing_cuda_graph", lambda x: True)
-    assert linear.takes_skinny_gemm(x1, llama8b_qkv) and linear.takes_skinny_gemm(x2, llama8b_qkv)
-    assert linear.takes_skinny_gemm(x3, llama8b_qkv) and linear.takes_skinny_gemm(x32, llama8b_qkv)
-    assert not linear.takes_skinny_gemm(x33, llama8b_qkv)
-    assert not linear.takes_skinny_gemm(x1, llama8b_gate_up)
-    assert not linear.takes_skinny_gemm(x1[0], llama8b_qkv)  # 1-D input
+    assert not plan(1, graph=False).takes_skinny_gemm(llama8b_qkv)  # eager: cuBLAS
+    assert plan(1).takes_skinny_gemm(llama8b_qkv) and plan(2).takes_skinny_gemm(llama8b_qkv)
+    assert plan(3).takes_skinny_gemm(llama8b_qkv) and plan(32).takes_skinny_gemm(llama8b_qkv)
+    assert not plan(33).takes_skinny_gemm(llama8b_qkv)
+    assert not plan(1).takes_skinny_gemm(llama8b_gate_up)
     # The prologues only at one row on the CUDA cores, where fusing measured faster: a 50 MB weight takes the
     # tensor cores at one row, and its norm runs as its own kernel.
     qwen3_qkv = torch.empty(4096, 1024, dtype=torch.bfloat16, device="meta")
-    assert linear.takes_fused_prologue(x1[:, :1024], qwen3_qkv)
-    assert not linear.takes_fused_prologue(x2[:, :1024], qwen3_qkv)
-    assert not linear.takes_fused_prologue(x1, llama8b_qkv)
-    assert not linear.takes_fused_prologue(x1, llama8b_gate_up)
+    assert plan(1).takes_fused_prologue(qwen3_qkv)
+    assert not plan(1, graph=False).takes_fused_prologue(qwen3_qkv)
+    assert not plan(2).takes_fused_prologue(qwen3_qkv)
+    assert not plan(1).takes_fused_prologue(llama8b_qkv)
+    assert not plan(1).takes_fused_prologue(llama8b_gate_up)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="counts Python calls, which graph replays skip; on a GPU "
                     "tests/gpu/test_gemv_fused_gpu.py checks the model's tokens")
-def test_model_takes_the_fused_path_and_keeps_its_tokens(checkpoints, monkeypatch):
+def test_model_takes_the_fused_path_and_keeps_its_tokens(checkpoints, monkeypatch, fake_graph_capture):
     """Qwen3 in the engine on the CPU with graph capture faked: every decode step of one row must go through the
     fused kernels (run by the interpreter; about a second a launch) in every layer, and give the greedy tokens of
     the unfused model."""
     from nanoserve import LLM, SamplingParams
-    from nanoserve.layers import linear
 
     prompts = [[5, 17, 300, 42, 9]]
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
@@ -188,7 +189,7 @@ def test_model_takes_the_fused_path_and_keeps_its_tokens(checkpoints, monkeypatc
         original = getattr(gemv, name)
         monkeypatch.setattr(gemv, name, lambda *a, _f=original, _n=name, **kw: calls.__setitem__(_n, calls[_n] + 1)
                             or _f(*a, **kw))
-    monkeypatch.setattr(linear, "capturing_cuda_graph", lambda x: True)
+    fake_graph_capture(monkeypatch)
     fused, _ = generate()
     assert fused == reference
     # The 2 decode steps (of 1 row), each through every layer: o_proj alone is unfused, and the two norms of a

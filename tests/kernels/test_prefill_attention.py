@@ -27,7 +27,7 @@ def _inputs(case, make_paged_kv, gen, device):
 
 @pytest.mark.parametrize("case", CASES, ids=range(len(CASES)))
 def test_prefill_ref_matches_dense(case, make_paged_kv, dense_attention, gen, device):
-    from nanoserve.kernels.prefill_attention import prefill_attention_ref
+    from nanoserve.kernels.prefill import prefill_attention_ref
 
     q, k_cache, v_cache, cu, seq, block_tables, max_q, scale = _inputs(case, make_paged_kv, gen, device)
     q = q.float()
@@ -47,7 +47,7 @@ def _packs(case) -> list[int]:
 @pytest.mark.parametrize("case", CASES, ids=range(len(CASES)))
 def test_prefill_kernel_matches_ref(case, make_paged_kv, gen, device, tol):
     """Eager calls (the kernel builds its own map), packed by default and unpacked."""
-    from nanoserve.kernels.prefill_attention import prefill_attention, prefill_attention_ref
+    from nanoserve.kernels.prefill import prefill_attention, prefill_attention_ref
 
     q, k_cache, v_cache, cu, seq, block_tables, max_q, scale = _inputs(case, make_paged_kv, gen, device)
     want = prefill_attention_ref(q, k_cache, v_cache, cu, seq, block_tables, max_q, scale)
@@ -63,8 +63,8 @@ def test_prefill_kernel_matches_ref(case, make_paged_kv, gen, device, tol):
 @pytest.mark.parametrize("case", CASES, ids=range(len(CASES)))
 def test_prefill_tiled_matches_ref(case, small_tiles, make_paged_kv, gen, device, tol):
     """Unsplit maps (prefill_tile_map) with padding rows, packed and unpacked, tiles off the token boundaries."""
-    from nanoserve.kernels.prefill_attention import prefill_attention, prefill_attention_ref
-    from nanoserve.kernels.tile_map import PADDING_ROW, max_prefill_tiles, prefill_block_m, prefill_tile_map
+    from nanoserve.kernels.prefill import prefill_attention, prefill_attention_ref
+    from nanoserve.kernels.prefill.tile_map import PADDING_ROW, max_prefill_tiles, prefill_block_m, prefill_tile_map
 
     q, k_cache, v_cache, cu, seq, block_tables, max_q, scale = _inputs(case, make_paged_kv, gen, device)
     want = prefill_attention_ref(q, k_cache, v_cache, cu, seq, block_tables, max_q, scale)
@@ -85,7 +85,7 @@ def test_prefill_tiled_matches_ref(case, small_tiles, make_paged_kv, gen, device
 
 @pytest.mark.parametrize("pack", [1, 3])
 def test_prefill_tile_map_order_and_coverage(pack):
-    from nanoserve.kernels.tile_map import PADDING_ROW, SPLIT_MAP_COLUMNS, prefill_tile_map
+    from nanoserve.kernels.prefill.tile_map import PADDING_ROW, SPLIT_MAP_COLUMNS, prefill_tile_map
 
     q_lens, seq_lens, block_m = [1, 40, 0, 70, 5], [9, 300, 4, 70, 5], 16
     cu = [0, 1, 41, 41, 111, 116]
@@ -108,7 +108,7 @@ def test_prefill_tile_map_order_and_coverage(pack):
 
 
 def test_prefill_tile_map_rejects_overfull_batch():
-    from nanoserve.kernels.tile_map import prefill_tile_map
+    from nanoserve.kernels.prefill.tile_map import prefill_tile_map
 
     cu, seq_lens = [0, 33, 34], [33, 50]  # 3 + 1 tiles of 16 rows; packed by 2, 5 + 1
     assert (prefill_tile_map(cu, seq_lens, 16, num_tiles=4)[:, 0] >= 0).all()
@@ -120,7 +120,7 @@ def test_prefill_tile_map_rejects_overfull_batch():
 
 
 def test_max_prefill_tiles_bounds_random_batches():
-    from nanoserve.kernels.tile_map import max_prefill_tiles, prefill_block_m, prefill_tile_map
+    from nanoserve.kernels.prefill.tile_map import max_prefill_tiles, prefill_block_m, prefill_tile_map
 
     rng = np.random.default_rng(0)
     for _ in range(300):
@@ -143,8 +143,8 @@ def test_max_prefill_tiles_bounds_random_batches():
 @pytest.mark.parametrize("pack", [1, 2])
 def test_prefill_tiled_reused_for_new_batch(pack, make_paged_kv, gen, device, tol):
     """One set of tensors, a second batch and its map written into them in place (as before a graph replay)."""
-    from nanoserve.kernels.prefill_attention import prefill_attention, prefill_attention_ref
-    from nanoserve.kernels.tile_map import max_prefill_tiles, prefill_tile_map
+    from nanoserve.kernels.prefill import prefill_attention, prefill_attention_ref
+    from nanoserve.kernels.prefill.tile_map import max_prefill_tiles, prefill_tile_map
 
     dtype, head_dim, num_q_heads, num_kv_heads, block_size = torch.float32, 64, 4, 2, 16
     num_tokens, max_num_seqs = 48, 4
@@ -187,8 +187,8 @@ def test_prefill_padding_tiles_read_nothing(make_paged_kv, gen, device, tol):
     Each tensor is a view one element into a buffer whose leading element describes a real 4-token sequence
     at index -1, written to the 4 rows before out; a padding row that ran would overwrite them.
     """
-    from nanoserve.kernels.prefill_attention import prefill_attention, prefill_attention_ref
-    from nanoserve.kernels.tile_map import prefill_tile_map
+    from nanoserve.kernels.prefill import prefill_attention, prefill_attention_ref
+    from nanoserve.kernels.prefill.tile_map import prefill_tile_map
 
     dtype, head_dim, num_heads, block_size, q_len, seq_len = torch.float32, 64, 2, 16, 20, 30
     k_cache, v_cache, tables = make_paged_kv([seq_len], num_heads, head_dim, block_size, dtype, gen)

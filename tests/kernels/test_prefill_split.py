@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from nanoserve.kernels.split_scratch import SplitScratch, split_scratch_views
-from nanoserve.kernels.tile_map import (
+from nanoserve.kernels.prefill.split_scratch import SplitScratch, split_scratch_views
+from nanoserve.kernels.prefill.tile_map import (
     KV_SPLIT_GRANULE,
     PADDING_ROW,
     SPLIT_MAP_COLUMNS,
@@ -194,7 +194,7 @@ def _case_inputs(case, make_paged_kv, gen, device):
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=range(len(SPLIT_CASES)))
 @pytest.mark.parametrize("packed", [False, True], ids=["pack_1", "pack_group"])
 def test_split_kernel_matches_ref(case, packed, make_paged_kv, gen, device, tol):
-    from nanoserve.kernels.prefill_attention import prefill_attention, prefill_attention_ref
+    from nanoserve.kernels.prefill import prefill_attention, prefill_attention_ref
 
     args, block_m = _case_inputs(case, make_paged_kv, gen, device)
     q, _, _, cu, seq = args[:5]
@@ -222,7 +222,7 @@ def test_split_kernel_matches_ref(case, packed, make_paged_kv, gen, device, tol)
 
 def test_split_kernel_16_bit_partials(make_paged_kv, gen, device, tol):
     """Partial outputs kept in the inputs' 16-bit dtype: one more rounding, within the dtype's tolerance."""
-    from nanoserve.kernels.prefill_attention import prefill_attention, prefill_attention_ref
+    from nanoserve.kernels.prefill import prefill_attention, prefill_attention_ref
 
     case = SPLIT_CASES[4]
     args, block_m = _case_inputs(case, make_paged_kv, gen, device)
@@ -243,7 +243,7 @@ def test_split_kernel_16_bit_partials(make_paged_kv, gen, device, tol):
 @pytest.mark.parametrize("case", [0, 4])
 def test_split_kernel_leaves_uncovered_rows(case, make_paged_kv, gen, device, tol):
     """Padded token rows past the batch's last sequence keep their contents, split tiles or not."""
-    from nanoserve.kernels.prefill_attention import prefill_attention, prefill_attention_ref
+    from nanoserve.kernels.prefill import prefill_attention, prefill_attention_ref
 
     args, block_m = _case_inputs(SPLIT_CASES[case], make_paged_kv, gen, device)
     q, k_cache, v_cache, cu, seq, block_tables, max_q, scale = args
@@ -264,7 +264,7 @@ def test_split_kernel_leaves_uncovered_rows(case, make_paged_kv, gen, device, to
 def test_eager_call_splits_long_cached_prefix(make_paged_kv, gen, device, tol):
     """Without a map the kernel builds one itself, with the default policy: a short chunk over a long cached
     prefix splits (checked on the same map built here), and the result matches."""
-    from nanoserve.kernels.prefill_attention import prefill_attention, prefill_attention_ref
+    from nanoserve.kernels.prefill import prefill_attention, prefill_attention_ref
 
     case = (torch.float32, 64, 2, 1, 16, 16, [(20, 1300), (1, 40)])
     args, _ = _case_inputs(case, make_paged_kv, gen, device)
@@ -308,16 +308,18 @@ def _metadata(q_lens, seq_lens, block_tables, num_decodes, device):
 def test_graph_runner_maps_match_ref(make_paged_kv, gen, device, tol):
     """Two steps through one PrefillGraphRunner's static buffers (as before two replays), attention run on the
     bucket's tensors as the captured graph would: a cached-prefix step that splits, then one that does not."""
-    from nanoserve.kernels.prefill_attention import prefill_attention_ref
+    from nanoserve.kernels.prefill import PrefillPlanner, prefill_attention_ref
     from nanoserve.layers.attention import TritonBackend
+    from nanoserve.layers.step_plan import KernelPlanner
     from nanoserve.worker.cuda_graphs import PrefillGraphRunner
 
     num_heads, num_kv_heads, head_dim, block_size = 4, 2, 64, 16
     steps = [[(1, 300), (20, 700), (3, 3)], [(30, 30), (2, 17)]]
     all_lens = [s for step in steps for _, s in step]
     k_cache, v_cache, tables = make_paged_kv(all_lens, num_kv_heads, head_dim, block_size, torch.float32, gen)
+    planner = KernelPlanner(prefill=PrefillPlanner(num_heads, num_kv_heads, H200_SMS))
     runner = PrefillGraphRunner(_TinyModel(num_heads, num_kv_heads, head_dim), 64, 4, tables.shape[1],
-                                torch.device(device), num_sms=H200_SMS)  # fmt: skip
+                                torch.device(device), planner)
     first = 0
     for i, step in enumerate(steps):
         q_lens, seq_lens = [q for q, _ in step], [s for _, s in step]
@@ -329,8 +331,9 @@ def test_graph_runner_maps_match_ref(make_paged_kv, gen, device, tol):
         _, _, bucket_meta = runner._args(t)
         split_map = bucket_meta.tile_map.cpu().numpy()
         assert runner.pack == bucket_meta.pack == 2
-        splits = _check_split_map(split_map, meta.cu_seqlens_q_cpu, seq_lens, runner.block_m[t],
-                                  runner.num_tiles[t], runner.max_partials[t], runner.pack)  # fmt: skip
+        launch = runner.launches[t]
+        splits = _check_split_map(split_map, meta.cu_seqlens_q_cpu, seq_lens, launch.block_m, launch.num_rows,
+                                  launch.max_partials, runner.pack)  # fmt: skip
         assert (splits > 1) == (i == 0)
         q = torch.randn(t, num_heads, head_dim, generator=gen).to(device)  # rows past n are padding
         got = TritonBackend.attend(q, k_cache, v_cache, bucket_meta, head_dim**-0.5)
@@ -342,7 +345,7 @@ def test_graph_runner_maps_match_ref(make_paged_kv, gen, device, tol):
 
 def test_eager_step_with_decodes_matches_ref(make_paged_kv, gen, device, tol):
     """An eager mixed step: decodes through the decode kernel, the prefill part through its own split map."""
-    from nanoserve.kernels.prefill_attention import prefill_attention_ref
+    from nanoserve.kernels.prefill import PrefillPlanner, prefill_attention_ref
     from nanoserve.layers.attention import TritonBackend
     from nanoserve.worker.cuda_graphs import eager_tile_map
 
@@ -354,10 +357,11 @@ def test_eager_step_with_decodes_matches_ref(make_paged_kv, gen, device, tol):
     want = prefill_attention_ref(q, k_cache, v_cache, _metadata(q_lens, seq_lens, tables, 2, device).cu_seqlens_q,
                                  torch.tensor(seq_lens, dtype=torch.int32, device=device), tables, 24,
                                  head_dim**-0.5)  # fmt: skip
-    # Packed (the model runner passes num_kv_heads), and as a caller that does not.
-    for num_kv, pack in ((num_kv_heads, 2), (None, 1)):
+    # Packed (as the model runner plans it), and one query head per program.
+    for planner, pack in ((PrefillPlanner(num_heads, num_kv_heads, H200_SMS), 2),
+                          (PrefillPlanner(num_heads, num_kv_heads, H200_SMS, pack=1), 1)):
         meta = _metadata(q_lens, seq_lens, tables, 2, device)
-        eager_tile_map(meta, torch.device(device), num_heads, head_dim, num_sms=H200_SMS, num_kv_heads=num_kv)
+        eager_tile_map(meta, torch.device(device), head_dim, planner)
         assert meta.pack == pack and meta.split_scratch.count.shape[1] == num_heads // pack
         assert meta.tile_map.shape[1] == SPLIT_MAP_COLUMNS and int(meta.tile_map[:, 6].max()) > 1
         assert (meta.tile_map[:, 0] >= 0).all(), "an eager launch gets no padding rows"
@@ -371,7 +375,7 @@ def test_split_kernel_cuda_graph_replays(pack, make_paged_kv, gen):
     """One graph captured over a bucket's tensors (bf16, Qwen3-0.6B heads) replays steps that split differently
     or not at all: each step's split map and lengths are copied in before its replay. A replay gives the same
     bits every time (the merge's order does not depend on which split finishes last)."""
-    from nanoserve.kernels.prefill_attention import prefill_attention, prefill_attention_ref
+    from nanoserve.kernels.prefill import prefill_attention, prefill_attention_ref
 
     num_q_heads, num_kv_heads, head_dim, block_size = 16, 8, 128, 16
     num_tokens, max_num_seqs, sms = 128, 8, torch.cuda.get_device_properties(0).multi_processor_count

@@ -33,30 +33,30 @@ def test_bad_inputs_raise(device, gen):
         silu_mul_gemv(x, w.half())
 
 
-def test_routing_rule(monkeypatch):
+def test_routing_rule():
     """One row inside a CUDA graph, a weight past the skinny GEMM's 64 MB, no bias: Llama-3.1-8B's down_proj."""
-    from nanoserve.layers import linear
+    from nanoserve.layers.step_plan import KernelPlanner
 
+    planner = KernelPlanner()
     llama8b_down = torch.empty(4096, 14336, dtype=torch.bfloat16, device="meta")  # 117 MB
     qwen3_down = torch.empty(1024, 3072, dtype=torch.bfloat16, device="meta")  # 6 MB: the skinny GEMM's
-    x = torch.zeros(2, 2 * 14336)
-    assert not linear.takes_silu_mul_gemv(x[:1], llama8b_down, None)  # not capturing a graph (a CPU tensor)
-    monkeypatch.setattr(linear, "capturing_cuda_graph", lambda x: True)
-    assert linear.takes_silu_mul_gemv(x[:1], llama8b_down, None)
-    assert not linear.takes_silu_mul_gemv(x, llama8b_down, None)  # two rows: cuBLAS after SiLU-and-mul
-    assert not linear.takes_silu_mul_gemv(x[:1], llama8b_down, torch.zeros(4096))
-    assert not linear.takes_silu_mul_gemv(torch.zeros(1, 6144), qwen3_down, None)
-    assert linear.takes_fused_prologue(torch.zeros(1, 6144), qwen3_down)
+    one_row, two_rows = planner.plan(1, 1, 1, graph=True), planner.plan(2, 2, 2, graph=True)
+    assert not planner.plan(1, 1, 1).takes_silu_mul_gemv(llama8b_down, None)  # not in a graph
+    assert one_row.takes_silu_mul_gemv(llama8b_down, None)
+    assert not two_rows.takes_silu_mul_gemv(llama8b_down, None)  # two rows: cuBLAS after SiLU-and-mul
+    assert not one_row.takes_silu_mul_gemv(llama8b_down, torch.zeros(4096))
+    assert not one_row.takes_silu_mul_gemv(qwen3_down, None)
+    assert one_row.takes_fused_prologue(qwen3_down)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="counts Python calls, which graph replays skip; on a GPU "
                     "tests/gpu/test_gemv_fused_gpu.py checks the model's tokens")
-def test_model_keeps_its_tokens(checkpoints, monkeypatch):
+def test_model_keeps_its_tokens(checkpoints, monkeypatch, fake_graph_capture):
     """Qwen3 on the CPU with graph capture faked and the skinny GEMM's limit at 0 bytes, so that every projection
     counts as large: each one-row decode step's down_proj goes through silu_mul_gemv in every layer (run by the
     interpreter), with the greedy tokens of the unfused model."""
     from nanoserve import LLM, SamplingParams
-    from nanoserve.layers import linear
+    from nanoserve.layers import step_plan
 
     prompts = [[5, 17, 300, 42, 9]]
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
@@ -70,8 +70,8 @@ def test_model_keeps_its_tokens(checkpoints, monkeypatch):
     calls = []
     original = kernel.silu_mul_gemv
     monkeypatch.setattr(kernel, "silu_mul_gemv", lambda *a: calls.append(1) or original(*a))
-    monkeypatch.setattr(linear, "capturing_cuda_graph", lambda x: True)
-    monkeypatch.setattr(linear, "SKINNY_MAX_WEIGHT_BYTES", 0)
+    fake_graph_capture(monkeypatch)
+    monkeypatch.setattr(step_plan, "SKINNY_MAX_WEIGHT_BYTES", 0)
     fused, _ = generate()
     assert fused == reference
     assert len(calls) == 2 * num_layers  # the 2 decode steps of 1 row; the 5-row prefill is unfused

@@ -5,7 +5,7 @@ nothing on the other, and every way the deployment can end (SIGTERM, the engine 
 killed, a bad start) ends without a hang or a process left behind.
 
 The engine's side of the channels (request ids, abort-all, a channel closing) is also tested in this
-process: one engine process, two EngineClients.
+process: one engine process, two ChannelEngineClients.
 """
 
 import asyncio
@@ -25,12 +25,12 @@ import openai
 import pytest
 from processes import child_pids, fail_from_step, is_alive, pace_steps
 
+from nanoserve.args import engine_args_from
 from nanoserve.bench import serve
-from nanoserve.cli import engine_args_from
 from nanoserve.config import EngineArgs
-from nanoserve.engine.async_engine import AsyncEngine, EngineDeadError
-from nanoserve.engine.engine_client import EngineClient
-from nanoserve.engine.engine_process import EngineProcess
+from nanoserve.runtime.async_engine import AsyncEngine, EngineDeadError
+from nanoserve.runtime.engine_core_process import EngineCoreProcess
+from nanoserve.runtime.process_client import ChannelEngineClient
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server import app
 
@@ -267,9 +267,9 @@ def test_the_flag_reaches_the_server_from_the_command_lines():
 # -- the engine's side of two channels, in this process ------------------------------------------------------
 @pytest.fixture
 def two_clients(model_dir):
-    engine = EngineProcess.spawn(EngineArgs(model=str(model_dir), num_kv_blocks=64, seed=0), num_channels=2)
+    engine = EngineCoreProcess.spawn(EngineArgs(model=str(model_dir), num_kv_blocks=64, seed=0), num_channels=2)
     ready = engine.wait_ready()
-    clients = [AsyncEngine(EngineClient(conn, ready, tokenizer=None)) for conn in engine.channels]
+    clients = [AsyncEngine(ChannelEngineClient(conn, ready, tokenizer=None)) for conn in engine.channels]
     yield engine, clients
     for client in clients:
         client.shutdown()
@@ -342,7 +342,7 @@ def test_a_broken_reader_does_not_stall_the_other_channel(two_clients):
     # channel each step's stats: had a's channel stayed open and unread, it would fill and block the engine, and
     # b's requests would stop mid-generation (left open, that took under 200 tokens).
     engine, (a, b) = two_clients
-    a.core._on_step = _reader_bug
+    a.client._on_step = _reader_bug
 
     async def main():
         results = []

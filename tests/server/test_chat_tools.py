@@ -13,7 +13,7 @@ QUESTION = [{"role": "user", "content": "What is 12*34?"}]
 
 @pytest.fixture(scope="module", params=["--no-engine-process", "--engine-process"])
 def bundled(launch, request):
-    # The engine process sends text as deltas (engine/output_delta.py): the tool loop's text must only grow.
+    # The engine process sends text as deltas (runtime/output_delta.py): the tool loop's text must only grow.
     server = launch("--model", bundled_model_dir(), "--served-model-name", "nanoserve-tiny", request.param)
     yield server
     server.stop()

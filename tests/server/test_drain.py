@@ -11,7 +11,7 @@ import httpx
 from processes import pace_steps
 
 from nanoserve.config import EngineArgs
-from nanoserve.engine.async_engine import AsyncEngine
+from nanoserve.runtime.async_engine import AsyncEngine
 from nanoserve.server import shutdown
 from nanoserve.server.app import build_app
 from nanoserve.server.gate import GateMiddleware, GateState

@@ -8,17 +8,19 @@ import asyncio
 import functools
 import json
 import os
+import pstats
 import signal
 
 import httpx
 import pytest
 from processes import fail_once_running, pace_steps
 
+from nanoserve.args import engine_args_from
 from nanoserve.bench import serve
-from nanoserve.cli import engine_args_from
 from nanoserve.config import EngineArgs, bundled_model_dir
-from nanoserve.engine.async_engine import AsyncEngine
-from nanoserve.engine.engine_process import ProcessEngineCore
+from nanoserve.runtime.async_engine import AsyncEngine
+from nanoserve.runtime.process_client import ProcessEngineClient
+from nanoserve.sampling_params import SamplingParams
 from nanoserve.server import app
 from nanoserve.server.app import build_app
 
@@ -147,11 +149,11 @@ async def _in_flight_then(async_engine: AsyncEngine, end) -> tuple[httpx.Respons
 def test_step_failure_reaches_every_client(fresh):
     fresh.setup(functools.partial(fail_once_running, n=2))
     _assert_dead(*asyncio.run(_in_flight_then(fresh, lambda: None)), why="boom")
-    assert fresh.core.process.join(timeout=10) is None and fresh.core.process.exitcode == 0
+    assert fresh.client.process.join(timeout=10) is None and fresh.client.process.exitcode == 0
 
 
 def test_killed_engine_process_reaches_every_client(fresh):
-    pid = fresh.core.process.pid
+    pid = fresh.client.process.pid
     _assert_dead(*asyncio.run(_in_flight_then(fresh, lambda: os.kill(pid, signal.SIGKILL))),
                  why="killed by SIGKILL")
 
@@ -159,7 +161,7 @@ def test_killed_engine_process_reaches_every_client(fresh):
 def test_load_failure_is_raised_at_startup(model_dir):
     # Valid arguments, but the engine process finds that the context does not fit the KV pool.
     with pytest.raises(ValueError, match="does not fit the KV pool"):
-        ProcessEngineCore(EngineArgs(model=str(model_dir), num_kv_blocks=1, max_model_len=512))
+        ProcessEngineClient(EngineArgs(model=str(model_dir), num_kv_blocks=1, max_model_len=512))
 
 
 def test_the_flag_reaches_the_server_from_the_command_lines():
@@ -169,6 +171,23 @@ def test_the_flag_reaches_the_server_from_the_command_lines():
     # bench serve --launch hands the flags it does not know to the server it starts.
     _, server_flags = serve.parse_args(["--launch", "--engine-process", "--num-prompts", "5"])
     assert server_flags == ["--engine-process"]
+
+
+def test_profile_engine_writes_the_engine_loops_profile(model_dir, tmp_path):
+    path = tmp_path / "engine.prof"
+    assert engine_args_from(app.parse_args(["--profile-engine", str(path)])).profile_engine == str(path)
+    engine = _start(model_dir, num_kv_blocks=64, profile_engine=str(path))
+
+    async def main():
+        async for _ in engine.submit([("r", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))]):
+            pass
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+    profiled = {(os.path.basename(file), name) for file, _, name in pstats.Stats(str(path)).stats}
+    assert ("llm_engine.py", "step") in profiled
 
 
 def test_shutdown_ends_what_runs_and_stops_the_process(bundled):
@@ -182,5 +201,5 @@ def test_shutdown_ends_what_runs_and_stops_the_process(bundled):
 
     plain = asyncio.run(main())
     assert plain.status_code == 500 and "shut down" in plain.json()["error"]["message"]
-    assert bundled.dead and bundled.core.process.exitcode == 0
+    assert bundled.dead and bundled.client.process.exitcode == 0
 

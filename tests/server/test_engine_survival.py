@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from nanoserve.config import EngineArgs
-from nanoserve.engine.async_engine import AsyncEngine
 from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.runtime.async_engine import AsyncEngine
 from nanoserve.server.app import build_app
 
 HOSTILE = [

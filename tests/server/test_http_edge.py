@@ -22,7 +22,7 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from nanoserve.engine.async_engine import TokenizerPools
+from nanoserve.runtime.async_engine import TokenizerPools
 from nanoserve.server.http_limits import limited_http_protocol
 
 KEY = "sk-edge"

@@ -11,9 +11,8 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
-from nanoserve.chat_engine import ToolCompletionOutput
-from nanoserve.engine.streams import EngineDeadError
-from nanoserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from nanoserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, ToolCompletionOutput
+from nanoserve.runtime.streams import EngineDeadError
 from nanoserve.server import metrics as metrics_module
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.serving_base import Generation, ServingBase

@@ -1,8 +1,8 @@
-"""Request outputs as deltas, to cross from the engine process to the server.
+"""Request outputs as deltas, to cross from the engine core process to the server.
 
 The engine hands out cumulative RequestOutputs (every token id, the whole text and every logprob so
 far), and the serving code is written against them. Sending those across a pipe every step would pickle
-O(n) per request per step, O(n^2) over a request's life; so the engine process sends only what each
+O(n) per request per step, O(n^2) over a request's life; so the engine core process sends only what each
 request got since the last step (DeltaEncoder), and the server rebuilds the cumulative outputs from
 those (OutputAssembler). The rebuilt outputs equal the engine's, field for field, with one exception:
 `prompt` is None (the server always submits token ids, and keeps them).
@@ -14,8 +14,7 @@ back, then cut before it was ever shown), so a text delta is what lies past the 
 import dataclasses
 from dataclasses import dataclass, field
 
-from nanoserve.chat_engine import ToolCompletionOutput
-from nanoserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
+from nanoserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs, ToolCompletionOutput
 
 # The deltas are plain tuples, not dataclasses: pickle writes and reads a tuple several times faster than
 # an object, and with hundreds of requests a step that is most of what a step's message costs.

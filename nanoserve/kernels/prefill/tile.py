@@ -1,13 +1,13 @@
-"""The device side of one row of prefill attention's map (kernels/prefill_attention.py, kernels/tile_map.py): a
+"""The device side of one row of prefill attention's map (prefill/attention.py, prefill/tile_map.py): a
 tile's query rows against one range of keys, gathered page by page through the block table, with an online
 softmax; then the rows' output, written out, or for one split of a tile published for the tile's merge
-(kernels/prefill_split.py).
+(prefill/split.py).
 """
 
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.prefill_split import _publish_and_merge
+from nanoserve.kernels.prefill.split import _publish_and_merge
 
 
 @triton.jit

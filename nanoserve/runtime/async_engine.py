@@ -1,14 +1,16 @@
 """AsyncEngine: the engine behind the server's event loop, whichever way it runs.
 
 The server talks to one AsyncEngine: it submits requests and reads each one's outputs as an async
-stream (streams.py), and reads `stats` for /health and /metrics. Behind it, a core runs the engine:
+stream (streams.py), and reads `stats` for /health and /metrics. Behind it, an EngineClient talks to the
+EngineCore (engine_core.py) that runs the engine:
 
-- ThreadEngineCore (engine_thread.py, the default on the CPU, or `--no-engine-process`): the LLMEngine on a
-  background thread of this process.
-- ProcessEngineCore (engine_process.py, the default on CUDA, or `--engine-process`): the LLMEngine in a
-  process of its own, so that its host work does not take turns with the event loop on one GIL.
+- ThreadEngineClient (thread_client.py, the default on the CPU, or `--no-engine-process`): the EngineCore
+  on a background thread of this process.
+- ProcessEngineClient (process_client.py, the default on CUDA, or `--engine-process`): the EngineCore in a
+  process of its own, so that its host work does not take turns with the event loop on one GIL (and, with
+  --api-server-count N, a ChannelEngineClient per API server process).
 
-Both take the same calls (add, abort, abort_all, setup, shutdown) and publish the same stats, error and
+All take the same calls (add, abort, abort_all, setup, shutdown) and publish the same stats, error and
 cumulative outputs. `async_engine.engine` is what the serving code asks about the model (config,
 tokenizer, validate_prompt): the LLMEngine itself, or an EngineFrontend that mirrors the engine
 process's final config.
@@ -24,23 +26,23 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, TypeVar
 
 from nanoserve.config import EngineArgs, resolve_engine_process
-from nanoserve.engine.engine_loop import EngineStats
-from nanoserve.engine.engine_process import ProcessEngineCore
-from nanoserve.engine.engine_thread import ThreadEngineCore
 from nanoserve.engine.frontend import EngineFrontend
 from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.engine.streams import EngineDeadError, RequestFailedError, RequestGroup, RequestStream
+from nanoserve.runtime.engine_core import EngineStats
+from nanoserve.runtime.process_client import ProcessEngineClient
+from nanoserve.runtime.streams import EngineDeadError, RequestFailedError, RequestGroup, RequestStream
+from nanoserve.runtime.thread_client import ThreadEngineClient
 from nanoserve.sampling_params import SamplingParams
 
-# The names the server and the tests import from here.
-__all__ = ["AsyncEngine", "EngineCore", "EngineDeadError", "EngineStats", "RequestFailedError", "RequestGroup",
-           "_RequestStream"]
-_RequestStream = RequestStream
+# The names the server imports from here.
+__all__ = ["AsyncEngine", "EngineClient", "EngineDeadError", "EngineStats", "RequestFailedError", "RequestGroup",
+           "TokenizerPools"]
 T = TypeVar("T")
 
 
-class EngineCore(Protocol):
-    """What runs the engine for an AsyncEngine (ThreadEngineCore or ProcessEngineCore)."""
+class EngineClient(Protocol):
+    """An AsyncEngine's way to the EngineCore that runs the engine (ThreadEngineClient, ProcessEngineClient or
+    ChannelEngineClient)."""
 
     engine: EngineFrontend
     stats: EngineStats
@@ -54,10 +56,10 @@ class EngineCore(Protocol):
 
 
 class AsyncEngine:
-    def __init__(self, core: LLMEngine | EngineCore) -> None:
-        """An LLMEngine runs on a background thread; any other core is used as it is."""
-        self.core: EngineCore = ThreadEngineCore(core) if isinstance(core, LLMEngine) else core
-        self.engine = self.core.engine
+    def __init__(self, client: LLMEngine | EngineClient) -> None:
+        """An LLMEngine runs on a background thread (a ThreadEngineClient); any other client is used as it is."""
+        self.client: EngineClient = ThreadEngineClient(client) if isinstance(client, LLMEngine) else client
+        self.engine = self.client.engine
         self._num_submitted = 0  # event loop thread only
         self._tokenizers = TokenizerPools()
 
@@ -67,22 +69,22 @@ class AsyncEngine:
         # Resolved once here, so that the config the engine reports says which way it runs.
         args = dataclasses.replace(args, engine_process=resolve_engine_process(args))
         if args.engine_process:
-            return cls(ProcessEngineCore(args))
+            return cls(ProcessEngineClient(args))
         return cls(LLMEngine(args.create_config()))
 
     # -- state ----------------------------------------------------------------------------------
     @property
     def stats(self) -> EngineStats:
-        return self.core.stats
+        return self.client.stats
 
     @property
     def error(self) -> str | None:
         """Why the engine died (None while it runs)."""
-        return self.core.error
+        return self.client.error
 
     @property
     def dead(self) -> bool:
-        return self.core.error is not None
+        return self.client.error is not None
 
     @property
     def max_model_len(self) -> int:
@@ -128,30 +130,30 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         wake = asyncio.Event()
         streams = [RequestStream(request_id, loop, wake) for request_id, _, _ in requests]
-        self.core.add([(*request, stream) for request, stream in zip(requests, streams, strict=True)])
+        self.client.add([(*request, stream) for request, stream in zip(requests, streams, strict=True)])
         self._num_submitted += len(requests)
         return RequestGroup(self, streams, wake)
 
     def abort(self, request_id: str) -> None:
-        self.core.abort(request_id)
+        self.client.abort(request_id)
 
     def abort_all(self) -> None:
         """Abort every request in flight (a drain that ran out of time)."""
-        self.core.abort_all()
+        self.client.abort_all()
 
     def setup(self, fn: Callable[[LLMEngine], object]) -> None:
         """Call fn(engine) where the engine runs (its thread, or its process), before any request
         submitted later. With the engine process fn must pickle: a module-level function, or a
         functools.partial of one (the chat server installs its tool loop so)."""
-        self.core.setup(fn)
+        self.client.setup(fn)
 
     def shutdown(self) -> None:
-        self.core.shutdown()
+        self.client.shutdown()
         self._tokenizers.shutdown()
 
 
 class TokenizerPools:
-    """Where tokenizer work runs: off the event loop, and (with the thread core) off the engine thread, so a
+    """Where tokenizer work runs: off the event loop, and (with ThreadEngineClient) off the engine thread, so a
     long prompt never delays a decode step. Inputs of LARGE_INPUT characters or tokens or more go to a pool of
     their own, so that a small request never queues behind a large one: transformers' encode runs in the
     tokenizers library with the GIL released, so the two pools really run side by side.

@@ -1,8 +1,8 @@
 """Request streams: where a request's outputs wait for the event loop that reads them.
 
-The engine's results arrive on another thread (AsyncEngine's engine thread, or the reader thread of
-the engine process); `deliver` hands a step's worth to each event loop with one call_soon_threadsafe,
-and a RequestGroup reads the streams of one HTTP request as one merged async iterator.
+The engine's results arrive on another thread (ThreadEngineClient's engine thread, or a
+ChannelEngineClient's reader thread); `deliver` hands a step's worth to each event loop with one
+call_soon_threadsafe, and a RequestGroup reads the streams of one HTTP request as one merged async iterator.
 """
 
 import asyncio

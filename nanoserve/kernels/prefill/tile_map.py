@@ -219,16 +219,3 @@ def prefill_split_map(
 def split_slots_used(split_map: np.ndarray) -> int:
     """Scratch slots a split map writes (first slot + splits past its last split tile)."""
     return int((split_map[:, 4] + split_map[:, 6]).max(initial=0))
-
-
-def eager_split_map(cu_seqlens_q: list[int], seq_lens: list[int], block_m: int, num_heads: int, num_sms: int,
-                    pack: int = 1) -> np.ndarray:  # fmt: skip
-    """A split map of just the rows this batch needs, for a launch outside a CUDA graph (no fixed grid): every
-    split the scratch bound allows, on a device of num_sms SMs, for num_heads programs per row (num_q_heads //
-    pack). Scratch: split_slots_used(map) slots."""
-    max_partials = max_kv_partials(block_m, num_heads)
-    num_rows = max_prefill_tiles(cu_seqlens_q[-1], len(seq_lens), block_m, pack) + max_partials
-    concurrency = num_sms * prefill_programs_per_sm(block_m)
-    split_map = prefill_split_map(cu_seqlens_q, seq_lens, block_m, num_rows, num_heads, concurrency, max_partials,
-                                  pack=pack)  # fmt: skip
-    return split_map[split_map[:, 0] >= 0]  # real rows come first

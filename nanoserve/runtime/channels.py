@@ -1,9 +1,10 @@
-"""The engine process's pipes: one channel per API server, multiplexed into one EngineLoop.
+"""The engine core process's pipes: one channel per API server, multiplexed into one EngineCore.
 
 `nanoserve serve` puts one API server process (on CUDA, or --engine-process) or several (--api-server-count N)
-in front of one engine process. Each API server has a channel of its own to the engine (a multiprocessing
-Connection; engine_client.py holds the other end), and the process that started the engine holds a control
-connection. ChannelMux is the EngineLoop's `receive` and `publish` over all of them:
+in front of one engine core process. Each API server has a channel of its own to the engine (a multiprocessing
+Connection; a ChannelEngineClient, process_client.py, holds the other end), and the process that started the
+engine holds a control connection. ChannelMux, on the engine side, is the EngineCore's `receive` and `publish`
+over all of them:
 
 - receive: the commands of every channel. With more than one channel, request ids are made unique inside
   the engine by a suffix naming the channel ("@2"; chat's tool loop knows its requests by the id's prefix,
@@ -25,14 +26,14 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.engine_loop import AbortAll, AbortRequest, AddRequest, Command, EngineStats, RequestError, Stop
-from nanoserve.engine.output_delta import DeltaEncoder, RequestDelta
 from nanoserve.outputs import RequestOutput
+from nanoserve.runtime.engine_core import AbortAll, AbortRequest, AddRequest, Command, EngineStats, RequestError, Stop
+from nanoserve.runtime.output_delta import DeltaEncoder, RequestDelta
 
 logger = logging.getLogger(__name__)
 
 
-# -- messages from the engine process --------------------------------------------------------------------
+# -- messages from the engine core process -------------------------------------------------------------------
 @dataclass
 class Ready:
     """On the control connection, once the model is loaded."""
@@ -83,7 +84,7 @@ class ChannelMux:
         self._selector.register(control, selectors.EVENT_READ, None)
         self._control = control
 
-    # -- EngineLoop's receive and publish -------------------------------------------------------------------
+    # -- EngineCore's receive and publish ----------------------------------------------------------------------
     def receive(self, block: bool) -> list[Command]:
         commands, self._pending = self._pending, []
         while True:

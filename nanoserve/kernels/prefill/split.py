@@ -1,5 +1,5 @@
-"""The device side of prefill attention's key splits (kernels/prefill_attention.py): a program that ran one key
-range of a query tile leaves its partial output and log-sum-exp in scratch (kernels/split_scratch.py), and the
+"""The device side of prefill attention's key splits (prefill/attention.py): a program that ran one key
+range of a query tile leaves its partial output and log-sum-exp in scratch (prefill/split_scratch.py), and the
 last of the tile's programs to finish merges them all. Merging there, not in a second kernel, keeps steps that
 split nothing free of an extra launch in every layer of every captured graph.
 """

@@ -1,7 +1,13 @@
-"""EngineClient: an API server's end of its channel to the engine process.
+"""The client side of the engine core process: what an API server holds when the engine runs in a process.
 
-    API server process                                      engine process (engine_channels.py)
-    event loop --commands--> outbox -> writer thread ==pipe==> ChannelMux -> EngineLoop: LLMEngine.step()
+- ChannelEngineClient: an API server's end of its channel to the engine core process (one per API server
+  with --api-server-count N; api_servers.py).
+- ProcessEngineClient (the default on CUDA, `--engine-process`): one API server in this process, over
+  channel 0: a ChannelEngineClient that also starts and owns the engine core process (EngineCoreProcess,
+  engine_core_process.py), so it can say how the process ended and stop it.
+
+    API server process                                      engine core process (channels.py)
+    event loop --commands--> outbox -> writer thread ==pipe==> ChannelMux -> EngineCore: LLMEngine.step()
     event loop <-call_soon-- reader thread <======pipe=== per-step deltas + EngineStats
 
 The pipe is a multiprocessing Connection (pickle): no dependency beyond the standard library, and pickle
@@ -13,8 +19,8 @@ blocks on a full pipe while the engine is busy stepping.
 
 Failures: if step() raises, the engine sends why and exits; if the engine process dies (killed, segfault),
 the pipe reaches end of file, or the `watch` handle (the process's sentinel, or a pidfd) fires. Either way
-every request in flight gets EngineDeadError and the engine stays dead for this client, as with the thread
-backend.
+every request in flight gets EngineDeadError and the engine stays dead for this client, as with
+ThreadEngineClient.
 """
 
 import logging
@@ -25,13 +31,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
-from nanoserve.engine.engine_channels import Failed, Ready, Step
-from nanoserve.engine.engine_loop import AbortAll, AbortRequest, AddRequest, Command, Setup, Stop
-from nanoserve.engine.frontend import EngineFrontend
+from nanoserve.config import EngineArgs
+from nanoserve.engine.frontend import EngineFrontend, load_tokenizer
 from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.engine.output_delta import OutputAssembler
-from nanoserve.engine.streams import EngineDeadError, RequestStream, deliver
 from nanoserve.outputs import RequestOutput
+from nanoserve.runtime.channels import Failed, Ready, Step
+from nanoserve.runtime.engine_core import AbortAll, AbortRequest, AddRequest, Command, Setup, Stop
+from nanoserve.runtime.engine_core_process import EngineCoreProcess
+from nanoserve.runtime.output_delta import OutputAssembler
+from nanoserve.runtime.streams import EngineDeadError, RequestStream, deliver
 from nanoserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -45,7 +53,7 @@ class _Live:
     assembler: OutputAssembler
 
 
-class EngineClient:
+class ChannelEngineClient:
     def __init__(self, conn: Connection, ready: Ready, tokenizer, watch: int | None = None,
                  stop_timeout: float = 10.0) -> None:
         """Serve requests over `conn`, a channel of a running engine process that sent `ready`. `watch`: a
@@ -185,3 +193,39 @@ class EngineClient:
                 self.error = message
             lives, self._live = list(self._live.values()), {}
         deliver([(live.stream, EngineDeadError(self.error)) for live in lives])
+
+
+class ProcessEngineClient(ChannelEngineClient):
+    def __init__(self, args: EngineArgs, stop_timeout: float = 10.0) -> None:
+        """Start the engine core process and wait until its model is loaded; raises what loading raised."""
+        config = args.create_config()  # bad arguments fail here, before a process is started
+        self.core_process = EngineCoreProcess.spawn(args)
+        self.process = self.core_process.process
+        try:
+            tokenizer = load_tokenizer(config.tokenizer_dir)  # while the child loads the model
+            ready = self.core_process.wait_ready()
+        except BaseException:
+            self.core_process.kill()
+            self.core_process.close()
+            raise
+        super().__init__(self.core_process.channels[0], ready, tokenizer, watch=self.process.sentinel,
+                         stop_timeout=stop_timeout)
+
+    def shutdown(self) -> None:
+        """Stop the engine process: it leaves its loop when its only channel closes; killed if it does not."""
+        self._stopping = True
+        self._outbox.put(Stop())
+        self.process.join(self.stop_timeout)
+        if self.process.is_alive():
+            logger.warning("the engine process did not stop in %.0f s: killing it", self.stop_timeout)
+            self.core_process.kill()
+        self._reader.join(timeout=5)  # it fails whatever was still in flight
+        self._close()
+        self.core_process.control.close()
+
+    def _gone(self) -> str:
+        self.process.join(timeout=5)
+        return f"the engine process {self.core_process.exit_status()}"
+
+    def _on_broken(self) -> None:
+        self.core_process.kill()

@@ -1,4 +1,4 @@
-"""Scratch memory for prefill attention's key splits (kernels/prefill_attention.py): the programs of a split query
+"""Scratch memory for prefill attention's key splits (prefill/attention.py): the programs of a split query
 tile leave their partial results here until the last of them merges them into the output.
 
 Allocated once by the caller (the CUDA-graph runner keeps one for all its buckets and layers, which run one at a

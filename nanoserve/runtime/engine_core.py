@@ -1,4 +1,4 @@
-"""EngineLoop: the loop that drives an LLMEngine for a server, wherever that engine lives.
+"""EngineCore: the loop that drives an LLMEngine for a server, wherever that engine lives (vLLM's name).
 
 LLMEngine is not thread-safe, so one loop owns it. Others talk to the loop in commands (add a request,
 abort one, stop, ...), taken at the top of every iteration; the loop steps while there is work and
@@ -6,9 +6,9 @@ blocks for the next command when there is none, so an idle engine uses no CPU. A
 publishes what happened: the outputs, the adds that the engine refused, and an EngineStats snapshot for
 /health and /metrics.
 
-The same loop runs on AsyncEngine's background thread (engine_thread.py) and in the engine process
-(engine_process.py); they differ only in where commands come from and where results go, which the
-`receive` and `publish` callables say.
+The same loop runs on a background thread of the server's process (thread_client.py) and in the engine
+core process (engine_core_process.py); they differ only in where commands come from and where results go,
+which the `receive` and `publish` callables say.
 """
 
 import bisect
@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.engine.streams import RequestFailedError
 from nanoserve.outputs import RequestOutput
+from nanoserve.runtime.streams import RequestFailedError
 from nanoserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class EngineStats:
                                    iteration_tokens_sum=previous.iteration_tokens_sum + tokens)
 
 
-# -- commands (plain data: they cross to the engine process pickled) --------------------------------
+# -- commands (plain data: they cross to the engine core process pickled) --------------------------------
 @dataclass
 class AddRequest:
     request_id: str
@@ -112,7 +112,7 @@ Command = AddRequest | AbortRequest | AbortAll | Setup | Stop
 RequestError = tuple[str, Exception]
 
 
-class EngineLoop:
+class EngineCore:
     def __init__(self, engine: LLMEngine, receive: Callable[[bool], list[Command]],
                  publish: Callable[[list[RequestOutput], list[RequestError], EngineStats], None]) -> None:
         """receive(block) returns the commands sent since the last call (waiting for one when block is

@@ -3,7 +3,7 @@
 Query i of sequence b sits at position seq_lens[b] - q_len_b + i and attends to keys 0..that position, all
 read from the cache through the block table (the new tokens' K/V were stored there before this call).
 
-Work is cut into tiles of block_m query rows listed in a map built on the host (kernels/tile_map.py, which says
+Work is cut into tiles of block_m query rows listed in a map built on the host (prefill/tile_map.py, which says
 what a row is), so the launch grid depends only on the map's length: a CUDA graph captured once replays any batch
 whose tiles fit the map. A program serves `pack` query heads sharing a kv head (GQA packing): their rows go
 through one load of each K/V tile, where one program per query head would read the same keys pack times. A tile
@@ -18,18 +18,12 @@ import triton
 import triton.language as tl
 
 from nanoserve.kernels.pdl import use_pdl, wait_for_prior_grids
-from nanoserve.kernels.prefill_tile import _attend_rows
-from nanoserve.kernels.split_scratch import SplitScratch
 
-# The maps are built on the host, where Triton may be absent (CPU-only installs): kernels/tile_map.py.
-from nanoserve.kernels.tile_map import (
-    KV_SPLIT_GRANULE,
-    SPLIT_MAP_COLUMNS,
-    eager_split_map,
-    prefill_block_m,
-    prefill_block_n,
-    split_slots_used,
-)
+# The maps are planned on the host, where Triton may be absent (CPU-only installs): prefill/planner.py.
+from nanoserve.kernels.prefill.planner import PrefillPlanner
+from nanoserve.kernels.prefill.split_scratch import SplitScratch
+from nanoserve.kernels.prefill.tile import _attend_rows
+from nanoserve.kernels.prefill.tile_map import KV_SPLIT_GRANULE, SPLIT_MAP_COLUMNS, prefill_block_m, prefill_block_n
 
 # SMs assumed where there is no GPU to ask (the interpreter): an H100's or H200's.
 _ASSUMED_SMS = 132
@@ -106,9 +100,6 @@ def prefill_attention(
     block_m: int | None = None,
     split_scratch: SplitScratch | None = None,
     pack: int | None = None,
-    block_n: int | None = None,
-    num_stages: int = 2,
-    num_warps: int | None = None,
 ) -> torch.Tensor:
     """q [T, num_q_heads, head_dim] packed by cu_seqlens_q [B+1]; returns [T, num_q_heads, head_dim].
 
@@ -121,14 +112,14 @@ def prefill_attention(
 
     With tile_map and out, the call reads no device value on the host and allocates nothing: the launch depends
     only on tensor shapes, block_m and pack, so it can be captured in a CUDA graph and replayed with new contents
-    in the same tensors. tile_map is a device copy of a map of kernels/tile_map.py built for this block_m and pack
+    in the same tensors. tile_map is a device copy of a map of prefill/tile_map.py built for this block_m and pack
     from the lengths in cu_seqlens_q and seq_lens (which the kernel then never reads). A map that splits tiles
     needs split_scratch for this block_m, num_q_heads // pack program heads and head_dim, with every slot the map
     names (its max_partials), and with its counters at zero (as allocated; every call leaves them so). Without
     split_scratch the map must split nothing (prefill_tile_map).
 
-    block_n (keys per inner tile), num_stages and num_warps override the measured defaults, for sweeps (the
-    benchmark that measured them is at 275aa23).
+    Keys per inner tile, stages and warps follow measured rules (prefill_block_n; the benchmark that measured
+    them is at 275aa23).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -152,14 +143,14 @@ def prefill_attention(
     if tile_map is None:
         block_m = prefill_block_m(max_seqlen_q, pack) if block_m is None else block_m
         num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else _ASSUMED_SMS
-        split_map = eager_split_map(cu_seqlens_q.tolist(), seq_lens.tolist(), block_m, heads, num_sms, pack)
-        slots = max(1, split_slots_used(split_map))
-        split_scratch = SplitScratch.allocate(slots, heads, block_m, head_dim, q.device)
+        planner = PrefillPlanner(num_q_heads, num_kv_heads, num_sms, pack)
+        _, split_map = planner.for_batch(cu_seqlens_q.tolist(), seq_lens.tolist(), block_m)
+        split_scratch = planner.scratch_for(split_map, block_m, head_dim, q.device)
         tile_map = torch.from_numpy(split_map).to(q.device)
     assert block_m >= 16 and block_m & (block_m - 1) == 0, "block_m must be a power of 2 >= 16 (tl.dot)"
     if tile_map.shape[0] == 0:
         return out
-    block_n = block_n or prefill_block_n(head_dim, q.element_size(), block_m)
+    block_n = prefill_block_n(head_dim, q.element_size(), block_m)
     if split_scratch is not None:
         split_scratch.check(heads, block_m, head_dim)
         assert KV_SPLIT_GRANULE % block_n == 0, "split ranges must start on a key tile"
@@ -198,8 +189,8 @@ def prefill_attention(
         BLOCK_N=block_n,
         # 8 warps give each warp 16 query rows of a 128-row tile (one mma row block); 4 warps, one warpgroup,
         # is the least a 64-row wgmma needs.
-        num_warps=num_warps or (8 if block_m == 128 else 4),
-        num_stages=num_stages,
+        num_warps=8 if block_m == 128 else 4,
+        num_stages=2,  # the key tiles' loads double-buffered
         USE_PDL=pdl,
         launch_pdl=pdl,
     )

@@ -1,15 +1,13 @@
-"""The LLMEngine in a process of its own, behind the server (as vLLM's EngineCore).
+"""The EngineCore in a process of its own, behind the server (as vLLM's EngineCoreProc).
 
-With the engine on a thread of the server process (engine_thread.py), the event loop's HTTP work and
-the engine's host work share one GIL, and under load each waits for the other. Here the engine process
-runs the EngineLoop (scheduling, the model, appending tokens, detokenizing, stop checks); the API server
-process(es) keep HTTP, tokenizing prompts and the streams.
+With the engine on a thread of the server process (thread_client.py), the event loop's HTTP work and
+the engine's host work share one GIL, and under load each waits for the other. Here the engine core process
+runs the EngineCore (scheduling, the model, appending tokens, detokenizing, stop checks); the API server
+process(es) keep HTTP, tokenizing prompts and the streams (their side: process_client.py).
 
-- EngineProcess: starting the process (spawn) with one channel per API server and a control connection,
+- EngineCoreProcess: starting the process (spawn) with one channel per API server and a control connection,
   waiting for its model, and stopping it. A load error in the child is raised in the parent.
-- ProcessEngineCore (the default on CUDA, `--engine-process`): one API server in this process, over channel 0:
-  an EngineClient (engine_client.py) that also owns the process, so it can say how the process ended and stop it.
-- run_engine_process: the child's main, the EngineLoop over a ChannelMux (engine_channels.py).
+- run_engine_core_process: the child's main, the EngineCore over a ChannelMux (channels.py).
 
 If step() raises, the child sends why on every channel and exits; if the child dies (killed, segfault),
 the pipes reach end of file. Either way every request in flight gets EngineDeadError, on every server.
@@ -18,7 +16,6 @@ the pipes reach end of file. Either way every request in flight gets EngineDeadE
 import cProfile
 import logging
 import multiprocessing
-import os
 import signal
 import traceback
 from dataclasses import dataclass
@@ -26,31 +23,29 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
 from nanoserve.config import EngineArgs
-from nanoserve.engine.engine_channels import ChannelMux, LoadFailed, Ready
-from nanoserve.engine.engine_client import EngineClient
-from nanoserve.engine.engine_loop import EngineLoop, EngineStats, Stop
-from nanoserve.engine.frontend import load_tokenizer
 from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.runtime.channels import ChannelMux, LoadFailed, Ready
+from nanoserve.runtime.engine_core import EngineCore, EngineStats, Stop
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class EngineProcess:
-    """The engine process as the process that started it holds it."""
+class EngineCoreProcess:
+    """The engine core process as the process that started it holds it."""
 
     process: BaseProcess
     control: Connection
     channels: list[Connection]  # the API servers' ends, one per API server, to hand on
 
     @classmethod
-    def spawn(cls, args: EngineArgs, num_channels: int = 1) -> "EngineProcess":
+    def spawn(cls, args: EngineArgs, num_channels: int = 1) -> "EngineCoreProcess":
         """Start loading the model in a new process; wait_ready() waits for it."""
         # spawn, not fork: CUDA cannot be used in a child forked after the parent touched it.
         ctx = multiprocessing.get_context("spawn")
         control, child_control = ctx.Pipe()
         pipes = [ctx.Pipe() for _ in range(num_channels)]
-        process = ctx.Process(target=run_engine_process, name="nanoserve-engine", daemon=True,
+        process = ctx.Process(target=run_engine_core_process, name="nanoserve-engine", daemon=True,
                               args=(args, [child for _, child in pipes], child_control,
                                     logging.getLogger().getEffectiveLevel()))
         process.start()
@@ -108,45 +103,10 @@ class EngineProcess:
         return f"exited with code {code}"
 
 
-class ProcessEngineCore(EngineClient):
-    def __init__(self, args: EngineArgs, stop_timeout: float = 10.0) -> None:
-        """Start the engine process and wait until its model is loaded; raises what loading raised."""
-        config = args.create_config()  # bad arguments fail here, before a process is started
-        self.engine_process = EngineProcess.spawn(args)
-        self.process = self.engine_process.process
-        try:
-            tokenizer = load_tokenizer(config.tokenizer_dir)  # while the child loads the model
-            ready = self.engine_process.wait_ready()
-        except BaseException:
-            self.engine_process.kill()
-            self.engine_process.close()
-            raise
-        super().__init__(self.engine_process.channels[0], ready, tokenizer, watch=self.process.sentinel,
-                         stop_timeout=stop_timeout)
-
-    def shutdown(self) -> None:
-        """Stop the engine process: it leaves its loop when its only channel closes; killed if it does not."""
-        self._stopping = True
-        self._outbox.put(Stop())
-        self.process.join(self.stop_timeout)
-        if self.process.is_alive():
-            logger.warning("the engine process did not stop in %.0f s: killing it", self.stop_timeout)
-            self.engine_process.kill()
-        self._reader.join(timeout=5)  # it fails whatever was still in flight
-        self._close()
-        self.engine_process.control.close()
-
-    def _gone(self) -> str:
-        self.process.join(timeout=5)
-        return f"the engine process {self.engine_process.exit_status()}"
-
-    def _on_broken(self) -> None:
-        self.engine_process.kill()
-
-
-# -- the engine process ---------------------------------------------------------------------------------
-def run_engine_process(args: EngineArgs, channels: list[Connection], control: Connection, log_level: int) -> None:
-    """The engine process's main: load the engine, say so, then run the EngineLoop over the channels."""
+# -- the engine core process ------------------------------------------------------------------------
+def run_engine_core_process(args: EngineArgs, channels: list[Connection], control: Connection,
+                            log_level: int) -> None:
+    """The engine core process's main: load the engine, say so, then run the EngineCore over the channels."""
     # The server decides when the engine stops. Ctrl-C in a terminal (and systemd's SIGTERM) reach the
     # whole process group; the engine must keep running while the server drains its requests.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -160,14 +120,14 @@ def run_engine_process(args: EngineArgs, channels: list[Connection], control: Co
     control.send(Ready(engine.config, EngineStats.of(engine, 0)))
     mux = ChannelMux(channels, control)
 
-    # NANOSERVE_PROFILE_ENGINE=path: cProfile the engine loop and write its stats there when it ends
-    # (`python -m pstats path`), to see where the engine process's host time goes under load.
-    profile_path = os.environ.get("NANOSERVE_PROFILE_ENGINE")
+    # --profile-engine PATH: cProfile the engine loop and write its stats there when it ends
+    # (`python -m pstats PATH`), to see where the engine process's host time goes under load.
+    profile_path = args.profile_engine
     profiler = cProfile.Profile() if profile_path else None
     if profiler is not None:
         profiler.enable()
     try:
-        why = EngineLoop(engine, mux.receive, mux.publish).run()
+        why = EngineCore(engine, mux.receive, mux.publish).run()
         if why is not None:
             mux.fail(why)
     finally:

@@ -1,9 +1,10 @@
-"""ThreadEngineCore: the LLMEngine driven by a background thread of the server's own process.
+"""ThreadEngineClient: the LLMEngine driven by a background thread of the server's own process.
 
-The simplest way to run the engine behind the event loop, and the default: the EngineLoop runs on a
-daemon thread, commands reach it through a queue, and its outputs go straight to the request streams.
-The cost is the GIL: the event loop's HTTP work and the engine's host work (scheduling, detokenizing,
-building outputs) take turns on one core. engine_process.py moves the engine out of the process.
+The simplest way to run the engine behind the event loop, and the default on the CPU: the client starts
+the EngineCore on a daemon thread, commands reach it through a queue, and its outputs go straight to the
+request streams. The cost is the GIL: the event loop's HTTP work and the engine's host work (scheduling,
+detokenizing, building outputs) take turns on one core. ProcessEngineClient (process_client.py) moves the
+engine out of the process.
 """
 
 import logging
@@ -11,26 +12,26 @@ import queue
 import threading
 from collections.abc import Callable
 
-from nanoserve.engine.engine_loop import (
+from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.outputs import RequestOutput
+from nanoserve.runtime.engine_core import (
     AbortAll,
     AbortRequest,
     AddRequest,
     Command,
-    EngineLoop,
+    EngineCore,
     EngineStats,
     RequestError,
     Setup,
     Stop,
 )
-from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.engine.streams import EngineDeadError, RequestStream, deliver
-from nanoserve.outputs import RequestOutput
+from nanoserve.runtime.streams import EngineDeadError, RequestStream, deliver
 from nanoserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-class ThreadEngineCore:
+class ThreadEngineClient:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.stats = EngineStats.of(engine, 0)  # replaced (never mutated) after every iteration
@@ -68,7 +69,7 @@ class ThreadEngineCore:
     # -- the engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            why = EngineLoop(self.engine, self._receive, self._publish).run() or "the engine was shut down"
+            why = EngineCore(self.engine, self._receive, self._publish).run() or "the engine was shut down"
         except Exception as exc:  # from publishing (the loop catches the engine's own): no request may be left waiting
             logger.exception("the engine thread failed")
             why = f"the engine thread failed: {type(exc).__name__}: {exc}"
