@@ -1,4 +1,4 @@
-"""Command line: nanoserve serve | generate | chat | bench."""
+"""Command line: nanoserve serve | generate | chat | bench | worker."""
 
 import argparse
 import contextlib
@@ -151,6 +151,14 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                       uvicorn_log_level=ns.uvicorn_log_level, disable_log_requests=ns.disable_log_requests)
 
 
+def cmd_worker(ns: argparse.Namespace) -> int:
+    """The tensor-parallel ranks of one more node (node_rank >= 1), until node 0's engine stops them."""
+    from nanoserve.worker.tp_worker import run_node
+
+    _take_model_tag(ns)
+    return run_node(engine_args_from(ns).create_config())
+
+
 def cmd_bench(kind: str, argv: list[str]) -> int:
     """Run nanoserve/bench/<kind>.py with the rest of the command line, --help included."""
     module = importlib.import_module(f"nanoserve.bench.{kind}")
@@ -174,6 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="interactive terminal chat", formatter_class=HelpFormatter)
     add_engine_args(chat)
     _sampling_args(chat)
+    worker = sub.add_parser("worker", help="tensor-parallel ranks of another node (--node-rank 1 ..)",
+                            formatter_class=HelpFormatter,
+                            description="Run this node's share of the tensor-parallel ranks of an engine that "
+                                        "node 0 runs (nanoserve serve ... --nnodes N --node-rank 0). Give the "
+                                        "same model and engine flags as node 0, and this node's --node-rank.")
+    worker.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="the same as --model")
+    add_engine_args(worker)
     bench = sub.add_parser("bench", help=f"{' | '.join(BENCHMARKS)} (flags: bench KIND --help)",
                            formatter_class=HelpFormatter)
     bench.add_argument("kind", choices=BENCHMARKS, help="the benchmark; `nanoserve bench KIND --help` lists its flags")
@@ -188,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return {"serve": cmd_serve, "generate": cmd_generate, "chat": cmd_chat}[ns.command](ns)
+        return {"serve": cmd_serve, "generate": cmd_generate, "chat": cmd_chat, "worker": cmd_worker}[ns.command](ns)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

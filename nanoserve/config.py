@@ -140,7 +140,14 @@ class EngineArgs:
     # Plan step N+1 while step N runs (LLMEngine.step). None: on for CUDA; on the CPU a step runs
     # to its end before the host goes on, so there it would only delay each output by a step.
     async_scheduling: bool | None = _arg(None, "schedule step N+1 while the GPU runs step N; None: on for CUDA")
-    tensor_parallel_size: int = _arg(1, "GPUs per model (only 1 in this version)")
+    tensor_parallel_size: int = _arg(1, "ranks the model is split over: one process per GPU (rank 0 is the engine's "
+                                        "own), or per CPU process with gloo on the CPU")
+    distributed_init_method: str | None = _arg(None, "tensor parallel: where the ranks meet (torch.distributed's "
+                                                     "init_method), tcp://HOST:PORT or env:// (MASTER_ADDR, "
+                                                     "MASTER_PORT); None: a free port on 127.0.0.1 (one node)")
+    nnodes: int = _arg(1, "tensor parallel: machines the ranks are spread over, tensor_parallel_size / nnodes each; "
+                          "the others run `nanoserve worker` with the same engine flags")
+    node_rank: int = _arg(0, "tensor parallel: this machine's place among nnodes (0: the one that runs the engine)")
     seed: int = _arg(0, "seed of random weights (--load-format dummy) and of sampling without a seed")
     # The server only (AsyncEngine): run the engine in a process of its own, so that its host work
     # (scheduling, detokenizing, building outputs) does not share a GIL with the HTTP event loop.
@@ -195,7 +202,8 @@ class EngineConfig:
         if not os.path.isdir(model_dir):
             raise ValueError(f"model: {model_dir!r} is not a directory (no model hub is used; give a local path)")
         model = ModelConfig.from_dir(model_dir, args.generation_config)
-        _check_positive(args, "block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
+        _check_positive(args, "block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
+                        "nnodes")
         if args.block_size & (args.block_size - 1):
             raise ValueError(f"block_size: must be a power of two, got {args.block_size}")
         if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
@@ -204,8 +212,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {args.gpu_memory_utilization}")
         if args.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format: must be 'auto' or 'dummy', got {args.load_format!r}")
-        if args.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size: only 1 is supported in this version")
+        _check_tensor_parallel(args, model)
         if args.fused_rope_decode not in ("auto", "on", "off"):
             raise ValueError(f"fused_rope_decode: must be auto, on or off, got {args.fused_rope_decode!r}")
         if not isinstance(args.pdl, bool):
@@ -214,10 +221,19 @@ class EngineConfig:
         device = resolve_device(args.device)
         if device.type == "cuda":
             _check_kernel_shapes(args, model)
+            ranks_here = args.tensor_parallel_size // args.nnodes
+            if ranks_here > torch.cuda.device_count():
+                raise ValueError(f"tensor_parallel_size: {ranks_here} ranks on this node, but torch sees "
+                                 f"{torch.cuda.device_count()} GPUs")
         dtype = _resolve_dtype(args.dtype, model.torch_dtype, device)
         max_model_len, source = _resolve_max_model_len(args.max_model_len, model)
         return cls(args, model_dir, args.tokenizer or model_dir, model, dtype, device, max_model_len, source,
                    _load_chat_template(args.chat_template))
+
+    @property
+    def num_kv_heads_per_rank(self) -> int:
+        """KV heads in one rank's cache: its share, or one replicated head when there are fewer than ranks."""
+        return max(1, self.model.num_key_value_heads // self.args.tensor_parallel_size)
 
     def fit_kv_pool(self, num_kv_blocks: int) -> None:
         """Lower max_model_len to what the KV pool holds: one sequence must fit in it alone."""
@@ -248,6 +264,29 @@ def _check_kernel_shapes(args: EngineArgs, model: ModelConfig) -> None:
                          "64 or 128)")
     if args.block_size < 8:
         raise ValueError(f"block_size: must be at least 8 on CUDA, got {args.block_size}")
+
+
+def _check_tensor_parallel(args: EngineArgs, model: ModelConfig) -> None:
+    """What the shards need (layers/linear.py, layers/embedding.py): equal shares of heads, of the intermediate
+    size and of the vocabulary; kv heads split evenly, or each replicated on an equal number of ranks."""
+    tp = args.tensor_parallel_size
+    if not isinstance(args.node_rank, int) or not 0 <= args.node_rank < args.nnodes:
+        raise ValueError(f"node_rank: must be in [0, nnodes={args.nnodes}), got {args.node_rank!r}")
+    if tp % args.nnodes:
+        raise ValueError(f"nnodes: tensor_parallel_size={tp} ranks do not split evenly over {args.nnodes} nodes")
+    if args.nnodes > 1 and not args.distributed_init_method:
+        raise ValueError("distributed_init_method: several nodes need an address all of them reach "
+                         "(tcp://HOST:PORT of node 0, or env:// with MASTER_ADDR and MASTER_PORT)")
+    if tp == 1:
+        return
+    kv = model.num_key_value_heads
+    uneven = [f"{name} {n}" for name, n in (("num_attention_heads", model.num_attention_heads),
+                                            ("intermediate_size", model.intermediate_size),
+                                            ("vocab_size", model.vocab_size)) if n % tp]
+    if kv % tp and tp % kv:
+        uneven.append(f"num_key_value_heads {kv} (nor does {tp} divide by it)")
+    if uneven:
+        raise ValueError(f"tensor_parallel_size: {tp} does not divide the model's {', '.join(uneven)}")
 
 
 def _check_profile_engine(args: EngineArgs) -> None:

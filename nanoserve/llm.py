@@ -1,5 +1,6 @@
 """LLM: offline batch generation, the simplest way to use nanoserve from Python."""
 
+import weakref
 from collections.abc import Sequence
 from contextlib import nullcontext
 
@@ -26,6 +27,12 @@ class LLM:
             raise ValueError("engine_process: only the server runs the engine in a process of its own")
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
         self._counter = 0
+        # Tensor-parallel workers stop with the LLM object, or at exit at the latest.
+        weakref.finalize(self, self.engine.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel worker processes now (nothing to do without them)."""
+        self.engine.shutdown()
 
     @property
     def tokenizer(self):

@@ -104,6 +104,10 @@ class LLMEngine(EngineFrontend):
         request.metrics.finished_time = time.monotonic()
         return self._output(request)
 
+    def shutdown(self) -> None:
+        """Stop what the engine started beside itself (tensor-parallel workers); idempotent."""
+        self.runner.shutdown()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
 

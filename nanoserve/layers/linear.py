@@ -1,13 +1,17 @@
 """Linear layers, and the ones whose weights are fused on load: q/k/v into one qkv_proj, gate/up into
-gate_up_proj.
+gate_up_proj; under tensor parallelism the fused ones are column-parallel (each rank holds its heads, its share
+of the intermediate size) and o_proj, down_proj row-parallel (each rank holds its share of the input columns and
+the partial outputs are summed by one all-reduce), as in Megatron-LM.
 
-Each fused parameter carries a weight_loader(param, loaded, shard) that copies one checkpoint tensor
-into its slice, so the loader never builds the unfused module.
+Each parameter carries a weight_loader(param, loaded, shard) that reads its rank's rows or columns from a
+checkpoint tensor `loaded` (a safetensors slice: only what is indexed is read from the file), so the loader
+never builds the unfused module nor the whole tensor.
 """
 
 import torch
 from torch import nn
 
+from nanoserve.distributed.group import TensorParallelGroup
 from nanoserve.layers.activation import SiluAndMul
 from nanoserve.layers.norm import RMSNorm
 from nanoserve.layers.step_plan import KernelPlan
@@ -64,31 +68,90 @@ class Linear(nn.Linear):
         return self(act(x), plan)
 
 
-class FusedLinear(Linear):
-    """A linear layer made of named shards stacked along the output dimension."""
+def load_whole(param: nn.Parameter, loaded, shard: str | None = None) -> None:
+    """The default weight_loader: the checkpoint tensor is the parameter, whole (norms; every weight at TP=1
+    that is not fused)."""
+    if tuple(loaded.get_shape()) != tuple(param.shape):
+        raise ValueError(f"has shape {tuple(loaded.get_shape())}, expected {tuple(param.shape)}")
+    param.data.copy_(loaded[:])
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool) -> None:
-        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+
+class RowParallelLinear(Linear):
+    """y = x W^T + b with W's input columns split over the ranks: each rank multiplies its share of x (the
+    output of its heads, or of its share of the intermediate size) and one all-reduce sums the partial outputs.
+    Rank 0 alone holds the bias (the others zeros), so that the sum adds it once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallelGroup) -> None:
+        super().__init__(in_features // tp.size, out_features, bias=bias)
+        self.tp = tp
+        self.weight.weight_loader = self.load_columns
+        if bias:
+            self.bias.weight_loader = self.load_bias
+
+    def load_columns(self, param: nn.Parameter, loaded, shard: str | None = None) -> None:
+        rows, cols = loaded.get_shape()
+        if (rows, cols) != (param.shape[0], param.shape[1] * self.tp.size):
+            raise ValueError(f"has shape {(rows, cols)}, expected {(param.shape[0], param.shape[1] * self.tp.size)}")
+        start, size = self.tp.shard(cols)
+        param.data.copy_(loaded[:, start:start + size])
+
+    def load_bias(self, param: nn.Parameter, loaded, shard: str | None = None) -> None:
+        if self.tp.rank == 0:
+            load_whole(param, loaded)
+        else:
+            param.data.zero_()
+
+    def forward(self, x: torch.Tensor, plan: KernelPlan) -> torch.Tensor:
+        return self.tp.all_reduce(super().forward(x, plan))
+
+    def forward_silu_mul(self, x: torch.Tensor, act: SiluAndMul, plan: KernelPlan) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward_silu_mul(x, act, plan)
+        return self.tp.all_reduce(super().forward_silu_mul(x, act, plan))
+
+
+class FusedLinear(Linear):
+    """A column-parallel linear layer made of named shards stacked along the output dimension. Each shard is
+    `size` rows of its checkpoint tensor from row `start` on (this rank's share of it)."""
+
+    def __init__(self, in_features: int, shards: dict[str, tuple[int, int, int]], bias: bool) -> None:
+        """shards: name -> (start, size, rows of the whole checkpoint tensor)."""
+        super().__init__(in_features, sum(size for _, size, _ in shards.values()), bias=bias)
+        self.shards = shards
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         offset = 0
-        for name, size in shard_sizes.items():
+        for name, (_, size, _) in shards.items():
             self.shard_offsets[name] = (offset, size)
             offset += size
         self.weight.weight_loader = self.load_shard
         if bias:
             self.bias.weight_loader = self.load_shard
 
-    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
+    def load_shard(self, param: nn.Parameter, loaded, shard: str) -> None:
         offset, size = self.shard_offsets[shard]
-        if loaded.shape[0] != size:
-            raise ValueError(f"checkpoint shard {shard!r} has {loaded.shape[0]} rows, expected {size}")
-        param.data[offset:offset + size].copy_(loaded)
+        start, _, total = self.shards[shard]
+        rows = loaded.get_shape()[0]
+        if rows != total:
+            raise ValueError(f"checkpoint shard {shard!r} has {rows} rows, expected {total}")
+        param.data[offset:offset + size].copy_(loaded[start:start + size])
+
+
+def _kv_head_shard(num_kv_heads: int, tp: TensorParallelGroup) -> tuple[int, int]:
+    """(first kv head, kv heads) of this rank. With fewer kv heads than ranks each is replicated on
+    size / num_kv_heads ranks, as vLLM does: every rank's query heads read one kv head of their own group."""
+    if num_kv_heads >= tp.size:
+        return tp.shard(num_kv_heads)
+    return tp.rank * num_kv_heads // tp.size, 1
 
 
 class QKVLinear(FusedLinear):
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool):
-        sizes = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim}
-        super().__init__(hidden_size, sizes, bias)
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
+                 tp: TensorParallelGroup) -> None:
+        q_start, q_heads = tp.shard(num_heads)
+        kv_start, kv_heads = _kv_head_shard(num_kv_heads, tp)
+        q = (q_start * head_dim, q_heads * head_dim, num_heads * head_dim)
+        kv = (kv_start * head_dim, kv_heads * head_dim, num_kv_heads * head_dim)
+        super().__init__(hidden_size, {"q": q, "k": kv, "v": kv}, bias)
 
     def starts_next_late(self, plan: KernelPlan) -> bool:
         # Before the fused rope decode of a model with q/k norms (layers/step_plan.py has the measurements).
@@ -96,5 +159,7 @@ class QKVLinear(FusedLinear):
 
 
 class GateUpLinear(FusedLinear):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__(hidden_size, {"gate": intermediate_size, "up": intermediate_size}, bias=False)
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TensorParallelGroup) -> None:
+        start, size = tp.shard(intermediate_size)
+        shard = (start, size, intermediate_size)
+        super().__init__(hidden_size, {"gate": shard, "up": shard}, bias=False)

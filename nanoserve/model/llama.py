@@ -4,26 +4,29 @@ import torch
 from torch import nn
 
 from nanoserve.config import ModelConfig
+from nanoserve.distributed.group import TensorParallelGroup
 from nanoserve.layers.activation import SiluAndMul
 from nanoserve.layers.attention import Attention, AttentionMetadata
-from nanoserve.layers.embedding import LMHead
-from nanoserve.layers.linear import GateUpLinear, Linear, QKVLinear
+from nanoserve.layers.embedding import LMHead, VocabEmbedding
+from nanoserve.layers.linear import GateUpLinear, QKVLinear, RowParallelLinear
 from nanoserve.layers.norm import RMSNorm
 from nanoserve.layers.rotary import RotaryEmbedding
 from nanoserve.layers.step_plan import KernelPlan
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, qk_norm: bool) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, qk_norm: bool, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.qkv_proj = QKVLinear(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+                                  config.head_dim, config.attention_bias, tp)
+        # This rank's heads (all of them without tensor parallelism).
+        self.num_heads = config.num_attention_heads // tp.size
+        self.num_kv_heads = self.qkv_proj.shards["k"][1] // config.head_dim
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = QKVLinear(config.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
-                                  config.attention_bias)
         # Llama puts the bias on o_proj too when attention_bias is set; Qwen2 biases only q/k/v.
         o_bias = config.attention_bias and config.raw.get("model_type") != "qwen2"
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, o_bias, tp)
         self.rotary = rotary
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -70,14 +73,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act: only 'silu' is supported, got {config.hidden_act!r}")
         if config.raw.get("mlp_bias"):
             raise ValueError("mlp_bias: MLP biases are not supported")
-        self.gate_up_proj = GateUpLinear(config.hidden_size, config.intermediate_size)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = GateUpLinear(config.hidden_size, config.intermediate_size, tp)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, False, tp)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor, plan: KernelPlan) -> torch.Tensor:
@@ -85,10 +88,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, qk_norm: bool) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, qk_norm: bool, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary, qk_norm)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, rotary, qk_norm, tp)
+        self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -125,11 +128,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, max_model_len: int, qk_norm: bool) -> None:
+    def __init__(self, config: ModelConfig, max_model_len: int, qk_norm: bool, tp: TensorParallelGroup) -> None:
         super().__init__()
         rotary = RotaryEmbedding(config.head_dim, max_model_len, config.rope_theta, config.rope_scaling)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, qk_norm)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, qk_norm, tp)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -149,10 +152,11 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
     }
 
-    def __init__(self, config: ModelConfig, max_model_len: int) -> None:
+    def __init__(self, config: ModelConfig, max_model_len: int, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.model = LlamaModel(config, max_model_len, self.qk_norm)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        tp = tp or TensorParallelGroup()
+        self.model = LlamaModel(config, max_model_len, self.qk_norm, tp)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -9,6 +9,8 @@ from torch import nn
 from tqdm import tqdm
 
 from nanoserve.config import EngineConfig
+from nanoserve.distributed.group import TensorParallelGroup
+from nanoserve.layers.linear import load_whole
 from nanoserve.model.registry import model_class
 
 
@@ -28,12 +30,13 @@ def checkpoint_files(model_dir: str) -> list[Path]:
     return files
 
 
-def load_model(config: EngineConfig) -> nn.Module:
+def load_model(config: EngineConfig, tp: TensorParallelGroup | None = None) -> nn.Module:
+    """The model of config, this rank's share of it under tensor parallelism (tp)."""
     cls = model_class(config.model.architecture)
     torch.set_default_dtype(config.dtype)
     try:
         with torch.device(config.device):
-            model = cls(config.model, config.max_model_len)
+            model = cls(config.model, config.max_model_len, tp)
     finally:
         torch.set_default_dtype(torch.float32)
     if config.args.load_format == "dummy":
@@ -66,25 +69,21 @@ def _load_weights(model: nn.Module, files: list[Path]) -> None:
                 name, shard = _map_name(model, ckpt_name)
                 if name not in params:
                     raise ValueError(f"model: checkpoint tensor {ckpt_name!r} matches no parameter")
-                param, tensor = params[name], f.get_tensor(ckpt_name)
-                loader = getattr(param, "weight_loader", None)
-                if shard is not None:
-                    loader(param, tensor, shard)
-                    loaded.add(f"{name}:{shard}")
-                else:
-                    if param.shape != tensor.shape:
-                        raise ValueError(f"model: {ckpt_name!r} has shape {tuple(tensor.shape)}, "
-                                         f"expected {tuple(param.shape)}")
-                    param.data.copy_(tensor)
-                    loaded.add(name)
-    missing = []
+                # A slice reads from the file only the rows or columns its loader indexes: this rank's share.
+                param, tensor = params[name], f.get_slice(ckpt_name)
+                try:
+                    getattr(param, "weight_loader", load_whole)(param, tensor, shard)
+                except ValueError as e:
+                    raise ValueError(f"model: {ckpt_name!r} {e}") from None
+                loaded.add(name if shard is None else f"{name}:{shard}")
+    missing, fused = [], set()
     for name, module in model.named_modules():
-        for shard in getattr(module, "shard_offsets", {}):
-            for pname, _ in module.named_parameters(recurse=False):
-                if f"{name}.{pname}:{shard}" not in loaded:
-                    missing.append(f"{name}.{pname} ({shard})")
-    for name, param in params.items():
-        if not hasattr(param, "weight_loader") and name not in loaded and not (tied and name == "lm_head.weight"):
+        for pname, _ in module.named_parameters(recurse=False) if hasattr(module, "shard_offsets") else ():
+            fused.add(f"{name}.{pname}")
+            missing += [f"{name}.{pname} ({shard})" for shard in module.shard_offsets
+                        if f"{name}.{pname}:{shard}" not in loaded]
+    for name in params:
+        if name not in fused and name not in loaded and not (tied and name == "lm_head.weight"):
             missing.append(name)
     if missing:
         raise ValueError(f"model: checkpoint lacks {len(missing)} tensors, e.g. {', '.join(missing[:5])}")

@@ -126,6 +126,12 @@ class EngineCore:
     def run(self) -> str | None:
         """Serve commands until Stop (returns None) or until the engine fails: returns why, after
         logging it. Either way the engine is not to be used again."""
+        try:
+            return self._run()
+        finally:
+            self.engine.shutdown()
+
+    def _run(self) -> str | None:
         engine = self.engine
         last_stats = None
         while True:

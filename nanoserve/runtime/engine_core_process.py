@@ -45,7 +45,10 @@ class EngineCoreProcess:
         ctx = multiprocessing.get_context("spawn")
         control, child_control = ctx.Pipe()
         pipes = [ctx.Pipe() for _ in range(num_channels)]
-        process = ctx.Process(target=run_engine_core_process, name="nanoserve-engine", daemon=True,
+        # A daemonic process may start no processes of its own, and with tensor parallelism the engine starts its
+        # ranks; then its end of the control pipe (EOF when we are gone) is what stops it.
+        process = ctx.Process(target=run_engine_core_process, name="nanoserve-engine",
+                              daemon=args.tensor_parallel_size == 1,
                               args=(args, [child for _, child in pipes], child_control,
                                     logging.getLogger().getEffectiveLevel()))
         process.start()

@@ -189,12 +189,14 @@ def run_server(engine_args: EngineArgs, host: str, port: int, api_key: str | Non
                 async_engine.max_model_len,
                 ", engine in its own process" if async_engine.engine.config.args.engine_process else "", host, port)
     freeze_startup_objects()
+    # With tensor parallelism a lost rank kills the engine: a server that exits (non-zero) is one an orchestrator
+    # restarts, where one left answering 503 would wait for a person.
+    tp = engine_args.tensor_parallel_size > 1
     try:
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-            runner.run(serve_with_drain(config, gate, async_engine, drain_timeout))
+            return runner.run(serve_with_drain(config, gate, async_engine, drain_timeout, exit_when_engine_dies=tp))
     finally:
         async_engine.shutdown()
-    return 0
 
 
 def freeze_startup_objects() -> None:

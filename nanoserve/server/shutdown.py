@@ -36,12 +36,15 @@ class _Server(uvicorn.Server):
 
 
 async def serve_with_drain(config: uvicorn.Config, gate: GateState, engine: AsyncEngine, drain_timeout: float,
-                           sockets: list[socket.socket] | None = None, control: Connection | None = None) -> None:
+                           sockets: list[socket.socket] | None = None, control: Connection | None = None,
+                           exit_when_engine_dies: bool = False) -> int:
     """Serve (on `sockets` if given, else config's host and port) until told to stop: by SIGTERM / SIGINT,
-    or with `control`, by what arrives on it."""
+    or with `control`, by what arrives on it; with exit_when_engine_dies, also when the engine dies. Returns the
+    exit status: 1 if the engine died, else 0."""
     server = _Server(config)
     loop = asyncio.get_running_loop()
     drain: asyncio.Task | None = None
+    status = 0
 
     def stop(why: str) -> None:
         nonlocal drain
@@ -61,14 +64,26 @@ async def serve_with_drain(config: uvicorn.Config, gate: GateState, engine: Asyn
             why = "the parent process is gone"
         stop(why)
 
+    async def watch_engine() -> None:
+        nonlocal status
+        while not engine.dead:
+            await asyncio.sleep(0.25)
+        logger.error("the engine died (%s): the server stops", engine.error)
+        status = 1
+        stop("the engine died")
+
     if control is None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop, sig.name)
     else:
         loop.add_reader(control.fileno(), on_control)
+    watcher = loop.create_task(watch_engine()) if exit_when_engine_dies else None
     try:
         await server.serve(sockets)
+        return status
     finally:
+        if watcher is not None:
+            watcher.cancel()
         if control is None:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)

@@ -1,4 +1,5 @@
-"""The paged KV pool: per layer, keys and values of shape [num_blocks, block_size, num_kv_heads, head_dim]."""
+"""The paged KV pool: per layer, keys and values of shape [num_blocks, block_size, num_kv_heads, head_dim] (this
+rank's kv heads under tensor parallelism; the block tables are the same on every rank)."""
 
 import torch
 
@@ -11,7 +12,7 @@ _CPU_POOL_BYTES = 1 << 30
 def bytes_per_block(config: EngineConfig) -> int:
     m = config.model
     elem = torch.empty((), dtype=config.dtype).element_size()
-    return 2 * m.num_hidden_layers * config.args.block_size * m.num_key_value_heads * m.head_dim * elem
+    return 2 * m.num_hidden_layers * config.args.block_size * config.num_kv_heads_per_rank * m.head_dim * elem
 
 
 def num_blocks_for(config: EngineConfig, free_bytes: int | None) -> int:
@@ -30,7 +31,7 @@ def num_blocks_for(config: EngineConfig, free_bytes: int | None) -> int:
 
 def allocate_kv_cache(config: EngineConfig, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     m = config.model
-    shape = (num_blocks, config.args.block_size, m.num_key_value_heads, m.head_dim)
+    shape = (num_blocks, config.args.block_size, config.num_kv_heads_per_rank, m.head_dim)
     return [(torch.empty(shape, dtype=config.dtype, device=config.device),
              torch.empty(shape, dtype=config.dtype, device=config.device))
             for _ in range(m.num_hidden_layers)]

@@ -2,28 +2,19 @@
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from nanoserve.config import EngineConfig
+from nanoserve.distributed.group import TensorParallelGroup
 from nanoserve.kernels.prefill import PrefillPlanner
 from nanoserve.layers.attention import Attention, AttentionMetadata, TritonBackend, backend_for
 from nanoserve.layers.sampler import SampledTokens, Sampler, SamplerOutput
 from nanoserve.layers.step_plan import KernelPlanner
 from nanoserve.model.loader import load_model
-from nanoserve.utils import to_device
 from nanoserve.worker.batch import ScheduledBatch
 from nanoserve.worker.cuda_graphs import CUDAGraphRunner, PrefillGraphRunner, eager_tile_map
 from nanoserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
-
-
-def chunk_slots(block_table: list[int], start: int, n: int, block_size: int) -> list[int]:
-    """The KV cache slots of positions start .. start + n - 1 through the sequence's block table."""
-    # Whole pages at once: a per-position Python loop cost ~0.6 ms of host time for an 8,192-token chunk.
-    pages = np.asarray(block_table[start // block_size:(start + n - 1) // block_size + 1], dtype=np.int64)
-    first = start % block_size
-    assert len(pages) * block_size >= first + n, "the block table must cover the chunk"
-    return (pages[:, None] * block_size + np.arange(block_size)).ravel()[first:first + n].tolist()
+from nanoserve.worker.step_inputs import StepInputs, prompt_logprob_rows
 
 
 @dataclass
@@ -46,12 +37,23 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    """Runs steps on one rank. Rank 0 (the engine's) packs each step, sends it to the other ranks under tensor
+    parallelism, runs it and samples; the other ranks run what they receive (worker/tp_worker.py). Every rank
+    makes the same collectives in the same order, from __init__ (profiling, graph capture) on."""
+
+    def __init__(self, config: EngineConfig, tp: TensorParallelGroup | None = None) -> None:
+        self.workers = None
+        if tp is None and config.args.tensor_parallel_size > 1:
+            from nanoserve.worker.tp_worker import TensorParallelWorkers
+
+            self.workers = TensorParallelWorkers.start(config)
+            config, tp = self.workers.config, self.workers.tp
+        self.tp = tp or TensorParallelGroup()
         self.config = config
         self.device = config.device
         self.block_size = config.args.block_size
         torch.manual_seed(config.args.seed)
-        self.model = load_model(config)
+        self.model = load_model(config, self.tp)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attn_layers:
             layer.backend = backend_for(self.device)
@@ -66,6 +68,8 @@ class ModelRunner:
                                      getattr(self.model, "qk_norm", False), self.device, prefill)
         fixed_pool = config.args.num_kv_blocks is not None
         self.num_kv_blocks = num_blocks_for(config, None if fixed_pool else self._free_memory())
+        if self.tp.size > 1:  # the block tables are the same on every rank: the smallest pool for all
+            self.num_kv_blocks = int(self.tp.all_reduce_min_host(self.num_kv_blocks))
         self.kv_cache = allocate_kv_cache(config, self.num_kv_blocks)
         self._bind_kv_cache(self.kv_cache)
         self.sampler = Sampler(self.device, config.model.eos_token_ids, config.args.seed)
@@ -144,86 +148,49 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak - blocks_per_seq * bytes_per_block(cfg)
 
-    def prepare(self, batch: ScheduledBatch, prev: LaunchedStep | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None]:
-        """input_ids, positions, attention metadata, and the hidden rows to sample from (None: every row,
-        once). A token that `prev` sampled and the host has not read yet is taken from prev's device tensor."""
-        input_ids, positions, slots, cu, lens, tables, logit_rows = [], [], [], [0], [], [], []
-        pending_at, pending_rows = [], []
-        bs = self.block_size
-        for entry in batch.scheduled:
-            seq, start, n = entry.seq, entry.start, entry.num_new_tokens
-            table = seq.block_table
-            if n == 1:  # a decode: the common case, without slices and ranges
-                if start < len(seq.token_ids):
-                    input_ids.append(seq.token_ids[start])
-                else:  # sampled by the previous step, not read yet: it is taken on the device
-                    assert prev is not None and seq.seq_id in prev.rows
-                    pending_at.append(len(input_ids))
-                    pending_rows.append(prev.rows[seq.seq_id])
-                    input_ids.append(0)
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                # Only a decode's one new token can still be on the device (async scheduling).
-                assert start + n <= len(seq.token_ids)
-                input_ids += seq.token_ids[start:start + n]
-                positions += range(start, start + n)
-                slots += chunk_slots(table, start, n, bs)
-            cu.append(cu[-1] + n)
-            lens.append(start + n)
-            tables.append(table)
-            if entry.sample_seqs:
-                logit_rows += [cu[-1] - 1] * len(entry.sample_seqs)
-        width = max(len(t) for t in tables)
-        num_seqs, num_tokens = len(tables), len(input_ids)
-        sample_all = logit_rows == list(range(num_tokens))  # every row samples once: no gather needed
-        longs = input_ids + positions + slots + pending_at + pending_rows + ([] if sample_all else logit_rows)
-        # One host-to-device copy for the whole step: the int64 values, then the int32 ones two to a slot, sliced
-        # (and viewed as int32) into its tensors on the device. At batch 1 a step is ~1 ms of GPU work, and each
-        # separate small copy (its pinned staging buffer, its copy call, the kernels that consumed it) sat on
-        # the host's path and the stream's.
-        # Through numpy: it converts a long list of Python ints ~3x faster than torch.as_tensor (1.3 vs 0.4 ms for
-        # an 8,192-token step's 24,576 values on this 2-core CPU).
-        num_ints = 2 * num_seqs + 1 + num_seqs * width  # cu_seqlens_q, seq_lens, block tables
-        host = np.zeros(len(longs) + (num_ints + 1) // 2, dtype=np.int64)
-        host[:len(longs)] = longs
-        ints = host[len(longs):].view(np.int32)
-        ints[:num_seqs + 1] = cu
-        ints[num_seqs + 1:2 * num_seqs + 1] = lens
-        block_tables = ints[2 * num_seqs + 1:num_ints].reshape(num_seqs, width)
-        for row, table in zip(block_tables, tables, strict=True):
-            row[:len(table)] = table
-        dev = to_device(host, torch.int64, self.device)
-        ids, pos, slot_mapping = dev[:num_tokens], dev[num_tokens:2 * num_tokens], dev[2 * num_tokens:3 * num_tokens]
-        at, n_pending = 3 * num_tokens, len(pending_at)  # where pending_at, then pending_rows, then the rows start
-        rows_d = dev[at + 2 * n_pending:len(longs)]
-        ints = dev[len(longs):].view(torch.int32)[:num_ints]
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping,
-            cu_seqlens_q=ints[:num_seqs + 1],
-            seq_lens=ints[num_seqs + 1:2 * num_seqs + 1],
-            block_tables=ints[2 * num_seqs + 1:].view(num_seqs, width),
-            max_seqlen_q=max(e.num_new_tokens for e in batch.scheduled),
-            num_decodes=batch.num_decodes,
-            seq_lens_cpu=lens,
-            cu_seqlens_q_cpu=cu,
-        )
-        if n_pending:
-            ids[dev[at:at + n_pending]] = prev.sampled.token_ids[dev[at + n_pending:at + 2 * n_pending]]
-        return ids, pos, meta, None if sample_all else rows_d
-
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, prev: LaunchedStep | None = None) -> LaunchedStep:
         """Queue one step's forward pass and sampling on the device without waiting for them. Requests
         that asked for prompt_logprobs get them now, as {request_id: [(target id, logprob, rank,
         top ids, top logprobs), ...]} (that path reads back to the host)."""
-        for src, dst in batch.block_copies:
+        plp_entries, plp_rows, row = [], [], 0
+        for entry in batch.scheduled:
+            if entry.seq.params.prompt_logprobs is not None and (count := prompt_logprob_rows(entry)):
+                plp_entries.append((entry, count))
+                plp_rows.append((row, count))
+            row += entry.num_new_tokens
+        step = StepInputs.build(batch, prev.rows if prev is not None else {}, self.block_size, plp_rows)
+        if self.workers is not None:
+            self.workers.check()
+            step.send(self.tp)
+        prev_tokens = prev.sampled.token_ids if prev is not None and prev.sampled is not None else None
+        plp_logits, logits = self.execute(step, prev_tokens)
+        prompt_logprobs = self._prompt_logprobs(plp_entries, plp_logits)
+        seqs = [s for e in batch.scheduled for s in e.sample_seqs]
+        if not seqs:
+            return LaunchedStep(batch, None, {}, None, None, prompt_logprobs)
+        sampled = self.sampler.sample(logits, seqs)
+        self.tp.broadcast(sampled.token_ids)  # the other ranks take pending tokens from them (StepInputs)
+        done = None
+        if self.device.type == "cuda":
+            host = sampled.to_host()
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host = sampled
+        rows = {s.seq_id: i for i, s in enumerate(seqs)}
+        return LaunchedStep(batch, sampled, rows, host, done, prompt_logprobs)
+
+    def execute(self, step: StepInputs, prev_tokens: torch.Tensor | None,
+                ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Run one step on this rank: the logits of each prompt-logprob range, and of the rows that sample (None
+        when none does)."""
+        for src, dst in step.block_copies:
             for k, v in self.kv_cache:
                 k[dst].copy_(k[src])
                 v[dst].copy_(v[src])
-        input_ids, positions, meta, logit_rows = self.prepare(batch, prev)
-        num_seqs = len(batch.scheduled)
+        input_ids, positions, meta, logit_rows = step.to_device(self.device, prev_tokens)
+        num_seqs = step.num_seqs
         if self.graphs is not None and self.graphs.can_run(num_seqs, meta.num_decodes):
             hidden = self.graphs.run(input_ids, positions, meta)
         elif self.prefill_graphs is not None and self.prefill_graphs.can_run(input_ids.shape[0], num_seqs):
@@ -235,35 +202,24 @@ class ModelRunner:
             if self.planner.prefill is not None:
                 eager_tile_map(meta, self.device, self.attn_layers[0].head_dim, self.planner.prefill)
             hidden = self.model(input_ids, positions, meta)
-        prompt_logprobs = self._prompt_logprobs(batch, hidden, meta.cu_seqlens_q_cpu)
-        seqs = [s for e in batch.scheduled for s in e.sample_seqs]
-        if not seqs:
-            return LaunchedStep(batch, None, {}, None, None, prompt_logprobs)
-        logits = self.model.compute_logits(hidden if logit_rows is None else hidden[logit_rows])
-        sampled = self.sampler.sample(logits, seqs)
-        done = None
-        if self.device.type == "cuda":
-            host = sampled.to_host()
-            done = torch.cuda.Event()
-            done.record()
-        else:
-            host = sampled
-        rows = {s.seq_id: i for i, s in enumerate(seqs)}
-        return LaunchedStep(batch, sampled, rows, host, done, prompt_logprobs)
+        plp_logits = [self.model.compute_logits(hidden[start:start + n]) for start, n in step.prompt_logprob_rows]
+        if not step.sample:
+            return plp_logits, None
+        return plp_logits, self.model.compute_logits(hidden if logit_rows is None else hidden[logit_rows])
 
-    def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor, cu: list[int]) -> dict:
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent)."""
+        if self.workers is not None:
+            self.workers.stop()
+            self.workers = None
+
+    def _prompt_logprobs(self, entries: list, logits: list[torch.Tensor]) -> dict:
         result = {}
-        for i, entry in enumerate(batch.scheduled):
+        for (entry, count), step_logits in zip(entries, logits, strict=True):
             seq, n = entry.seq, entry.seq.params.prompt_logprobs
-            if n is None or seq.num_output_tokens or seq.index:
-                continue
             # Row j predicts token start + j + 1; the prompt's last row predicts the first output.
-            start = entry.start
-            count = min(entry.num_new_tokens, seq.num_prompt_tokens - 1 - start)
-            if count <= 0:
-                continue
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[cu[i]:cu[i] + count]).float(), dim=-1)
-            targets = torch.tensor(seq.token_ids[start + 1:start + 1 + count], device=self.device)
+            logprobs = torch.log_softmax(step_logits.float(), dim=-1)
+            targets = torch.tensor(seq.token_ids[entry.start + 1:entry.start + 1 + count], device=self.device)
             chosen = logprobs.gather(1, targets[:, None])
             ranks = (logprobs > chosen).sum(dim=1) + 1
             top = logprobs.topk(n, dim=1) if n else None

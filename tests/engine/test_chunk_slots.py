@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from nanoserve.worker.model_runner import chunk_slots
+from nanoserve.worker.step_inputs import chunk_slots
 
 
 @pytest.mark.parametrize("block_size", [8, 16])

@@ -1,0 +1,172 @@
+"""Tensor-parallel ranks: rank 0 is the engine's own ModelRunner, each other rank a process of its own that runs
+the steps rank 0 sends (StepInputs) on its GPU (or CPU, with gloo), from its own CUDA graphs.
+
+On one node rank 0 starts the others (TensorParallelWorkers.start); on several, each other node starts its ranks
+with `nanoserve worker` (run_node), and all of them meet at distributed_init_method.
+
+A rank that dies must not leave the others waiting forever. Rank 0 watches its worker processes: once one has
+exited, the next step fails at once, and a step already waiting in a collective with the lost peer fails through
+gloo's closed connection on the CPU. On CUDA an NCCL collective (perhaps inside a CUDA graph, perhaps waited on
+later by the host) can wait with no timeout that fires, so there rank 0's process exits (status 1) after a grace
+period unless the engine has stopped the workers by then. A worker exits when its parent process is gone or its
+gloo connection to rank 0 breaks.
+"""
+
+import dataclasses
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import socket
+import threading
+import time
+from multiprocessing.connection import wait
+
+import torch
+import torch.distributed as dist
+
+from nanoserve.config import EngineConfig
+from nanoserve.distributed.group import TensorParallelGroup
+
+logger = logging.getLogger(__name__)
+
+# How long a step may wait on a lost peer before rank 0's process exits (see the module docstring).
+LOST_PEER_GRACE_S = 10.0
+# torch.distributed's own timeout for collectives and the rendezvous.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
+
+
+def init_rank(config: EngineConfig, rank: int, init_method: str) -> tuple[EngineConfig, TensorParallelGroup]:
+    """Join the tensor-parallel world as `rank`: this rank's config (its GPU) and its groups."""
+    size, nnodes = config.args.tensor_parallel_size, config.args.nnodes
+    if config.device.type == "cuda":
+        local_rank = rank % (size // nnodes)
+        config = dataclasses.replace(config, device=torch.device("cuda", local_rank))
+        torch.cuda.set_device(config.device)
+    backend = "nccl" if config.device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=init_method, world_size=size, rank=rank,
+                            timeout=COLLECTIVE_TIMEOUT)
+    # Host messages go through gloo whatever moves the activations (distributed/group.py says why).
+    cpu_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    return config, TensorParallelGroup(rank, size, dist.group.WORLD, cpu_group)
+
+
+def free_local_init_method() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def run_worker(config: EngineConfig, rank: int, init_method: str) -> None:
+    """A rank other than 0: build the model's shard, then run the steps rank 0 sends until it says stop."""
+    from nanoserve.worker.model_runner import ModelRunner
+    from nanoserve.worker.step_inputs import StepInputs
+
+    parent = os.getppid()
+    config, tp = init_rank(config, rank, init_method)
+    _exit_with_parent(parent)
+    runner = ModelRunner(config, tp)
+    prev_tokens = None
+    with torch.inference_mode():
+        while (step := StepInputs.recv(tp)) is not None:
+            _, logits = runner.execute(step, prev_tokens)
+            if logits is not None:  # rank 0's samples, for the next step's pending tokens
+                prev_tokens = tp.broadcast(torch.empty(logits.shape[0], dtype=torch.int64, device=config.device))
+    dist.destroy_process_group()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """End this process when the one that started it is gone (it may be killed with no chance to stop us)."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+@dataclasses.dataclass
+class TensorParallelWorkers:
+    """Rank 0's handle on the ranks of its node that it started, and its place in the group."""
+
+    config: EngineConfig  # rank 0's: its device
+    tp: TensorParallelGroup
+    processes: list[mp.Process]
+    lost: str | None = None  # why a worker is gone, once one is
+    stopped: bool = False
+
+    @classmethod
+    def start(cls, config: EngineConfig) -> "TensorParallelWorkers":
+        args = config.args
+        init_method = args.distributed_init_method or free_local_init_method()
+        per_node = args.tensor_parallel_size // args.nnodes
+        ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
+        processes = [ctx.Process(target=run_worker, args=(config, rank, init_method), daemon=True,
+                                 name=f"nanoserve-tp-rank{rank}") for rank in range(1, per_node)]
+        for p in processes:
+            p.start()
+        config, tp = init_rank(config, 0, init_method)
+        workers = cls(config, tp, processes)
+        threading.Thread(target=workers._watch, daemon=True, name="tp-watch").start()
+        return workers
+
+    def _watch(self) -> None:
+        if not self.processes:
+            return
+        gone = wait([p.sentinel for p in self.processes])
+        if self.stopped:
+            return
+        dead = next(p for p in self.processes if p.sentinel in gone)
+        self.lost = f"tensor-parallel rank {dead.name.removeprefix('nanoserve-tp-rank')} exited ({dead.exitcode})"
+        logger.error("%s: the engine cannot run on", self.lost)
+        if self.config.device.type != "cuda":
+            return
+        deadline = time.monotonic() + LOST_PEER_GRACE_S
+        while time.monotonic() < deadline:
+            if self.stopped:
+                return
+            time.sleep(0.1)
+        logger.error("the engine may wait on the lost rank forever (NCCL): exiting")
+        os._exit(1)
+
+    def check(self) -> None:
+        """Raise if a worker is gone: a step must not start (it would wait for it)."""
+        if self.lost is not None:
+            raise RuntimeError(self.lost)
+
+    def stop(self) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        from nanoserve.worker.step_inputs import StepInputs
+
+        if self.lost is None:
+            try:
+                StepInputs.send_stop(self.tp)
+            except RuntimeError:  # a peer went away meanwhile
+                pass
+        for p in self.processes:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        dist.destroy_process_group()
+
+
+def run_node(config: EngineConfig) -> int:
+    """`nanoserve worker`: the ranks of node node_rank > 0, until rank 0 stops them; the exit status is 1 if one
+    of them failed."""
+    args = config.args
+    if args.node_rank == 0:
+        raise ValueError("node_rank: node 0 runs the engine (nanoserve serve / LLM); workers run on nodes 1 ..")
+    per_node = args.tensor_parallel_size // args.nnodes
+    ctx = mp.get_context("spawn")
+    first = args.node_rank * per_node
+    processes = [ctx.Process(target=run_worker, args=(config, rank, args.distributed_init_method),
+                             name=f"nanoserve-tp-rank{rank}") for rank in range(first, first + per_node)]
+    for p in processes:
+        p.start()
+    logger.info("node %d: ranks %d-%d joining %s", args.node_rank, first, first + per_node - 1,
+                args.distributed_init_method)
+    for p in processes:
+        p.join()
+    return int(any(p.exitcode for p in processes))
