@@ -50,9 +50,11 @@ def model_params(model: torch.nn.Module) -> int:
 
 
 def kv_bytes_per_token(config) -> int:
+    """KV bytes one GPU reads per token of context: its kv heads only under tensor parallelism, where the bounds
+    are one GPU's (rank 0's share of the weights over its own bandwidth; the ranks run in parallel)."""
     m = config.model
     elem = torch.empty((), dtype=config.dtype).element_size()
-    return 2 * m.num_hidden_layers * m.num_key_value_heads * m.head_dim * elem
+    return 2 * m.num_hidden_layers * config.num_kv_heads_per_rank * m.head_dim * elem
 
 
 def decode_bound_seconds(prompt_lens, output_lens, weight_bytes: int, kv_per_token: int,

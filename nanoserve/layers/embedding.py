@@ -16,10 +16,10 @@ def _load_vocab_rows(module: "VocabEmbedding | LMHead", param: nn.Parameter, loa
 
 
 class VocabEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallelGroup) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.tp, self.vocab_size = tp, vocab_size
-        self.vocab_start, local = tp.shard(vocab_size)
+        self.tp, self.vocab_size = tp or TensorParallelGroup(), vocab_size
+        self.vocab_start, local = self.tp.shard(vocab_size)
         self.weight = nn.Parameter(torch.empty(local, hidden_size))
         self.weight.weight_loader = lambda param, loaded, shard=None: _load_vocab_rows(self, param, loaded)
 
@@ -34,10 +34,10 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallelGroup) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.tp, self.vocab_size = tp, vocab_size
-        self.vocab_start, local = tp.shard(vocab_size)
+        self.tp, self.vocab_size = tp or TensorParallelGroup(), vocab_size
+        self.vocab_start, local = self.tp.shard(vocab_size)
         self.weight = nn.Parameter(torch.empty(local, hidden_size))
         self.weight.weight_loader = lambda param, loaded, shard=None: _load_vocab_rows(self, param, loaded)
 

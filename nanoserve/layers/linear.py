@@ -81,7 +81,8 @@ class RowParallelLinear(Linear):
     output of its heads, or of its share of the intermediate size) and one all-reduce sums the partial outputs.
     Rank 0 alone holds the bias (the others zeros), so that the sum adds it once."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallelGroup) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallelGroup | None = None) -> None:
+        tp = tp or TensorParallelGroup()
         super().__init__(in_features // tp.size, out_features, bias=bias)
         self.tp = tp
         self.weight.weight_loader = self.load_columns
@@ -146,7 +147,8 @@ def _kv_head_shard(num_kv_heads: int, tp: TensorParallelGroup) -> tuple[int, int
 
 class QKVLinear(FusedLinear):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
-                 tp: TensorParallelGroup) -> None:
+                 tp: TensorParallelGroup | None = None) -> None:
+        tp = tp or TensorParallelGroup()
         q_start, q_heads = tp.shard(num_heads)
         kv_start, kv_heads = _kv_head_shard(num_kv_heads, tp)
         q = (q_start * head_dim, q_heads * head_dim, num_heads * head_dim)
@@ -159,7 +161,7 @@ class QKVLinear(FusedLinear):
 
 
 class GateUpLinear(FusedLinear):
-    def __init__(self, hidden_size: int, intermediate_size: int, tp: TensorParallelGroup) -> None:
-        start, size = tp.shard(intermediate_size)
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TensorParallelGroup | None = None) -> None:
+        start, size = (tp or TensorParallelGroup()).shard(intermediate_size)
         shard = (start, size, intermediate_size)
         super().__init__(hidden_size, {"gate": shard, "up": shard}, bias=False)
