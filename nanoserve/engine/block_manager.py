@@ -2,7 +2,8 @@
 
 A full block is named by a hash chained over every token before it (xxhash), so two requests with
 the same first k*block_size tokens share k physical blocks. Blocks whose last user finished stay in
-the hash map, parked in a free queue, and are evicted least-recently-freed first.
+the hash map, parked in a free queue, and are evicted least-recently-freed first; with a CPU tier
+(engine/cpu_tier.py) an evicted block's KV goes to CPU memory, where a later prefix match finds it.
 """
 
 import struct
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 import xxhash
 
+from nanoserve.engine.cpu_tier import CpuTier
 from nanoserve.engine.request import Sequence
 
 
@@ -28,13 +30,27 @@ def token_bytes(token_ids: list[int]) -> bytes:
     return struct.pack(f"<{len(token_ids)}q", *token_ids)
 
 
+@dataclass
+class Prefix:
+    """A prompt's cached leading blocks: on the GPU, then the ones after them in the CPU tier."""
+
+    gpu: list[int]
+    cpu: list[int]
+
+    def __len__(self) -> int:
+        return len(self.gpu) + len(self.cpu)
+
+
+NO_PREFIX = Prefix([], [])
+
+
 def chain_hash(prev_hash: int, block_bytes: bytes) -> int:
     """The hash of a block: its tokens' bytes, seeded with the previous block's hash (0 for the first)."""
     return xxhash.xxh3_64_intdigest(block_bytes, prev_hash)
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_cpu_blocks: int = 0) -> None:
         self.block_size = block_size
         self.block_bytes = block_size * 8  # a block's tokens as token_bytes() gives them (int64 each)
         self.enable_prefix_caching = enable_prefix_caching
@@ -42,7 +58,13 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.prefix_queries = 0  # prompt tokens looked up in the cache
-        self.prefix_hits = 0  # of which found there
+        self.prefix_hits = 0  # of which found there (on the GPU or in the CPU tier)
+        self.cpu_prefix_hits = 0  # of which in the CPU tier
+        self.cpu = CpuTier(num_cpu_blocks) if num_cpu_blocks and enable_prefix_caching else None
+        # KV copies the next step makes before its forward pass: (GPU block, CPU block) to the CPU tier, then
+        # (CPU block, GPU block) back (take_swaps).
+        self.swap_out: list[tuple[int, int]] = []
+        self.swap_in: list[tuple[int, int]] = []
 
     @property
     def num_blocks(self) -> int:
@@ -60,12 +82,20 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # -- prefix cache ---------------------------------------------------------------------------
-    def match_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids holding this sequence's longest cached prefix; its last token is always left
+    def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The KV copies to and from the CPU tier that this step's allocations asked for; a new step starts."""
+        out, back = self.swap_out, self.swap_in
+        self.swap_out, self.swap_in = [], []
+        if self.cpu is not None:
+            self.cpu.reading.clear()
+        return out, back
+
+    def match_prefix(self, seq: Sequence) -> Prefix:
+        """The blocks holding this sequence's longest cached prefix; its last token is always left
         out, since the forward pass must compute at least one token to sample from."""
         # prompt_logprobs need every prompt position computed, so such requests skip the cache.
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
-            return []
+            return NO_PREFIX
         num_full = (seq.num_tokens - 1) // self.block_size
         # One conversion for hashing and checking: for a long prompt it costs about what the hashing does.
         data = token_bytes(seq.token_ids[:num_full * self.block_size])
@@ -82,8 +112,17 @@ class BlockManager:
         if cached != data[:len(cached)]:
             for i in range(len(hits)):
                 if cached[i * width:(i + 1) * width] != data[i * width:(i + 1) * width]:
-                    return hits[:i]
-        return hits
+                    return Prefix(hits[:i], [])
+        cpu_hits = []
+        if self.cpu is not None:
+            # The prefix may go on in the CPU tier (always loaded rather than recomputed: for the models served
+            # here a token's KV crosses PCIe in less time than its forward pass takes; docs in README).
+            for i in range(len(hits), num_full):
+                block_id = self.cpu.lookup(seq.block_hashes[i], data[i * width:(i + 1) * width])
+                if block_id is None:
+                    break
+                cpu_hits.append(block_id)
+        return Prefix(hits, cpu_hits)
 
     def _extend_hashes(self, seq: Sequence, num_full: int, data: bytes | None = None, first: int = 0) -> None:
         """Hash blocks up to num_full; data: token_bytes of blocks first..num_full-1, if at hand."""
@@ -127,26 +166,27 @@ class BlockManager:
         seq.num_cached_blocks = num_full
 
     # -- allocation -----------------------------------------------------------------------------
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: list[int] = ()) -> bool:
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: Prefix = NO_PREFIX) -> bool:
         return self._num_new_blocks(seq, num_new_tokens, prefix) <= len(self.free)
 
-    def _num_new_blocks(self, seq: Sequence, num_new_tokens: int, prefix: list[int]) -> int:
+    def _num_new_blocks(self, seq: Sequence, num_new_tokens: int, prefix: Prefix) -> int:
         if num_new_tokens == 1 and seq.block_table:  # a decode step: the common case, kept cheap
             computed = seq.num_computed_tokens
             if computed % self.block_size == 0:
                 return 1
             return int(self.blocks[seq.block_table[computed // self.block_size]].ref_count > 1)
-        table = seq.block_table or list(prefix)
+        table = seq.block_table or prefix.gpu
         computed = seq.num_computed_tokens or len(prefix) * self.block_size
+        # A CPU-tier hit is not in the table yet: it takes a fresh block to be loaded into.
         needed = self.blocks_needed(computed + num_new_tokens) - len(table)
         # A cached block parked in the free queue is taken out of it by a hit.
-        parked = [self.blocks[b].ref_count for b in prefix].count(0) if not seq.block_table else 0
+        parked = [self.blocks[b].ref_count for b in prefix.gpu].count(0) if not seq.block_table else 0
         # A shared block about to be written is copied first (copy-on-write).
         first, last = computed // self.block_size, (computed + num_new_tokens - 1) // self.block_size
         cow = sum(1 for i in range(first, min(last + 1, len(table))) if self.blocks[table[i]].ref_count > 1)
         return max(needed, 0) + parked + cow
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, prefix: list[int] = ()) -> list[tuple[int, int]]:
+    def allocate(self, seq: Sequence, num_new_tokens: int, prefix: Prefix = NO_PREFIX) -> list[tuple[int, int]]:
         """Give `seq` room for `num_new_tokens` more tokens; returns (src, dst) block copies to do
         before the forward pass. The caller has checked can_allocate."""
         first_admission = seq.request.metrics.first_scheduled_time is None
@@ -155,13 +195,22 @@ class BlockManager:
             # prompt preempted in its prefill comes back (its own blocks would count as hits).
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += len(prefix) * self.block_size
+            self.cpu_prefix_hits += len(prefix.cpu) * self.block_size
         if not seq.block_table and prefix:
-            for block_id in prefix:
+            for block_id in prefix.gpu:
                 block = self.blocks[block_id]
                 if block.ref_count == 0:  # parked in the free queue
                     del self.free[block_id]
                 block.ref_count += 1
-            seq.block_table = list(prefix)
+            seq.block_table = list(prefix.gpu)
+            for cpu_id in prefix.cpu:  # before any fresh block is taken: that may store evicted blocks in the tier
+                self.cpu.read(cpu_id)
+            for i, cpu_id in enumerate(prefix.cpu, start=len(prefix.gpu)):
+                block = self._take_fresh()
+                block.block_hash, block.token_bytes = seq.block_hashes[i], self.cpu.token_bytes[cpu_id]
+                self.cached[block.block_hash] = block.block_id
+                self.swap_in.append((cpu_id, block.block_id))
+                seq.block_table.append(block.block_id)
             seq.num_computed_tokens = len(prefix) * self.block_size
             seq.num_cached_blocks = len(prefix)  # in the cache already: cache_full_blocks starts after them
         copies = []
@@ -195,6 +244,8 @@ class BlockManager:
         if block.block_hash is not None:  # evict: the least recently freed cached block goes first
             if self.cached.get(block.block_hash) == block.block_id:
                 del self.cached[block.block_hash]
+                if self.cpu is not None and (cpu_id := self.cpu.store(block.block_hash, block.token_bytes)) is not None:
+                    self.swap_out.append((block.block_id, cpu_id))
             block.block_hash = None
             block.token_bytes = b""
         block.ref_count = 1

@@ -35,7 +35,7 @@ class LLMEngine(EngineFrontend):
         config.fit_kv_pool(self.runner.num_kv_blocks)
         logger.info("%s", config.summary(self.runner.num_kv_blocks))
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.args.block_size,
-                                          config.args.enable_prefix_caching)
+                                          config.args.enable_prefix_caching, self.runner.num_cpu_blocks)
         self.scheduler = Scheduler(self.block_manager, config.args.max_num_seqs,
                                    config.args.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}

@@ -4,7 +4,8 @@ Each step spends a token budget (max_num_batched_tokens): running sequences firs
 when decoding, a chunk when still prefilling), then waiting requests in (priority, arrival) order.
 When the KV pool runs out, the lowest-priority running sequence is preempted: its blocks are freed
 and it goes back to the front of the queue to be recomputed later (cheaply, if its blocks are still
-in the prefix cache).
+in the prefix cache; with a CPU tier, blocks evicted meanwhile are loaded back from CPU memory: that is
+swapping, by way of the prefix cache).
 
 A sequence's num_computed_tokens moves forward when it is scheduled, not when the step's results come
 back: with async scheduling the next step is planned while this one still runs on the GPU, and its
@@ -13,7 +14,7 @@ last sampled token (Sequence.num_pending) is read there on the device.
 
 from dataclasses import dataclass, field
 
-from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.block_manager import NO_PREFIX, BlockManager
 from nanoserve.engine.request import Request, SeqStatus, Sequence
 
 
@@ -33,6 +34,10 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]  # decodes first, then prefill chunks
     block_copies: list[tuple[int, int]]
+    # KV copies to the CPU tier (GPU block, CPU block), made before block_copies, and back (CPU block, GPU block),
+    # after them (worker/kv_offload.py).
+    kv_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    kv_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_decodes(self) -> int:
@@ -95,7 +100,7 @@ class Scheduler:
             seq = self.waiting[0]
             if len(self.running) + len(seq.request.unforked) + 1 > self.max_num_seqs:
                 break
-            prefix = self.block_manager.match_prefix(seq) if seq.num_computed_tokens == 0 else []
+            prefix = self.block_manager.match_prefix(seq) if seq.num_computed_tokens == 0 else NO_PREFIX
             computed = len(prefix) * self.block_manager.block_size
             num_new = min(seq.num_tokens - computed, budget)
             if not self.block_manager.can_allocate(seq, num_new, prefix):
@@ -109,7 +114,7 @@ class Scheduler:
             scheduled.append(self._entry(seq, num_new))
             budget -= num_new
         scheduled.sort(key=lambda s: s.num_new_tokens > 1)  # stable: decodes first, order kept within
-        return SchedulerOutput(scheduled, copies)
+        return SchedulerOutput(scheduled, copies, *self.block_manager.take_swaps())
 
     def _entry(self, seq: Sequence, num_new: int) -> ScheduledSeq:
         entry = ScheduledSeq(seq, seq.num_computed_tokens, num_new)

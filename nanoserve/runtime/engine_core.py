@@ -46,6 +46,9 @@ class EngineStats:
     # Loop iterations by the prompt and generation tokens they added to the counts above, as vLLM counts its
     # iteration_tokens_total (a prompt when it is first scheduled, a token when it is sampled): one count per
     # bucket of ITERATION_TOKEN_BUCKETS, then one past the last; empty until an iteration adds any.
+    num_cpu_blocks: int = 0  # the CPU tier's (--kv-offload-gb); 0: none
+    num_cpu_blocks_used: int = 0
+    cpu_prefix_hits: int = 0  # of prefix_hits, the prompt tokens found in the CPU tier
     iteration_tokens: tuple[int, ...] = ()
     iteration_tokens_sum: int = 0
 
@@ -62,7 +65,9 @@ class EngineStats:
                     num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks, kv_usage=bm.usage,
                     prefix_queries=bm.prefix_queries, prefix_hits=bm.prefix_hits,
                     prompt_tokens=engine.num_prompt_tokens, generation_tokens=engine.num_generation_tokens,
-                    num_added=num_added, num_preemptions=engine.scheduler.num_preemptions)
+                    num_added=num_added, num_preemptions=engine.scheduler.num_preemptions,
+                    num_cpu_blocks=bm.cpu.num_blocks if bm.cpu else 0,
+                    num_cpu_blocks_used=bm.cpu.num_used if bm.cpu else 0, cpu_prefix_hits=bm.cpu_prefix_hits)
         return stats._count_iteration(previous or cls())
 
     def _count_iteration(self, previous: "EngineStats") -> "EngineStats":

@@ -79,6 +79,9 @@ def build_app(async_engine: AsyncEngine, served_model_name: list[str] | str, api
                 "kv_blocks_used": s.num_blocks - s.num_free_blocks, "kv_blocks_total": s.num_blocks,
                 "kv_blocks_free": s.num_free_blocks, "prefix_cache_hit_rate": s.prefix_hit_rate,
                 "in_flight": gate.in_flight}
+        if s.num_cpu_blocks:  # the CPU tier (--kv-offload-gb)
+            body |= {"cpu_kv_blocks_used": s.num_cpu_blocks_used, "cpu_kv_blocks_total": s.num_cpu_blocks,
+                     "cpu_prefix_cache_hits": s.cpu_prefix_hits}
         if async_engine.dead:
             return JSONResponse({**body, "status": "dead", "error": async_engine.error}, status_code=503)
         if gate.draining:

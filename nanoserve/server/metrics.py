@@ -68,6 +68,11 @@ class _EngineCollector:
                                   value=s.generation_tokens)
         yield CounterMetricFamily("nanoserve_num_preemptions", "Sequences preempted (to be recomputed)",
                                   value=s.num_preemptions)
+        yield GaugeMetricFamily("nanoserve_cpu_kv_cache_usage_perc", "Fraction of the CPU tier's KV blocks holding "
+                                "evicted prefix blocks (0..1; 0 without --kv-offload-gb)",
+                                value=s.num_cpu_blocks_used / s.num_cpu_blocks if s.num_cpu_blocks else 0.0)
+        yield CounterMetricFamily("nanoserve_cpu_prefix_cache_hits", "Prompt tokens found in the CPU tier (part of "
+                                  "nanoserve_prefix_cache_hits)", value=s.cpu_prefix_hits)
         yield from self._vllm(s, waiting)
 
     def _vllm(self, s: EngineStats, waiting: int):

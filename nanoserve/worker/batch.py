@@ -51,4 +51,8 @@ class ScheduledBatch(Protocol):
     @property
     def block_copies(self) -> Sequence[tuple[int, int]]: ...  # (src, dst) KV blocks to copy before the step
     @property
+    def kv_swap_out(self) -> Sequence[tuple[int, int]]: ...  # (device block, CPU block): to the CPU tier, first
+    @property
+    def kv_swap_in(self) -> Sequence[tuple[int, int]]: ...  # (CPU block, device block): back, after block_copies
+    @property
     def num_decodes(self) -> int: ...

@@ -29,6 +29,11 @@ def num_blocks_for(config: EngineConfig, free_bytes: int | None) -> int:
     return num
 
 
+def num_cpu_blocks(config: EngineConfig) -> int:
+    """Blocks of the CPU tier (kv_offload_gb, per rank)."""
+    return int(config.args.kv_offload_gb * (1 << 30)) // bytes_per_block(config)
+
+
 def allocate_kv_cache(config: EngineConfig, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     m = config.model
     shape = (num_blocks, config.args.block_size, config.num_kv_heads_per_rank, m.head_dim)

@@ -13,7 +13,8 @@ from nanoserve.layers.step_plan import KernelPlanner
 from nanoserve.model.loader import load_model
 from nanoserve.worker.batch import ScheduledBatch
 from nanoserve.worker.cuda_graphs import CUDAGraphRunner, PrefillGraphRunner, eager_tile_map
-from nanoserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
+from nanoserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for, num_cpu_blocks
+from nanoserve.worker.kv_offload import KVOffloader
 from nanoserve.worker.step_inputs import StepInputs, prompt_logprob_rows
 
 
@@ -72,6 +73,8 @@ class ModelRunner:
             self.num_kv_blocks = int(self.tp.all_reduce_min_host(self.num_kv_blocks))
         self.kv_cache = allocate_kv_cache(config, self.num_kv_blocks)
         self._bind_kv_cache(self.kv_cache)
+        self.num_cpu_blocks = num_cpu_blocks(config)
+        self.offloader = KVOffloader(self.kv_cache, self.num_cpu_blocks) if self.num_cpu_blocks else None
         self.sampler = Sampler(self.device, config.model.eos_token_ids, config.args.seed)
         self.graphs = self.prefill_graphs = None
         if self.device.type == "cuda" and not config.args.enforce_eager:
@@ -185,10 +188,14 @@ class ModelRunner:
                 ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Run one step on this rank: the logits of each prompt-logprob range, and of the rows that sample (None
         when none does)."""
+        if step.kv_swap_out:  # first: a block going to the CPU tier may be the target of a copy below
+            self.offloader.swap(step.kv_swap_out, [])
         for src, dst in step.block_copies:
             for k, v in self.kv_cache:
                 k[dst].copy_(k[src])
                 v[dst].copy_(v[src])
+        if step.kv_swap_in:
+            self.offloader.swap([], step.kv_swap_in)
         input_ids, positions, meta, logit_rows = step.to_device(self.device, prev_tokens)
         num_seqs = step.num_seqs
         if self.graphs is not None and self.graphs.can_run(num_seqs, meta.num_decodes):

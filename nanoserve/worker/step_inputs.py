@@ -17,7 +17,7 @@ from nanoserve.worker.batch import ScheduledBatch, ScheduledEntry
 
 # Header fields, in this order; STOP in the first one ends a worker.
 _HEADER = ("num_tokens", "num_seqs", "width", "num_pending", "num_logit_rows", "max_seqlen_q",
-           "num_decodes", "sample", "num_copies", "num_prompt_logprobs")
+           "num_decodes", "sample", "num_copies", "num_swap_out", "num_swap_in", "num_prompt_logprobs")
 _STOP = -1
 
 
@@ -47,6 +47,8 @@ class StepInputs:
     num_decodes: int
     sample: bool  # whether any sequence takes a token from this step
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks to copy first
+    kv_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, CPU) blocks, before block_copies
+    kv_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (CPU, device) blocks, after them
     prompt_logprob_rows: list[tuple[int, int]] = field(default_factory=list)  # (first hidden row, rows)
     # Host copies rank 0 has at hand anyway; the other ranks read them out of `host`.
     cu_seqlens_q_cpu: list[int] | None = None
@@ -104,7 +106,8 @@ class StepInputs:
             row[:len(table)] = table
         return cls(host, num_tokens, num_seqs, width, len(pending_at), -1 if sample_all else len(logit_rows),
                    max(e.num_new_tokens for e in batch.scheduled), batch.num_decodes, bool(logit_rows),
-                   list(batch.block_copies), prompt_logprob_rows, cu, lens)
+                   list(batch.block_copies), list(batch.kv_swap_out), list(batch.kv_swap_in), prompt_logprob_rows,
+                   cu, lens)
 
     @property
     def num_longs(self) -> int:
@@ -140,11 +143,12 @@ class StepInputs:
     # -- between ranks -----------------------------------------------------------------------------------------
     def send(self, tp: TensorParallelGroup) -> None:
         """Rank 0: this step to every other rank (recv there), as two gloo broadcasts: the header, then the array
-        with the block copies and prompt-logprob rows after it."""
+        with the block copies, KV swaps and prompt-logprob rows after it."""
         header = [self.num_tokens, self.num_seqs, self.width, self.num_pending, self.num_logit_rows,
                   self.max_seqlen_q, self.num_decodes, int(self.sample), len(self.block_copies),
-                  len(self.prompt_logprob_rows)]
-        tail = np.asarray([v for pair in self.block_copies + self.prompt_logprob_rows for v in pair], np.int64)
+                  len(self.kv_swap_out), len(self.kv_swap_in), len(self.prompt_logprob_rows)]
+        pairs = self.block_copies + self.kv_swap_out + self.kv_swap_in + self.prompt_logprob_rows
+        tail = np.asarray([v for pair in pairs for v in pair], np.int64)
         payload = np.concatenate([self.host, tail])
         tp.broadcast_host(torch.tensor(header + [len(payload)], dtype=torch.int64))
         tp.broadcast_host(torch.from_numpy(payload))
@@ -163,10 +167,12 @@ class StepInputs:
         payload = tp.broadcast_host(torch.empty(header[-1], dtype=torch.int64)).numpy()
         step = cls(np.empty(0, np.int64), h["num_tokens"], h["num_seqs"], h["width"], h["num_pending"],
                    h["num_logit_rows"], h["max_seqlen_q"], h["num_decodes"], bool(h["sample"]))
-        tail = payload[-2 * (h["num_copies"] + h["num_prompt_logprobs"]) or len(payload):].reshape(-1, 2).tolist()
-        step.host = payload[:len(payload) - 2 * len(tail)]
-        step.block_copies = [tuple(p) for p in tail[:h["num_copies"]]]
-        step.prompt_logprob_rows = [tuple(p) for p in tail[h["num_copies"]:]]
+        counts = [h["num_copies"], h["num_swap_out"], h["num_swap_in"], h["num_prompt_logprobs"]]
+        tail = [tuple(p) for p in payload[len(payload) - 2 * sum(counts):].reshape(-1, 2).tolist()]
+        step.host = payload[:len(payload) - 2 * sum(counts)]
+        ends = np.cumsum(counts).tolist()
+        step.block_copies, step.kv_swap_out = tail[:ends[0]], tail[ends[0]:ends[1]]
+        step.kv_swap_in, step.prompt_logprob_rows = tail[ends[1]:ends[2]], tail[ends[2]:]
         return step
 
 

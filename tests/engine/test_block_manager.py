@@ -34,10 +34,10 @@ def test_hits_are_the_longest_shared_prefix_less_the_last_token():
     shared = [rng.randrange(1000) for _ in range(5 * BS)]
     first = fill(bm, shared + [1, 2, 3])
     cached = [bm.cached[h] for h in first.block_hashes[:5]]
-    assert bm.match_prefix(new_seq(shared + [7, 8])) == cached
-    assert bm.match_prefix(new_seq(shared[:3 * BS] + [9] + shared[3 * BS + 1:])) == cached[:3]
-    assert bm.match_prefix(new_seq(shared)) == cached[:4]  # the last token is always computed
-    assert bm.match_prefix(new_seq([5] + shared[1:])) == []
+    assert bm.match_prefix(new_seq(shared + [7, 8])).gpu == cached
+    assert bm.match_prefix(new_seq(shared[:3 * BS] + [9] + shared[3 * BS + 1:])).gpu == cached[:3]
+    assert bm.match_prefix(new_seq(shared)).gpu == cached[:4]  # the last token is always computed
+    assert bm.match_prefix(new_seq([5] + shared[1:])).gpu == []
 
 
 def test_hashes_do_not_depend_on_how_the_blocks_were_hashed():
@@ -58,7 +58,7 @@ def test_hash_collision_is_not_a_hit(monkeypatch):
     bm = BlockManager(64, BS, enable_prefix_caching=True)
     fill(bm, [1, 2, 3, 4, 5])
     assert len(bm.match_prefix(new_seq([1, 2, 3, 4, 9]))) == 1
-    assert bm.match_prefix(new_seq([1, 2, 3, 5, 9])) == []
+    assert bm.match_prefix(new_seq([1, 2, 3, 5, 9])).gpu == []
     # The cache holds one block per hash: a second block of hash 42 with other tokens is no hit either.
     assert len(bm.match_prefix(new_seq([1, 2, 3, 4, 5, 6, 7, 8, 0]))) == 1
 
@@ -90,7 +90,7 @@ def test_only_computed_full_blocks_enter_the_cache():
     blocks = list(seq.block_table)
     assert set(bm.cached.values()) == set(blocks[:3])
     bm.free_seq(seq)
-    assert bm.match_prefix(new_seq(span(14))) == blocks[:3]
+    assert bm.match_prefix(new_seq(span(14))).gpu == blocks[:3]
 
 
 def test_no_prefix_caching_means_no_hits_and_no_names():
@@ -98,7 +98,7 @@ def test_no_prefix_caching_means_no_hits_and_no_names():
     seq = new_seq(span(9))
     compute(bm, seq)
     bm.free_seq(seq)
-    assert bm.cached == {} and bm.match_prefix(new_seq(span(9))) == []
+    assert bm.cached == {} and bm.match_prefix(new_seq(span(9))).gpu == []
     assert (bm.prefix_queries, bm.prefix_hits) == (0, 0)
 
 
@@ -106,7 +106,7 @@ def test_prompt_logprobs_requests_skip_the_cache():
     bm = BlockManager(8, BS, enable_prefix_caching=True)
     compute(bm, new_seq(span(9)))
     request = Request("lp", None, span(9), SamplingParams(prompt_logprobs=1, max_tokens=1), max_tokens=1)
-    assert bm.match_prefix(Sequence(request, 0, span(9), 9, None)) == []
+    assert bm.match_prefix(Sequence(request, 0, span(9), 9, None)).gpu == []
 
 
 def test_a_hit_shares_the_blocks_and_is_counted():
@@ -116,15 +116,15 @@ def test_a_hit_shares_the_blocks_and_is_counted():
     assert (bm.prefix_queries, bm.prefix_hits) == (10, 0)
     second = new_seq(span(8) + [77, 78, 79])
     prefix = bm.match_prefix(second)
-    assert prefix == first.block_table[:2]
+    assert prefix.gpu == first.block_table[:2]
     free = bm.num_free_blocks
     bm.allocate(second, 3, prefix)
     assert (bm.prefix_queries, bm.prefix_hits) == (21, 8)
     assert second.num_computed_tokens == 8 and second.num_cached_blocks == 2
-    assert second.block_table[:2] == prefix and bm.num_free_blocks == free - 1  # one new block, none for the hits
-    assert [bm.blocks[b].ref_count for b in prefix] == [2, 2]
+    assert second.block_table[:2] == prefix.gpu and bm.num_free_blocks == free - 1  # one new block, none for the hits
+    assert [bm.blocks[b].ref_count for b in prefix.gpu] == [2, 2]
     bm.free_seq(first)
-    assert [bm.blocks[b].ref_count for b in prefix] == [1, 1] and prefix[0] not in bm.free
+    assert [bm.blocks[b].ref_count for b in prefix.gpu] == [1, 1] and prefix.gpu[0] not in bm.free
     bm.free_seq(second)
     assert bm.num_free_blocks == bm.num_blocks
 
@@ -144,7 +144,7 @@ def test_a_hit_on_a_freed_block_takes_it_out_of_the_free_queue():
     prefix = bm.match_prefix(fits)
     assert len(prefix) == 2 and bm.can_allocate(fits, 1, prefix)
     bm.allocate(fits, 1, prefix)
-    assert bm.num_free_blocks == 1 and all(b not in bm.free for b in prefix)
+    assert bm.num_free_blocks == 1 and all(b not in bm.free for b in prefix.gpu)
 
 
 def test_freed_cached_blocks_are_evicted_least_recently_freed_first():
