@@ -1,6 +1,7 @@
 """Build a model from a checkpoint directory, loading safetensors straight into the fused layout."""
 
 import json
+import zlib
 from pathlib import Path
 
 import torch
@@ -46,15 +47,46 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup | None = None) -> n
     return model.eval()
 
 
+class _DummyTensor:
+    """A checkpoint tensor of random values, as a safetensors slice looks to a weight_loader (get_shape, indexing),
+    drawn whole from a generator seeded by its name: every rank's share of it, under any tensor-parallel size, is a
+    slice of the same values, so TP=N runs on random weights give TP=1's tokens. Drawn on the device, one tensor
+    at a time."""
+
+    def __init__(self, shape: tuple[int, ...], name: str, seed: int, device: torch.device, dtype: torch.dtype):
+        gen = torch.Generator(device=device).manual_seed(seed ^ zlib.crc32(name.encode()))
+        # Small values keep activations finite through many layers, in bf16 too.
+        self.tensor = torch.empty(shape, device=device, dtype=dtype).uniform_(-0.02, 0.02, generator=gen)
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index):
+        return self.tensor[index]
+
+
 def _init_dummy(model: nn.Module, seed: int) -> None:
-    gen = None
-    for name, param in model.named_parameters():
-        gen = gen or torch.Generator(device=param.device).manual_seed(seed)
-        if name.endswith("norm.weight"):
-            param.data.fill_(1.0)
-        else:
-            # Small values keep activations finite through many layers, in bf16 too.
-            param.data.uniform_(-0.02, 0.02, generator=gen)
+    for module_name, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{pname}"
+            if name.endswith("norm.weight"):
+                param.data.fill_(1.0)
+                continue
+            loader = getattr(param, "weight_loader", load_whole)
+            for shard, shape in _checkpoint_shapes(module, param):
+                loader(param, _DummyTensor(shape, f"{name}:{shard}", seed, param.device, param.dtype), shard)
+
+
+def _checkpoint_shapes(module: nn.Module, param: nn.Parameter) -> list[tuple[str | None, tuple[int, ...]]]:
+    """(shard, shape) of each checkpoint tensor that `param` takes a share of."""
+    if hasattr(module, "shards"):  # column-parallel, fused: each shard's whole tensor
+        return [(shard, (total, *param.shape[1:])) for shard, (_, _, total) in module.shards.items()]
+    if hasattr(module, "vocab_size"):  # vocab-parallel
+        return [(None, (module.vocab_size, param.shape[1]))]
+    tp = getattr(module, "tp", None)
+    if tp is not None and param.dim() == 2:  # row-parallel: its input columns
+        return [(None, (param.shape[0], param.shape[1] * tp.size))]
+    return [(None, tuple(param.shape))]
 
 
 def _load_weights(model: nn.Module, files: list[Path]) -> None:
