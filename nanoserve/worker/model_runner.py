@@ -163,17 +163,26 @@ class ModelRunner:
                 plp_rows.append((row, count))
             row += entry.num_new_tokens
         step = StepInputs.build(batch, prev.rows if prev is not None else {}, self.block_size, plp_rows)
-        if self.workers is not None:
-            self.workers.check()
-            step.send(self.tp)
         prev_tokens = prev.sampled.token_ids if prev is not None and prev.sampled is not None else None
-        plp_logits, logits = self.execute(step, prev_tokens)
+        if self.workers is None:
+            plp_logits, logits = self.execute(step, prev_tokens)
+        else:
+            self.workers.check()
+            try:
+                step.send(self.tp)
+                plp_logits, logits = self.execute(step, prev_tokens)
+            except RuntimeError as exc:
+                raise self.workers.explain(exc) from exc
         prompt_logprobs = self._prompt_logprobs(plp_entries, plp_logits)
         seqs = [s for e in batch.scheduled for s in e.sample_seqs]
         if not seqs:
             return LaunchedStep(batch, None, {}, None, None, prompt_logprobs)
         sampled = self.sampler.sample(logits, seqs)
-        self.tp.broadcast(sampled.token_ids)  # the other ranks take pending tokens from them (StepInputs)
+        if self.workers is not None:  # the other ranks take pending tokens from them (StepInputs)
+            try:
+                self.tp.broadcast(sampled.token_ids)
+            except RuntimeError as exc:
+                raise self.workers.explain(exc) from exc
         done = None
         if self.device.type == "cuda":
             host = sampled.to_host()

@@ -18,6 +18,7 @@ import logging
 import multiprocessing as mp
 import os
 import socket
+import sys
 import threading
 import time
 from multiprocessing.connection import wait
@@ -43,6 +44,10 @@ def init_rank(config: EngineConfig, rank: int, init_method: str) -> tuple[Engine
         local_rank = rank % (size // nnodes)
         config = dataclasses.replace(config, device=torch.device("cuda", local_rank))
         torch.cuda.set_device(config.device)
+    else:
+        # Every rank of a node shares its cores: torch's default of one thread per core for each would oversubscribe
+        # them (TP=2 on 2 cores: 4.2 s for a generate that takes 0.085 s with one thread a rank).
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (size // nnodes)))
     backend = "nccl" if config.device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=init_method, world_size=size, rank=rank,
                             timeout=COLLECTIVE_TIMEOUT)
@@ -73,6 +78,12 @@ def run_worker(config: EngineConfig, rank: int, init_method: str) -> None:
             if logits is not None:  # rank 0's samples, for the next step's pending tokens
                 prev_tokens = tp.broadcast(torch.empty(logits.shape[0], dtype=torch.int64, device=config.device))
     dist.destroy_process_group()
+    # Not a normal interpreter exit: a gloo thread still freeing the last broadcast's tensor needs the GIL while
+    # the interpreter shuts down, and aborted the process ("terminate called without an active exception", exit 1)
+    # in about 1 run of 3.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -98,6 +109,9 @@ class TensorParallelWorkers:
     @classmethod
     def start(cls, config: EngineConfig) -> "TensorParallelWorkers":
         args = config.args
+        if dist.is_initialized():
+            raise ValueError("tensor_parallel_size: this process has a tensor-parallel engine already "
+                             "(torch.distributed has one default group a process); shut it down first")
         init_method = args.distributed_init_method or free_local_init_method()
         per_node = args.tensor_parallel_size // args.nnodes
         ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
@@ -105,7 +119,12 @@ class TensorParallelWorkers:
                                  name=f"nanoserve-tp-rank{rank}") for rank in range(1, per_node)]
         for p in processes:
             p.start()
-        config, tp = init_rank(config, 0, init_method)
+        try:
+            config, tp = init_rank(config, 0, init_method)
+        except BaseException:  # the workers would wait in the rendezvous for its whole timeout
+            for p in processes:
+                p.kill()
+            raise
         workers = cls(config, tp, processes)
         threading.Thread(target=workers._watch, daemon=True, name="tp-watch").start()
         return workers
@@ -117,6 +136,7 @@ class TensorParallelWorkers:
         if self.stopped:
             return
         dead = next(p for p in self.processes if p.sentinel in gone)
+        dead.join(timeout=5)  # its sentinel fires before it is reaped: the exit code comes with the join
         self.lost = f"tensor-parallel rank {dead.name.removeprefix('nanoserve-tp-rank')} exited ({dead.exitcode})"
         logger.error("%s: the engine cannot run on", self.lost)
         if self.config.device.type != "cuda":
@@ -133,6 +153,17 @@ class TensorParallelWorkers:
         """Raise if a worker is gone: a step must not start (it would wait for it)."""
         if self.lost is not None:
             raise RuntimeError(self.lost)
+
+    def explain(self, exc: Exception) -> Exception:
+        """What a step that failed in a collective should say: the lost rank, when one is gone (the watcher may not
+        have seen it yet), rather than gloo's closed connection."""
+        for p in self.processes:
+            p.join(timeout=0.5 if self.lost is None else 0)
+            if p.exitcode is not None:
+                self.lost = self.lost or f"tensor-parallel rank {p.name.removeprefix('nanoserve-tp-rank')} exited " \
+                                         f"({p.exitcode})"
+                return RuntimeError(self.lost)
+        return exc
 
     def stop(self) -> None:
         if self.stopped:
