@@ -63,6 +63,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="info",
                         help="uvicorn's own log level")
     parser.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let chat requests with tools use tool_choice "auto" (needs --tool-call-parser)')
+    parser.add_argument("--tool-call-parser", default=None,
+                        choices=["hermes", "llama3_json", "mistral", "pythonic", "nanochat"],
+                        help="how a model writes tool calls (hermes: Qwen and Hermes; llama3_json: Llama 3.1/3.2; "
+                             "mistral; pythonic: Llama 3.2/4 pythonic; nanochat: the bundled model); None: nanochat "
+                             "on a model with its tokens (and auto tool choice on), else none")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

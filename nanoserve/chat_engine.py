@@ -127,8 +127,8 @@ class ToolLoop:
     def __call__(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         forced = {}  # request id -> its output after forcing
         for request_id, request in list(self.engine.requests.items()):  # force_tokens may finish one
-            if not request_id.startswith(self.prefix):
-                continue
+            if not request_id.startswith(self.prefix) or request.params.structured_outputs is not None:
+                continue  # another's, or under a grammar, which forced tokens would break
             samples = self.states.setdefault(request_id, {})
             for seq in request.seqs:
                 state = samples.get(seq.index)

@@ -148,7 +148,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     return run_server(engine_args_from(ns), host=ns.host, port=ns.port, api_key=ns.api_key,
                       max_waiting_requests=ns.max_waiting_requests, drain_timeout=ns.drain_timeout,
                       served_model_name=ns.served_model_name, api_server_count=ns.api_server_count,
-                      uvicorn_log_level=ns.uvicorn_log_level, disable_log_requests=ns.disable_log_requests)
+                      uvicorn_log_level=ns.uvicorn_log_level, disable_log_requests=ns.disable_log_requests,
+                      tool_call_parser=ns.tool_call_parser, enable_auto_tool_choice=ns.enable_auto_tool_choice)
 
 
 def cmd_worker(ns: argparse.Namespace) -> int:

@@ -8,6 +8,8 @@ n) overflows, once raised inside a step and took every other request down with i
 import math
 from dataclasses import dataclass, field
 
+from nanoserve.structured.params import StructuredOutputs
+
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGIT_BIAS = 100.0  # OpenAI's limit on each logit_bias value
 TOKEN_ID_MAX = 2**31 - 1  # token ids travel as int32 in places; the engine checks them against the vocabulary
@@ -33,6 +35,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    # Output constrained to a JSON schema, regex, choice or grammar (a dict is taken as StructuredOutputs' fields).
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -42,6 +46,12 @@ class SamplingParams:
         if self.top_k is None or self.top_k == 0:
             self.top_k = -1
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
+        if isinstance(self.structured_outputs, dict):
+            unknown = set(self.structured_outputs) - StructuredOutputs.field_names()
+            _check(not unknown, "structured_outputs", "unknown fields", sorted(unknown))
+            self.structured_outputs = StructuredOutputs(**self.structured_outputs)
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),
+               "structured_outputs", "must be a StructuredOutputs or a dict of its fields", self.structured_outputs)
         _int("n", self.n, 1, 2**16)
         _float("temperature", self.temperature, 0, math.inf, "must be a finite number >= 0")
         _check(self.top_k == -1 or _is_int(self.top_k) and 1 <= self.top_k <= INT64_MAX,

@@ -1,10 +1,16 @@
 """Offline throughput (the nano-vllm recipe) against the roofline bound measured in the same run.
 
-    nanoserve bench throughput --model DIR [--baseline hf]
+    nanoserve bench throughput --model DIR [--baseline hf] [--json-schema FILE]
 
 DIR: a model directory; with only a config.json in it, the weights are random (--load-format dummy).
+--json-schema FILE: the same recipe again with every request constrained by that JSON schema (structured output),
+reported beside the unconstrained run of the same call: its tok/s, the ratio, and the host's mask time per step.
+It needs a tokenizer (--tokenizer DIR for a config-only model directory). eos stays ignored, so both runs generate
+the same number of tokens: once a sample's object is complete its grammar allows only eos, which it then repeats
+(`grammar_open_fraction`: the share of tokens generated while the grammar was still open).
 """
 
+import json
 import time
 
 import numpy as np
@@ -13,6 +19,7 @@ from nanoserve.bench import roofline
 from nanoserve.bench.common import ceilings_at_start, emit, engine_args, free_device_memory, parser
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.structured.params import StructuredOutputs
 
 
 def workload(num: int, lo_in: int, hi_in: int, lo_out: int, hi_out: int, vocab: int, seed: int):
@@ -31,7 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"),
                    help="output lengths (eos ignored), uniform in [MIN, MAX]")
     p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature")
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="also run every request constrained by this JSON schema; None: unconstrained only")
     ns = p.parse_args(argv)
+    constraint = None
+    if ns.json_schema is not None:
+        with open(ns.json_schema) as f:
+            constraint = StructuredOutputs(json=json.load(f))
     args = engine_args(ns)
     bw, flops = ceilings_at_start(args, matmul=True)
     llm = LLM(**vars(args))
@@ -66,5 +79,40 @@ def main(argv: list[str] | None = None) -> int:
         hf_s = hf_generate_seconds(hf, prompts, max(out_lens))
         result |= {"hf_output_tok_s": round(n_out / hf_s, 1), "hf_wall_s": round(hf_s, 2),
                    "speedup_vs_hf": round(hf_s / wall, 2)}
+    if constraint is not None:
+        result |= structured_run(llm, prompts, params, constraint, ns.json_schema, result["output_tok_s"])
     emit(result)
     return 0
+
+
+def structured_run(llm: LLM, prompts: list, params: list[SamplingParams], constraint: StructuredOutputs,
+                   path: str, plain_tok_s: float) -> dict:
+    """The same workload with every request under `constraint`, after a warm-up that compiles the grammar."""
+    constrained = [SamplingParams(**{**vars(p), "structured_outputs": constraint}) for p in params]
+    llm.generate(prompts[:8], SamplingParams(max_tokens=16, ignore_eos=True, structured_outputs=constraint),
+                 use_tqdm=False)
+    stats = llm.engine.structured.stats
+    stats.steps = stats.rows = 0
+    stats.seconds = 0.0
+    start = time.perf_counter()
+    outs = llm.generate(prompts, constrained)
+    wall = time.perf_counter() - start
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    eos = set(llm.engine.config.model.eos_token_ids)
+    # A sample's grammar is open until its first eos (after that it allows only eos).
+    open_tokens = sum(next((i for i, t in enumerate(o.outputs[0].token_ids) if t in eos),
+                           len(o.outputs[0].token_ids)) for o in outs)
+    valid = sum(_parses(o.outputs[0].text) for o in outs)
+    tok_s = n_out / wall
+    return {"json_schema": path, "structured_wall_s": round(wall, 2), "structured_output_tok_s": round(tok_s, 1),
+            "structured_vs_plain": round(tok_s / plain_tok_s, 3), "mask_ms_per_step": round(stats.ms_per_step, 3),
+            "mask_rows_per_step": round(stats.rows / max(stats.steps, 1), 1),
+            "grammar_open_fraction": round(open_tokens / max(n_out, 1), 3), "structured_valid_json": valid}
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True

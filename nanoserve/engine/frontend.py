@@ -41,8 +41,10 @@ class EngineFrontend:
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation rendered by the chat template: --chat-template's, else the tokenizer's."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation rendered by the chat template: --chat-template's, else the tokenizer's.
+        `tools`: OpenAI-shaped tool definitions, for templates that list them (Hugging Face's `tools=`)."""
         tok = self.tokenizer
         if tok is None:
             raise ValueError("messages: this model has no tokenizer to render a conversation with")
@@ -51,7 +53,7 @@ class EngineFrontend:
             raise ValueError("messages: this model has no chat template (give one with --chat-template)")
         try:
             text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           **own)
+                                           tools=tools, **own)
         except jinja2.TemplateSyntaxError as exc:
             raise ValueError(f"chat_template: line {exc.lineno}: {exc.message}") from None
         return tok.encode(text, add_special_tokens=False)

@@ -15,6 +15,8 @@ from nanoserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from nanoserve.layers.sampler import SamplerOutput
 from nanoserve.outputs import CompletionOutput, Logprob, RequestOutput
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.structured.backend import GrammarCompiler
+from nanoserve.structured.manager import StructuredOutputManager
 from nanoserve.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,9 @@ class LLMEngine(EngineFrontend):
         asked = config.args.async_scheduling
         self.async_scheduling = config.device.type == "cuda" if asked is None else asked
         self.in_flight: LaunchedStep | None = None
+        # Structured output (nanoserve/structured/): grammars compiled off this loop, token masks, matcher states.
+        self.structured = StructuredOutputManager(
+            lambda: GrammarCompiler(self.tokenizer, config.model.eos_token_ids, config.model.vocab_size), config.device)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -71,7 +76,8 @@ class LLMEngine(EngineFrontend):
         first, *request.unforked = [self._new_sequence(request, i) for i in range(params.n)]
         request.seqs.append(first)
         self.requests[request_id] = request
-        self.scheduler.add(first)
+        if self.structured.admit(request):  # else it waits for its grammar's compile (_admit_compiled)
+            self.scheduler.add(first)
         return request
 
     def _new_sequence(self, request: Request, index: int) -> Sequence:
@@ -107,9 +113,17 @@ class LLMEngine(EngineFrontend):
     def shutdown(self) -> None:
         """Stop what the engine started beside itself (tensor-parallel workers); idempotent."""
         self.runner.shutdown()
+        self.structured.shutdown()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self.structured.has_waiting
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Schedule the requests whose grammar has compiled since; fail those whose compile failed."""
+        ready, failed = self.structured.take_ready(block=not self.scheduler.has_unfinished)
+        for request in ready:
+            self.scheduler.add(request.seqs[0])
+        return [out for request, exc in failed if (out := self._fail_request(request, exc)) is not None]
 
     # -- one step -----------------------------------------------------------------------------------
     def step(self, final_only: bool = False) -> list[RequestOutput]:
@@ -118,6 +132,7 @@ class LLMEngine(EngineFrontend):
 
         With async scheduling (on CUDA) the step launched here is read back by the next call: this
         call returns the previous step's tokens, so the host's work overlaps the GPU's."""
+        compiled = self._admit_compiled() if self.structured.has_waiting else []
         batch = self.scheduler.schedule()
         outputs = []
         if self.in_flight is not None and batch.needs_host_tokens:
@@ -130,6 +145,7 @@ class LLMEngine(EngineFrontend):
         if not self.async_scheduling and self.in_flight is not None:
             outputs = self._process(self.in_flight, final_only)
             self.in_flight = None
+        outputs = compiled + outputs if compiled else outputs
         for hook in self.step_hooks:
             outputs = hook(outputs)
         return outputs
@@ -137,7 +153,7 @@ class LLMEngine(EngineFrontend):
     def _launch(self, batch: SchedulerOutput) -> LaunchedStep:
         now = time.monotonic()
         # The sampler reads num_output_tokens (min_tokens), so pending counts move only after the launch.
-        launched = self.runner.launch(batch, self.in_flight)
+        launched = self.runner.launch(batch, self.in_flight, self.structured.logit_masks)
         for entry in batch.scheduled:
             metrics = entry.seq.request.metrics
             if metrics.first_scheduled_time is None:
@@ -206,6 +222,8 @@ class LLMEngine(EngineFrontend):
         if seq.is_finished:
             return
         seq.token_ids.append(token)
+        if seq.grammar is not None:  # raises if the grammar refuses it: this request fails alone
+            seq.grammar.advance(seq.token_ids, seq.num_prompt_tokens)
         self.num_generation_tokens += 1
         if logprobs is not None:
             self._add_logprobs(seq, token, logprobs)

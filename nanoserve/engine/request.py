@@ -4,12 +4,16 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
 from nanoserve.outputs import RequestMetrics, TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanoserve.structured.backend import GrammarState
 
 
 class SeqStatus(enum.Enum):
@@ -44,6 +48,7 @@ class Sequence:
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None
     cumulative_logprob: float = 0.0
+    grammar: "GrammarState | None" = None  # structured output: this sample's place in its grammar
 
     @property
     def params(self) -> SamplingParams:

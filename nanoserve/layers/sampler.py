@@ -8,6 +8,10 @@ form of the same draw), which reads the logits once instead of about nine times.
 
 A row is anything with SamplingRow's fields: the engine passes its own sequences (engine/request.py), which
 the per-row loop reads in place, with no per-row copy.
+
+Structured output: the rows a grammar constrains come with a TokenBitmask (computed on the host while the device
+runs the forward pass, nanoserve/structured/), applied last before the draw, after logit_bias and penalties, so
+that top-k / top-p / min-p choose among allowed tokens only; greedy rows take the best allowed token.
 """
 
 from collections.abc import Callable, Sequence
@@ -33,6 +37,15 @@ class SamplingRow(Protocol):
     def output_token_ids(self) -> list[int]: ...  # presence / frequency penalties
     @property
     def num_output_tokens(self) -> int: ...  # min_tokens: generated so far, any still in flight included
+
+
+@dataclass
+class TokenBitmask:
+    """The tokens each constrained row may take: bit t % 32 of word t // 32 set allows token t."""
+
+    rows: list[int]  # the rows of the batch it constrains, in order
+    bits: torch.Tensor  # [len(rows), words] int32 on the host (pinned when bound for a GPU)
+    failed: dict[int, Exception] = field(default_factory=dict)  # row -> why its grammar could not give a mask
 
 
 @dataclass
@@ -85,13 +98,18 @@ class Sampler:
         self.fused = device.type == "cuda"
         self.seed = seed
         self.num_calls = 0
+        # Byte k of a bitmask viewed as uint8 holds tokens 8k .. 8k + 7 (little-endian words), one per bit value.
+        self.bit_values = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=device)
 
-    def __call__(self, logits: torch.Tensor, seqs: Sequence[SamplingRow]) -> SamplerOutput:
-        return self.sample(logits, seqs).result()
+    def __call__(self, logits: torch.Tensor, seqs: Sequence[SamplingRow],
+                 masks: TokenBitmask | None = None) -> SamplerOutput:
+        return self.sample(logits, seqs, masks).result()
 
-    def sample(self, logits: torch.Tensor, seqs: Sequence[SamplingRow]) -> SampledTokens:
+    def sample(self, logits: torch.Tensor, seqs: Sequence[SamplingRow],
+               masks: TokenBitmask | None = None) -> SampledTokens:
         """Sample one token per row, without reading anything back to the host. Per-row work that raises
-        (a sequence's own generator, its penalties) marks that row failed instead of failing the batch."""
+        (a sequence's own generator, its penalties, its grammar) marks that row failed instead of failing the
+        batch. `masks`: the allowed tokens of the rows a grammar constrains."""
         # One pass over the rows: this runs every step for every sequence, on the host's critical path.
         params = [s.params for s in seqs]
         sampled_rows, temps, top_k, top_p, min_p = [], [], [], [], []
@@ -106,8 +124,10 @@ class Sampler:
                 plain = plain and p.top_k <= 0 and p.top_p >= 1 and p.min_p <= 0 and seqs[i].generator is None
             plain = plain and not p.has_penalties and not p.logit_bias
         if plain:
-            return self._sample_fused(logits, seqs, params)
-        failed: dict[int, Exception] = {}
+            out = self._sample_fused(logits, seqs, params, masks)
+            out.failed = dict(masks.failed) if masks is not None else {}
+            return out
+        failed: dict[int, Exception] = dict(masks.failed) if masks is not None else {}
         # .float() copies bf16 logits; fp32 ones are cloned, since the masks below write in place.
         logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
         raw_logprobs = None
@@ -117,6 +137,8 @@ class Sampler:
         self._apply_logit_bias(logits, params)
         _each_row([i for i, p in enumerate(params) if p.has_penalties],
                   lambda i: self._apply_penalties(logits[i], seqs[i]), failed)
+        if masks is not None:
+            self._apply_bitmask(logits, masks)
         everyone_samples = len(sampled_rows) == len(seqs)
         tokens = None if everyone_samples else logits.argmax(dim=-1)
         if sampled_rows:
@@ -139,15 +161,18 @@ class Sampler:
         out.failed = failed
         return out
 
-    def _sample_fused(self, logits: torch.Tensor, seqs: Sequence[SamplingRow], params: list) -> SampledTokens:
+    def _sample_fused(self, logits: torch.Tensor, seqs: Sequence[SamplingRow], params: list,
+                      masks: TokenBitmask | None) -> SampledTokens:
         from nanoserve.kernels.sampling import gumbel_max_sample
 
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
-        if any(p.min_tokens for p in params):
+        if masks is not None or any(p.min_tokens for p in params):
             logits = logits.clone()  # the caller's logits stay as they came
             self._mask_stop_tokens(logits, seqs, params)
+            if masks is not None:
+                self._apply_bitmask(logits, masks)
         temps = to_device([p.temperature for p in params], torch.float32, self.device)
         self.num_calls += 1
         key = (self.seed * 0x9E3779B1 + self.num_calls * 0x632BE5AB) & 0xFFFFFFFF
@@ -156,7 +181,8 @@ class Sampler:
     def _mask_stop_tokens(self, logits: torch.Tensor, seqs: Sequence[SamplingRow], params: list) -> None:
         rows, cols = [], []
         for i, (s, p) in enumerate(zip(seqs, params, strict=True)):
-            if p.min_tokens and s.num_output_tokens < p.min_tokens:
+            # Not under a grammar: once it is complete it allows only eos, and masking that leaves no token at all.
+            if p.min_tokens and s.num_output_tokens < p.min_tokens and p.structured_outputs is None:
                 ids = self.eos_token_ids + p.stop_token_ids
                 rows += [i] * len(ids)
                 cols += ids
@@ -175,6 +201,21 @@ class Sampler:
             # (row, token) pairs are unique (dict keys per row), so a plain indexed add is exact.
             index = (to_device(rows, torch.int64, self.device), to_device(cols, torch.int64, self.device))
             logits.index_put_(index, to_device(biases, torch.float32, self.device), accumulate=True)
+
+    def _apply_bitmask(self, logits: torch.Tensor, masks: TokenBitmask) -> None:
+        """-inf on every token the constrained rows' grammars do not allow (ids past the bitmask included)."""
+        bits = masks.bits.to(self.device, non_blocking=True)
+        # Unpacked one byte at a time: [rows, words * 4, 8] booleans, one per token, in token order.
+        allowed = ((bits.view(torch.uint8)[:, :, None] & self.bit_values) != 0).view(bits.shape[0], -1)
+        vocab = logits.shape[1]
+        if allowed.shape[1] < vocab:
+            allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+        forbidden = ~allowed[:, :vocab]
+        if len(masks.rows) == logits.shape[0]:  # every row constrained: in place, no gather
+            logits.masked_fill_(forbidden, -float("inf"))
+        else:
+            rows = to_device(masks.rows, torch.int64, self.device)
+            logits[rows] = logits[rows].masked_fill(forbidden, -float("inf"))
 
     def _apply_penalties(self, row: torch.Tensor, seq: SamplingRow) -> None:
         p = seq.params

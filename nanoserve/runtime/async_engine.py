@@ -107,9 +107,11 @@ class AsyncEngine:
             return self.engine.tokenize(prompt)
         return await self._tokenizers.run(len(prompt), self.engine.tokenize, prompt)
 
-    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                                  tools: list[dict] | None = None) -> list[int]:
         size = sum(len(m.get("content") or "") for m in messages)
-        return await self._tokenizers.run(size, self.engine.apply_chat_template, messages, add_generation_prompt)
+        return await self._tokenizers.run(size, self.engine.apply_chat_template, messages, add_generation_prompt,
+                                          tools)
 
     async def detokenize(self, token_ids: list[int]) -> str:
         tok = self.engine.tokenizer

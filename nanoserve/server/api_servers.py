@@ -69,6 +69,8 @@ class ServerOptions:
     log_requests: bool = True
     max_header_bytes: int = MAX_HEADER_BYTES
     header_timeout: float = HEADER_TIMEOUT_S
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
 
 def run_api_servers(engine_args: EngineArgs, host: str, port: int, count: int, options: ServerOptions) -> int:
@@ -273,7 +275,9 @@ def run_api_server(index: int, sock: socket.socket, channel: Connection, control
     try:
         gate = GateState()
         app = build_app(async_engine, options.served_model_name, options.api_key, options.max_waiting_requests,
-                        gate=gate, api_server=index, log_requests=options.log_requests)
+                        gate=gate, api_server=index, log_requests=options.log_requests,
+                        tool_call_parser=options.tool_call_parser,
+                        enable_auto_tool_choice=options.enable_auto_tool_choice)
         config = uvicorn_config(app, options.uvicorn_log_level, options.max_header_bytes, options.header_timeout)
         control.send("ready")
         control.recv()  # "serve": every API server is ready, and the socket listens

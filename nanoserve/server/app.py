@@ -38,7 +38,8 @@ BUNDLED_MODEL_NAME = "nanoserve-tiny"
 
 def build_app(async_engine: AsyncEngine, served_model_name: list[str] | str, api_key: str | None = None,
               max_waiting_requests: int | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-              gate: GateState | None = None, api_server: int | None = None, log_requests: bool = False) -> FastAPI:
+              gate: GateState | None = None, api_server: int | None = None, log_requests: bool = False,
+              tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False) -> FastAPI:
     """The app around a running AsyncEngine. `served_model_name`: the name, or names, requests may give (the
     first is the default); `gate` is shared with serve_with_drain for shutdown; `api_server`: this process's
     index among several API servers (a response header names it); `log_requests`: one INFO line per request
@@ -54,7 +55,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: list[str] | str, api
     install_error_handlers(app)
     metrics = ServerMetrics(async_engine, names[0], async_engine.max_model_len)
     completions = ServingCompletions(async_engine, names, metrics, max_waiting_requests, log_requests)
-    chat = ServingChat(async_engine, names, metrics, max_waiting_requests, log_requests)
+    chat = ServingChat(async_engine, names, metrics, max_waiting_requests, log_requests, tool_call_parser,
+                       enable_auto_tool_choice)
     app.state.async_engine, app.state.gate, app.state.metrics = async_engine, gate, metrics
 
     @app.post("/v1/completions")
@@ -169,7 +171,8 @@ def uvicorn_config(app, uvicorn_log_level: str, max_header_bytes: int, header_ti
 def run_server(engine_args: EngineArgs, host: str, port: int, api_key: str | None, max_waiting_requests: int,
                drain_timeout: float, served_model_name: list[str] | str | None, api_server_count: int = 1, *,
                uvicorn_log_level: str = "info", disable_log_requests: bool = False,
-               max_header_bytes: int = MAX_HEADER_BYTES, header_timeout: float = HEADER_TIMEOUT_S) -> int:
+               max_header_bytes: int = MAX_HEADER_BYTES, header_timeout: float = HEADER_TIMEOUT_S,
+               tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False) -> int:
     """Load the model, serve until SIGTERM / SIGINT, drain, and return the exit status (0 unless an API
     server process failed). served_model_name: the names requests may give, the first the default (None: the
     model directory's name); max_header_bytes and header_timeout bound a request's head (http_limits.py)."""
@@ -181,12 +184,14 @@ def run_server(engine_args: EngineArgs, host: str, port: int, api_key: str | Non
         from nanoserve.server.api_servers import ServerOptions, run_api_servers
 
         options = ServerOptions(names, api_key, max_waiting_requests, drain_timeout, uvicorn_log_level,
-                                not disable_log_requests, max_header_bytes, header_timeout)
+                                not disable_log_requests, max_header_bytes, header_timeout, tool_call_parser,
+                                enable_auto_tool_choice)
         return run_api_servers(engine_args, host, port, api_server_count, options)
     async_engine = AsyncEngine.from_engine_args(engine_args)
     gate = GateState()
     app = build_app(async_engine, names, api_key, max_waiting_requests, gate=gate,
-                    log_requests=not disable_log_requests)
+                    log_requests=not disable_log_requests, tool_call_parser=tool_call_parser,
+                    enable_auto_tool_choice=enable_auto_tool_choice)
     config = uvicorn_config(app, uvicorn_log_level, max_header_bytes, header_timeout, host=host, port=port)
     logger.info("serving %s (max_model_len %d%s) on http://%s:%d", ", ".join(map(repr, names)),
                 async_engine.max_model_len,
@@ -232,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     return run_server(engine_args_from(args), args.host, args.port, args.api_key, args.max_waiting_requests,
                       args.drain_timeout, args.served_model_name, args.api_server_count,
-                      uvicorn_log_level=args.uvicorn_log_level, disable_log_requests=args.disable_log_requests)
+                      uvicorn_log_level=args.uvicorn_log_level, disable_log_requests=args.disable_log_requests,
+                      tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """ModelRunner: turns a scheduled batch into tensors, runs one forward pass, and samples."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -8,7 +9,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.distributed.group import TensorParallelGroup
 from nanoserve.kernels.prefill import PrefillPlanner
 from nanoserve.layers.attention import Attention, AttentionMetadata, TritonBackend, backend_for
-from nanoserve.layers.sampler import SampledTokens, Sampler, SamplerOutput
+from nanoserve.layers.sampler import SampledTokens, Sampler, SamplerOutput, TokenBitmask
 from nanoserve.layers.step_plan import KernelPlanner
 from nanoserve.model.loader import load_model
 from nanoserve.worker.batch import ScheduledBatch
@@ -152,7 +153,8 @@ class ModelRunner:
         return peak - blocks_per_seq * bytes_per_block(cfg)
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, prev: LaunchedStep | None = None) -> LaunchedStep:
+    def launch(self, batch: ScheduledBatch, prev: LaunchedStep | None = None,
+               logit_masks: Callable[[list, LaunchedStep | None], TokenBitmask | None] | None = None) -> LaunchedStep:
         """Queue one step's forward pass and sampling on the device without waiting for them. Requests
         that asked for prompt_logprobs get them now, as {request_id: [(target id, logprob, rank,
         top ids, top logprobs), ...]} (that path reads back to the host)."""
@@ -177,7 +179,8 @@ class ModelRunner:
         seqs = [s for e in batch.scheduled for s in e.sample_seqs]
         if not seqs:
             return LaunchedStep(batch, None, {}, None, None, prompt_logprobs)
-        sampled = self.sampler.sample(logits, seqs)
+        # Structured output's token masks, computed on the host now, while the device runs the forward pass.
+        sampled = self.sampler.sample(logits, seqs, logit_masks(seqs, prev) if logit_masks is not None else None)
         if self.workers is not None:  # the other ranks take pending tokens from them (StepInputs)
             try:
                 self.tp.broadcast(sampled.token_ids)

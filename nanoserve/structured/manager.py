@@ -1,0 +1,151 @@
+"""StructuredOutputManager: the engine's side of structured output.
+
+- Compiling. A request whose grammar is in the cache starts at once; another waits, out of the scheduler, while a
+  worker thread compiles it (llguidance drops the GIL while it builds), so a large schema never stalls the steps
+  of everyone else. The engine asks for the ready ones at the start of each step.
+- Masks. The model runner calls `logit_masks` after it has queued a step's forward pass and before it samples, so
+  the masks are computed on the host while the device runs the model. With async scheduling a constrained sample's
+  last token may still be in flight (sampled by the previous step, not read yet): it is read then, and shown to
+  the grammar early; reading it waits only for the previous step, which the device finished before this step's
+  forward began. So constrained requests keep async scheduling's overlap.
+- Advancing. When the engine appends a sample's token, its grammar takes it (GrammarState.advance takes each token
+  once, whether it saw it early or not).
+"""
+
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.layers.sampler import TokenBitmask
+from nanoserve.structured.backend import GrammarCompiler, GrammarState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class MaskStats:
+    """What the masks cost the host: the benchmark reports these."""
+
+    steps: int = 0  # steps with at least one constrained row
+    rows: int = 0
+    seconds: float = 0.0  # in logit_masks, pending reads included
+
+    @property
+    def ms_per_step(self) -> float:
+        return 1e3 * self.seconds / self.steps if self.steps else 0.0
+
+
+class StructuredOutputManager:
+    def __init__(self, make_compiler: Callable[[], GrammarCompiler], device: torch.device) -> None:
+        """make_compiler: builds the GrammarCompiler (a second or so for a large vocabulary), on the worker thread
+        at the first constrained request."""
+        self.make_compiler = make_compiler
+        self.device = device
+        self.compiler: GrammarCompiler | None = None
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.compiling: dict[str, concurrent.futures.Future] = {}  # grammar text -> its compile
+        self.waiting: list = []  # requests waiting for their grammar
+        self.stats = MaskStats()
+
+    @property
+    def has_waiting(self) -> bool:
+        return bool(self.waiting)
+
+    def admit(self, request) -> bool:
+        """Whether `request` can be scheduled now: True without a constraint or with its grammar cached (each sample
+        gets its state); False when it waits for its compile (take_ready hands it back)."""
+        spec = request.params.structured_outputs
+        if spec is None:
+            return True
+        template = self.compiler.cached(spec.compiled) if self.compiler is not None else None
+        if template is not None:
+            _attach(request, template)
+            return True
+        if spec.compiled not in self.compiling:
+            if self.pool is None:
+                self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-grammar")
+            self.compiling[spec.compiled] = self.pool.submit(self._compile, spec.compiled)
+        self.waiting.append(request)
+        return False
+
+    def _compile(self, grammar: str):
+        if self.compiler is None:
+            self.compiler = self.make_compiler()
+        return self.compiler.compile(grammar)
+
+    def take_ready(self, block: bool) -> tuple[list, list[tuple[object, Exception]]]:
+        """(requests whose grammar is compiled, each sample with its state; (request, error) for failed compiles).
+        Aborted requests are dropped. block: wait a little for a compile when there is nothing else to do, rather
+        than have the engine's loop spin."""
+        if not self.waiting:
+            return [], []
+        if block:
+            concurrent.futures.wait(list(self.compiling.values()), timeout=0.01,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        ready, failed, still = [], [], []
+        for request in self.waiting:
+            grammar = request.params.structured_outputs.compiled
+            future = self.compiling.get(grammar)
+            template = self.compiler.cached(grammar) if self.compiler is not None else None
+            if template is None and future is not None and future.done():
+                if future.exception() is None:
+                    template = future.result()
+                    self.compiler.store(grammar, template)
+                del self.compiling[grammar]
+            if request.aborted:
+                continue
+            if template is not None:
+                _attach(request, template)
+                ready.append(request)
+            elif future is not None and future.done():
+                failed.append((request, future.exception()))
+            else:
+                still.append(request)
+        self.waiting = still
+        return ready, failed
+
+    def logit_masks(self, seqs: list, prev) -> TokenBitmask | None:
+        """The masks of the constrained rows of a step about to sample `seqs` (its rows, in order); `prev`: the
+        launched step before it (a LaunchedStep), whose samples hold the constrained rows' pending tokens."""
+        rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if not rows:
+            return None
+        start = time.perf_counter()
+        failed: dict[int, Exception] = {}
+        sampled = None
+        for i in rows:
+            seq = seqs[i]
+            try:
+                pending = None
+                if seq.num_pending:  # its last token is the previous step's: read it now (see the module's doc)
+                    sampled = sampled or prev.result()
+                    pending = sampled.token_ids[prev.rows[seq.seq_id]]
+                seq.grammar.advance(seq.token_ids, seq.num_prompt_tokens, pending)
+                if seq.grammar.matcher.is_error():
+                    raise ValueError(f"structured_outputs: {seq.grammar.matcher.get_error()[:300]}")
+            except Exception as exc:
+                failed[i] = exc
+        bits = torch.empty((len(rows), self.compiler.mask_words), dtype=torch.int32,
+                           pin_memory=self.device.type == "cuda")
+        self.compiler.fill([seqs[i].grammar for i in rows], bits)
+        for j, i in enumerate(rows):
+            if i in failed:
+                bits[j] = -1  # any token: the row is dropped, but must not be all -inf (NaN) beside the others
+        self.stats.steps += 1
+        self.stats.rows += len(rows)
+        self.stats.seconds += time.perf_counter() - start
+        return TokenBitmask(rows, bits, failed)
+
+    def shutdown(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = None
+
+
+def _attach(request, template) -> None:
+    for seq in [*request.seqs, *request.unforked]:
+        seq.grammar = GrammarState(template)

@@ -1,0 +1,104 @@
+"""What every tool-call parser shares: the parsed shapes, call ids, argument normalizing, and the streaming state.
+
+A parser turns a model's whole reply into (content, tool calls) in the format of the model family it serves; what
+it cannot read as a call stays content (a malformed call is never an error). For streaming, a parser also says
+where its tool-call section starts (`section_start`) and which calls of an unfinished reply are complete already
+(`parse(text, final=False)` returns only calls that the final parse returns too), so that a stream's deltas join
+to the message the same request gets unstreamed.
+"""
+
+import json
+import secrets
+import string
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object's text, as OpenAI sends it
+    id: str = ""
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass
+class ParsedReply:
+    content: str | None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+def call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
+def arguments_text(arguments: object) -> str | None:
+    """A call's arguments as JSON text: an object as it is, a string holding an object parsed first; None if it is
+    neither (the call is then malformed)."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return json.dumps(arguments, ensure_ascii=False)
+
+
+def call_from_json(obj: object, args_keys: tuple[str, ...] = ("arguments", "parameters")) -> ToolCall | None:
+    """{"name": ..., "arguments" | "parameters": {...}} as a ToolCall, or None if it is not that shape."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    key = next((k for k in args_keys if k in obj), None)
+    args = arguments_text(obj[key]) if key is not None else "{}"
+    return None if args is None else ToolCall(obj["name"], args, call_id())
+
+
+class ToolParser:
+    """Base class: subclasses set `name` and implement `section_start` and `parse`."""
+
+    name = ""
+    needs_special_tokens = False  # its markers are special tokens, which the text must keep
+    markers: tuple[str, ...] = ()  # its own markers, which scrub() keeps
+
+    def __init__(self, special_tokens: list[str] | None = None) -> None:
+        # Special tokens' text that must not reach content when the reply keeps special tokens (eos, say).
+        self.special_tokens = [t for t in special_tokens or [] if t and t not in self.markers]
+
+    def section_start(self, text: str) -> int | None:
+        """Where the tool-call section of `text` starts; None if it has none yet."""
+        raise NotImplementedError
+
+    def may_start(self, text: str) -> int:
+        """How many characters at the end of `text` could begin a section's marker (a stream holds them back)."""
+        return 0
+
+    def parse(self, text: str, final: bool = True) -> ParsedReply:
+        raise NotImplementedError
+
+    def scrub(self, text: str) -> str:
+        """`text` without special tokens' text."""
+        for token in self.special_tokens:
+            text = text.replace(token, "")
+        return text
+
+    def clean(self, content: str | None) -> str | None:
+        """Content without special tokens' text, and None when only whitespace is left."""
+        if content is None:
+            return None
+        content = self.scrub(content)
+        return content if content.strip() else None
+
+
+def held_back(text: str, marker: str) -> int:
+    """The length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
+
+def mistral_call_id() -> str:
+    """Mistral's templates want 9 alphanumeric characters."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
