@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from nanoserve import __version__
 from nanoserve.args import HelpFormatter, add_engine_args, add_server_args, engine_args_from
 
-BENCHMARKS = ("throughput", "latency", "serve", "prefix")
+BENCHMARKS = ("throughput", "latency", "serve", "prefix", "multi-turn")
 # The exit status of a command stopped by Ctrl-C, as a shell reports a process that SIGINT ended.
 INTERRUPTED = 130
 
@@ -162,7 +162,7 @@ def cmd_worker(ns: argparse.Namespace) -> int:
 
 def cmd_bench(kind: str, argv: list[str]) -> int:
     """Run nanoserve/bench/<kind>.py with the rest of the command line, --help included."""
-    module = importlib.import_module(f"nanoserve.bench.{kind}")
+    module = importlib.import_module(f"nanoserve.bench.{kind.replace('-', '_')}")
     return module.main(argv) or 0
 
 

@@ -1,0 +1,96 @@
+"""Multi-turn chat with a GPU KV pool too small for every conversation: time to first token with and without the
+CPU tier under the prefix cache (--kv-offload-gb).
+
+    nanoserve bench multi-turn --model DIR [--num-kv-blocks N] [--kv-offload-gb G]
+
+DIR: a model directory; with only a config.json in it, the weights are random (--load-format dummy).
+Conversations share a system prompt and each grows its own history: turn t sends the history so far (system prompt,
+earlier questions and answers) plus a new question, one request at a time, the conversations taking turns, so
+that by the time a conversation comes back the others have pushed its history out of the GPU pool. Each request
+generates one token (its TTFT is its prefill, cached or not); its answer is then made of random tokens, as the
+next turn's history. Without --num-kv-blocks the GPU pool holds an eighth of the final histories; without
+--kv-offload-gb the tier holds all of them. Turn 1 (nothing cached but the system prompt) is left out of the figures.
+"""
+
+import time
+
+import numpy as np
+
+from nanoserve.bench.common import emit, engine_args, free_device_memory, parser
+from nanoserve.llm import LLM
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.worker.kv_cache import bytes_per_block
+
+
+def conversations(vocab: int, ns) -> tuple[list[int], list[list[list[int]]]]:
+    """The system prompt, and each conversation's (question, answer) token ids turn by turn."""
+    rng = np.random.default_rng(ns.seed)
+    system = rng.integers(0, vocab, ns.system_len).tolist()
+    turns = [[(rng.integers(0, vocab, ns.question_len).tolist(), rng.integers(0, vocab, ns.answer_len).tolist())
+              for _ in range(ns.turns)] for _ in range(ns.num_conversations)]
+    return system, turns
+
+
+def run(llm: LLM, system: list[int], turns: list) -> tuple[list[float], int]:
+    """TTFT of every request from turn 2 on, and the prompt tokens served from the cache in all of them."""
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    histories = [list(system) for _ in turns]
+    times, cached = [], 0
+    for t in range(len(turns[0])):
+        for history, conversation in zip(histories, turns, strict=True):
+            question, answer = conversation[t]
+            prompt = history + question
+            start = time.perf_counter()
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            if t:
+                times.append(time.perf_counter() - start)
+                cached += out.num_cached_tokens
+            history += question + out.outputs[0].token_ids + answer
+    return times, cached
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser("multi-turn", __doc__)
+    p.add_argument("--num-conversations", type=int, default=200, help="conversations, taking turns")
+    p.add_argument("--turns", type=int, default=8, help="turns of each conversation")
+    p.add_argument("--system-len", type=int, default=1000, help="tokens of the system prompt all conversations share")
+    p.add_argument("--question-len", type=int, default=100, help="tokens of each question")
+    p.add_argument("--answer-len", type=int, default=200, help="tokens of each answer (random ids)")
+    ns = p.parse_args(argv)
+    final = ns.system_len + ns.turns * (ns.question_len + 1 + ns.answer_len)
+    blocks_all = ns.num_conversations * -(-final // ns.block_size)
+    if ns.num_kv_blocks is None:
+        ns.num_kv_blocks = max(blocks_all // 8, 2 * -(-final // ns.block_size))
+    ns.max_model_len = ns.max_model_len or final
+    result = {"bench": "multi-turn", "num_conversations": ns.num_conversations, "turns": ns.turns,
+              "system_len": ns.system_len, "question_len": ns.question_len, "answer_len": ns.answer_len,
+              "num_kv_blocks": ns.num_kv_blocks}
+    offload_gb = ns.kv_offload_gb
+    for tier in (False, True):
+        args = engine_args(ns)
+        if tier and not offload_gb:  # room for every history, as the tier's own config decides the block size
+            offload_gb = 1.2 * blocks_all * bytes_per_block(args.create_config()) / (1 << 30)
+        args.kv_offload_gb = offload_gb if tier else 0.0
+        llm = LLM(**vars(args))
+        system, turns = conversations(llm.engine.config.model.vocab_size, ns)
+        llm.generate([list(range(1, 2 * ns.block_size))], SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up
+        times, cached = run(llm, system, turns)
+        key = "cpu_tier" if tier else "gpu_only"
+        bm = llm.engine.block_manager
+        result |= {f"ttft_{key}_p50_ms": round(1e3 * float(np.median(times)), 2),
+                   f"ttft_{key}_mean_ms": round(1e3 * float(np.mean(times)), 2),
+                   f"ttft_{key}_p99_ms": round(1e3 * float(np.percentile(times, 99)), 2),
+                   f"cached_tokens_{key}": cached}
+        if tier:
+            result |= {"kv_offload_gb": round(offload_gb, 3), "cpu_prefix_hits": bm.cpu_prefix_hits,
+                       "cpu_blocks_loaded": bm.cpu.loaded, "cpu_blocks_stored": bm.cpu.stored}
+        llm.shutdown()
+        del llm
+        free_device_memory()
+    result["ratio_p50"] = round(result["ttft_cpu_tier_p50_ms"] / result["ttft_gpu_only_p50_ms"], 3)
+    emit(result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
