@@ -2,7 +2,8 @@
 # The GPU tests, then the benchmarks of DESIGN.md through the CLI (the figures of BENCHMARKS.md).
 # Usage, on the GPU machine from the repo root (with the model configs in shared/bench-configs or ../shared):
 #   NANOSERVE_COMMIT=<sha> bash scripts/gpu_bench.sh [steps...]
-# Steps: tests throughput latency-qwen latency-llama prefix serve-inf serve-16 (default: all of them, ~20 minutes).
+# Steps: tests throughput latency-qwen latency-llama prefix serve-inf serve-16 multi-turn (default: all but multi-turn,
+# ~20 minutes).
 # NANOSERVE_COMMIT is what the JSON lines report as `commit` (the device's copy of the tree may have no .git).
 # Each step's log goes to $OUT (or ./gpu-out); the JSON lines are collected in results.jsonl.
 set -u
@@ -30,6 +31,7 @@ for step in $steps; do
     latency-qwen) timeout 200 python -m nanoserve.cli bench latency --model "$cfg/qwen3-0.6b" --max-model-len 8192 ;;
     latency-llama) timeout 300 python -m nanoserve.cli bench latency --model "$cfg/llama-3.1-8b" --max-model-len 8192 ;;
     prefix) timeout 200 python -m nanoserve.cli bench prefix --model "$cfg/qwen3-0.6b" --max-model-len 4096 ;;
+    multi-turn) timeout 500 python -m nanoserve.cli bench multi-turn --model "$cfg/qwen3-0.6b" ;;
     serve-inf) timeout 300 $serve ;;
     serve-16) timeout 300 $serve --request-rate 16 ;;
     *) echo "unknown step: $step" ;;
