@@ -56,9 +56,11 @@ def call_from_json(obj: object, args_keys: tuple[str, ...] = ("arguments", "para
 
 
 class ToolParser:
-    """Base class: subclasses set `name` and implement `section_start` and `parse`."""
+    """Base class: subclasses set `name` and implement `parse`, and either set `section_marker` (the calls start at
+    its first occurrence) or implement `section_start` and `may_start`."""
 
     name = ""
+    section_marker = ""
     needs_special_tokens = False  # its markers are special tokens, which the text must keep
     markers: tuple[str, ...] = ()  # its own markers, which scrub() keeps
 
@@ -68,11 +70,14 @@ class ToolParser:
 
     def section_start(self, text: str) -> int | None:
         """Where the tool-call section of `text` starts; None if it has none yet."""
-        raise NotImplementedError
+        if not self.section_marker:
+            raise NotImplementedError
+        at = text.find(self.section_marker)
+        return None if at < 0 else at
 
     def may_start(self, text: str) -> int:
         """How many characters at the end of `text` could begin a section's marker (a stream holds them back)."""
-        return 0
+        return held_back(text, self.section_marker) if self.section_marker else 0
 
     def parse(self, text: str, final: bool = True) -> ParsedReply:
         raise NotImplementedError

@@ -9,7 +9,7 @@
 import json
 import re
 
-from nanoserve.structured.tool_parsers.base import ParsedReply, ToolParser, call_from_json, held_back
+from nanoserve.structured.tool_parsers.base import ParsedReply, ToolParser, call_from_json
 
 START, END = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(START) + r"(.*?)" + re.escape(END), re.DOTALL)
@@ -17,13 +17,7 @@ _BLOCK = re.compile(re.escape(START) + r"(.*?)" + re.escape(END), re.DOTALL)
 
 class HermesParser(ToolParser):
     name = "hermes"
-
-    def section_start(self, text: str) -> int | None:
-        at = text.find(START)
-        return None if at < 0 else at
-
-    def may_start(self, text: str) -> int:
-        return held_back(text, START)
+    section_marker = START
 
     def parse(self, text: str, final: bool = True) -> ParsedReply:
         """Each well-formed block is a call; a malformed one, and an unclosed last one that is not valid JSON, stay in

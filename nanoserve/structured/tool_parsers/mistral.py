@@ -14,7 +14,6 @@ from nanoserve.structured.tool_parsers.base import (
     ToolParser,
     arguments_text,
     call_from_json,
-    held_back,
     mistral_call_id,
 )
 
@@ -23,15 +22,9 @@ BOT, ARGS = "[TOOL_CALLS]", "[ARGS]"
 
 class MistralParser(ToolParser):
     name = "mistral"
+    section_marker = BOT
     needs_special_tokens = True
     markers = (BOT, ARGS)
-
-    def section_start(self, text: str) -> int | None:
-        at = text.find(BOT)
-        return None if at < 0 else at
-
-    def may_start(self, text: str) -> int:
-        return held_back(text, BOT)
 
     def parse(self, text: str, final: bool = True) -> ParsedReply:
         """Calls only once the reply is over (neither format says where its last call ends before that); a

@@ -6,7 +6,7 @@ of the chat API that the client runs.
 
 import json
 
-from nanoserve.structured.tool_parsers.base import ParsedReply, ToolCall, ToolParser, call_id, held_back
+from nanoserve.structured.tool_parsers.base import ParsedReply, ToolCall, ToolParser, call_id
 
 START, END = "<|python_start|>", "<|python_end|>"
 FUNCTION = "calculator"
@@ -18,15 +18,9 @@ CALCULATOR_TOOL = {"type": "function", "function": {
 
 class NanochatParser(ToolParser):
     name = "nanochat"
+    section_marker = START
     needs_special_tokens = True
     markers = (START, END)
-
-    def section_start(self, text: str) -> int | None:
-        at = text.find(START)
-        return None if at < 0 else at
-
-    def may_start(self, text: str) -> int:
-        return held_back(text, START)
 
     def parse(self, text: str, final: bool = True) -> ParsedReply:
         start = self.section_start(text)
