@@ -28,7 +28,7 @@ from typing import Protocol, TypeVar
 from nanoserve.config import EngineArgs, resolve_engine_process
 from nanoserve.engine.frontend import EngineFrontend
 from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.runtime.engine_core import EngineStats
+from nanoserve.runtime.engine_core import EngineStats, Watch
 from nanoserve.runtime.process_client import ProcessEngineClient
 from nanoserve.runtime.streams import EngineDeadError, RequestFailedError, RequestGroup, RequestStream
 from nanoserve.runtime.thread_client import ThreadEngineClient
@@ -148,6 +148,11 @@ class AsyncEngine:
         submitted later. With the engine process fn must pickle: a module-level function, or a
         functools.partial of one (the chat server installs its tool loop so)."""
         self.client.setup(fn)
+
+    def watch(self, seconds: float) -> None:
+        """Have the engine add an EngineView to its stats for the next `seconds` (server/engine_view.py renews
+        it while someone watches; nobody watching costs the engine nothing)."""
+        self.client.setup(Watch(seconds))
 
     def shutdown(self) -> None:
         self.client.shutdown()

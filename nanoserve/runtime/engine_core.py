@@ -4,7 +4,8 @@ LLMEngine is not thread-safe, so one loop owns it. Others talk to the loop in co
 abort one, stop, ...), taken at the top of every iteration; the loop steps while there is work and
 blocks for the next command when there is none, so an idle engine uses no CPU. After each iteration it
 publishes what happened: the outputs, the adds that the engine refused, and an EngineStats snapshot for
-/health and /metrics.
+/health and /metrics. While someone watches (a Watch, sent by /v1/engine/events and /v1/engine/stats), the
+snapshot also carries an EngineView of the engine's steps and KV pool (engine/step_view.py).
 
 The same loop runs on a background thread of the server's process (thread_client.py) and in the engine
 core process (engine_core_process.py); they differ only in where commands come from and where results go,
@@ -14,10 +15,12 @@ which the `receive` and `publish` callables say.
 import bisect
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.step_view import EngineView, ViewRecorder
 from nanoserve.outputs import RequestOutput
 from nanoserve.runtime.streams import RequestFailedError
 from nanoserve.sampling_params import SamplingParams
@@ -43,14 +46,15 @@ class EngineStats:
     generation_tokens: int = 0
     num_added: int = 0  # add commands the loop has taken so far
     num_preemptions: int = 0
-    # Loop iterations by the prompt and generation tokens they added to the counts above, as vLLM counts its
-    # iteration_tokens_total (a prompt when it is first scheduled, a token when it is sampled): one count per
-    # bucket of ITERATION_TOKEN_BUCKETS, then one past the last; empty until an iteration adds any.
     num_cpu_blocks: int = 0  # the CPU tier's (--kv-offload-gb); 0: none
     num_cpu_blocks_used: int = 0
     cpu_prefix_hits: int = 0  # of prefix_hits, the prompt tokens found in the CPU tier
+    # Loop iterations by the prompt and generation tokens they added to the counts above, as vLLM counts its
+    # iteration_tokens_total (a prompt when it is first scheduled, a token when it is sampled): one count per
+    # bucket of ITERATION_TOKEN_BUCKETS, then one past the last; empty until an iteration adds any.
     iteration_tokens: tuple[int, ...] = ()
     iteration_tokens_sum: int = 0
+    view: EngineView | None = None  # while someone watches (Watch), else None
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -111,6 +115,18 @@ class Stop:
     pass
 
 
+@dataclass(frozen=True)
+class Watch:
+    """Someone watches the engine: add an EngineView to the stats for the next `seconds` (each watcher renews it
+    while it watches, so one that vanishes costs nothing for long). It travels as Setup(Watch(...)), the one
+    command every engine client passes on as it is, and is taken by the loop, not called on the engine."""
+
+    seconds: float
+
+    def __call__(self, engine: LLMEngine) -> None:
+        raise AssertionError("EngineCore takes a Watch itself")
+
+
 Command = AddRequest | AbortRequest | AbortAll | Setup | Stop
 # (request id, why it ended without a last output): a ValueError when the engine refused the request (the
 # caller's 400), a RequestFailedError when working on it raised (the engine itself goes on).
@@ -127,6 +143,8 @@ class EngineCore:
         self.receive = receive
         self.publish = publish
         self.num_added = 0
+        self._watch_until = 0.0  # time.monotonic() when the watch ends; 0: nobody watches
+        self._recorder: ViewRecorder | None = None
 
     def run(self) -> str | None:
         """Serve commands until Stop (returns None) or until the engine fails: returns why, after
@@ -148,19 +166,32 @@ class EngineCore:
                     if isinstance(command, Stop):
                         return None
                     self._apply(command, outputs, errors)
+                recorder = self._watched()
                 if engine.has_unfinished_requests():
+                    if recorder is not None:
+                        recorder.before_step(engine)
                     for out in engine.step():
                         if out.error is None:
                             outputs.append(out)
                         else:
                             errors.append((out.request_id, RequestFailedError(out.error)))
+                    if recorder is not None:
+                        recorder.after_step(engine, outputs)
             except Exception as exc:  # the engine's state is unknown now: it must not run again
                 logger.exception("engine loop failed")
                 return f"the engine failed: {type(exc).__name__}: {exc}"
             stats = EngineStats.of(engine, self.num_added, last_stats)
+            if recorder is not None:
+                stats = dataclasses.replace(stats, view=recorder.view(engine, self.num_added))
             if outputs or errors or stats != last_stats:
                 self.publish(outputs, errors, stats)
                 last_stats = stats
+
+    def _watched(self) -> ViewRecorder | None:
+        """The recorder while someone watches, else None (at no cost but this test while nobody ever has)."""
+        if self._watch_until and time.monotonic() >= self._watch_until:
+            self._watch_until = 0.0
+        return self._recorder if self._watch_until else None
 
     def _apply(self, command: Command, outputs: list[RequestOutput], errors: list[RequestError]) -> None:
         engine = self.engine
@@ -180,6 +211,12 @@ class EngineCore:
         elif isinstance(command, AbortAll):
             for request_id in list(engine.requests):
                 outputs.append(engine.abort_request(request_id))
+        elif isinstance(command, Setup) and isinstance(command.fn, Watch):
+            if self._recorder is None:
+                self._recorder = ViewRecorder()
+            elif not self._watch_until:
+                self._recorder.resume()
+            self._watch_until = time.monotonic() + command.fn.seconds
         elif isinstance(command, Setup):
             command.fn(engine)
         else:

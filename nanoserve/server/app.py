@@ -21,6 +21,7 @@ import nanoserve
 from nanoserve.args import add_engine_args, add_server_args, engine_args_from
 from nanoserve.config import EngineArgs
 from nanoserve.runtime.async_engine import AsyncEngine
+from nanoserve.server.engine_view import engine_view_router
 from nanoserve.server.errors import APIError, bad_request, install_error_handlers
 from nanoserve.server.gate import GateMiddleware, GateState
 from nanoserve.server.http_limits import HEADER_TIMEOUT_S, MAX_HEADER_BYTES, limited_http_protocol
@@ -29,6 +30,7 @@ from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, 
 from nanoserve.server.serving_chat import ServingChat
 from nanoserve.server.serving_completions import ServingCompletions
 from nanoserve.server.shutdown import serve_with_drain
+from nanoserve.server.web_page import WebPage
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: list[str] | str, api
     app = FastAPI(title="nanoserve", version=nanoserve.__version__, docs_url="/docs", redoc_url=None,
                   openapi_url="/openapi.json")
     app.add_middleware(GateMiddleware, state=gate, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(WebPage)  # outside the gate: the page at / loads without the key, then asks for it
     if api_server is not None:
         app.add_middleware(ApiServerHeader, index=api_server)  # added last: outermost, so every response has it
     install_error_handlers(app)
@@ -58,6 +61,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: list[str] | str, api
     chat = ServingChat(async_engine, names, metrics, max_waiting_requests, log_requests, tool_call_parser,
                        enable_auto_tool_choice)
     app.state.async_engine, app.state.gate, app.state.metrics = async_engine, gate, metrics
+    app.include_router(engine_view_router(async_engine, gate, names[0], api_server))
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
