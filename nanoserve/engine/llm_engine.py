@@ -47,6 +47,7 @@ class LLMEngine(EngineFrontend):
         asked = config.args.async_scheduling
         self.async_scheduling = config.device.type == "cuda" if asked is None else asked
         self.in_flight: LaunchedStep | None = None
+        self.last_batch: SchedulerOutput | None = None  # the batch the last step() scheduled (the web page shows it)
         # Structured output (nanoserve/structured/): grammars compiled off this loop, token masks, matcher states.
         self.structured = StructuredOutputManager(
             lambda: GrammarCompiler(self.tokenizer, config.model.eos_token_ids, config.model.vocab_size), config.device)
@@ -133,7 +134,7 @@ class LLMEngine(EngineFrontend):
         With async scheduling (on CUDA) the step launched here is read back by the next call: this
         call returns the previous step's tokens, so the host's work overlaps the GPU's."""
         compiled = self._admit_compiled() if self.structured.has_waiting else []
-        batch = self.scheduler.schedule()
+        batch = self.last_batch = self.scheduler.schedule()
         outputs = []
         if self.in_flight is not None and batch.needs_host_tokens:
             outputs = self._process(self.in_flight, final_only)

@@ -7,10 +7,7 @@ EngineView to the EngineStats it publishes. While nobody watches none of this ru
 The counters are cumulative (from the first watch on): a reader takes the difference between two views, so it
 may sample them as rarely as it likes and still count every step.
 
-Where the step's batch comes from: with async scheduling the batch just launched stays on the engine
-(`LLMEngine.in_flight`), exact. A synchronous step keeps nothing of its batch, so its shape is told from what the
-running sequences had computed before and after it (`_diff`); that misses a sample of an n > 1 request coming back
-after a preemption, and counts a preempted prompt's cached blocks as computed again.
+A step's shape is that of the batch it scheduled (`LLMEngine.last_batch`).
 """
 
 import time
@@ -64,7 +61,6 @@ class ViewRecorder:
         self.ttft_sum = self.itl_sum = 0.0
         self.last_step = NO_STEP
         self._start = 0.0
-        self._before: dict | None = None
         self._last_end: float | None = None
         self._grids: tuple[BlockGrid, BlockGrid | None] | None = None
         self._grid_due = 0.0
@@ -76,20 +72,13 @@ class ViewRecorder:
 
     def before_step(self, engine: LLMEngine) -> None:
         self._start = time.monotonic()
-        if not engine.async_scheduling:
-            # seq -> (computed tokens, tokens) before the step: all a synchronous step leaves to tell its batch by.
-            self._before = {s: (s.num_computed_tokens, s.num_tokens) for s in engine.scheduler.running}
 
     def after_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
         """After LLMEngine.step(); `outputs`: what this loop iteration hands on (the step's, and any abort's)."""
         end = time.monotonic()
         start = self._start
-        if engine.async_scheduling:
-            launched = engine.in_flight
-            decode, prefill, num_seqs = _shape([e.num_new_tokens for e in launched.batch.scheduled]
-                                               if launched is not None else [])
-        else:
-            decode, prefill, num_seqs = self._diff(engine, outputs, start)
+        batch = engine.last_batch
+        decode, prefill, num_seqs = _shape([e.num_new_tokens for e in batch.scheduled] if batch is not None else [])
         self.last_step = StepShape(decode, prefill, num_seqs, end - start)
         self.steps += 1
         self.decode_tokens += decode
@@ -107,24 +96,6 @@ class ViewRecorder:
             if m is not None and m.first_token_time is not None and m.first_token_time >= start:
                 self.ttft_count += 1
                 self.ttft_sum += m.first_token_time - m.arrival_time
-
-    def _diff(self, engine: LLMEngine, outputs: list[RequestOutput], start: float) -> tuple[int, int, int]:
-        before, self._before = self._before or {}, None
-        computed = []
-        for seq, (was, num_tokens) in before.items():
-            if seq.is_finished:  # finished by this step, which computed the rest of its tokens first
-                computed.append(num_tokens - was)
-            elif seq.num_computed_tokens > was:  # else preempted, or left out of the step
-                computed.append(seq.num_computed_tokens - was)
-        for seq in engine.scheduler.running:
-            # Admitted by this step (less the prefix cache's blocks); a sample forked from its prompt computes nothing.
-            if seq not in before and seq.index == 0:
-                computed.append(seq.num_computed_tokens - seq.num_cached_tokens)
-        for out in outputs:  # admitted and finished by this step: its prompt, less the cached part
-            scheduled = out.metrics.first_scheduled_time if out.metrics is not None else None
-            if out.finished and scheduled is not None and scheduled >= start:
-                computed.append(len(out.prompt_token_ids) - out.num_cached_tokens)
-        return _shape(computed)
 
     def view(self, engine: LLMEngine, num_added: int) -> EngineView:
         """The view after this loop iteration; `num_added`: requests the loop has been given so far."""
