@@ -157,13 +157,12 @@ class TensorParallelWorkers:
     def explain(self, exc: Exception) -> Exception:
         """What a step that failed in a collective should say: the lost rank, when one is gone (the watcher may not
         have seen it yet), rather than gloo's closed connection."""
-        for p in self.processes:
-            p.join(timeout=0.5 if self.lost is None else 0)
-            if p.exitcode is not None:
-                self.lost = self.lost or f"tensor-parallel rank {p.name.removeprefix('nanoserve-tp-rank')} exited " \
-                                         f"({p.exitcode})"
-                return RuntimeError(self.lost)
-        return exc
+        # The watcher thread reaps the ranks (the one thread that does: two threads waiting on one process race for
+        # its exit status); give it a moment to see a rank that has just gone.
+        deadline = time.monotonic() + 1.0
+        while self.lost is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return RuntimeError(self.lost) if self.lost is not None else exc
 
     def stop(self) -> None:
         if self.stopped:
