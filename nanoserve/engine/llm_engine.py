@@ -154,7 +154,9 @@ class LLMEngine(EngineFrontend):
     def _launch(self, batch: SchedulerOutput) -> LaunchedStep:
         now = time.monotonic()
         # The sampler reads num_output_tokens (min_tokens), so pending counts move only after the launch.
-        launched = self.runner.launch(batch, self.in_flight, self.structured.logit_masks)
+        # Until a constrained request has come (its grammar compiler exists), no step looks for constrained rows.
+        masks = self.structured.logit_masks if self.structured.compiler is not None else None
+        launched = self.runner.launch(batch, self.in_flight, masks)
         for entry in batch.scheduled:
             metrics = entry.seq.request.metrics
             if metrics.first_scheduled_time is None:
