@@ -136,9 +136,10 @@ class EngineArgs:
     max_model_len: int | None = _arg(None, "context length, prompt and output; None: the model's "
                                            "max_position_embeddings (or sliding_window), capped by the KV cache")
     enable_prefix_caching: bool = _arg(True, "share the KV blocks of common prompt prefixes between requests")
-    kv_offload_gb: float = _arg(0.0, "GiB of CPU memory (pinned, per GPU) for a tier of KV blocks under the prefix "
-                                     "cache: evicted prefix blocks go there and are loaded back on a hit, which "
-                                     "also serves preempted requests; 0: none")
+    kv_offload_gb: float = _arg(0.0, "GiB of CPU memory (pinned, per GPU) for KV blocks: a tier under the prefix "
+                                     "cache (evicted prefix blocks are loaded back on a hit, which also serves "
+                                     "preempted requests), and the older blocks of requests longer than the GPU "
+                                     "pool (long-context mode); 0: none")
     enforce_eager: bool = _arg(False, "run without CUDA graphs (quicker start, slower steps)")
     # Plan step N+1 while step N runs (LLMEngine.step). None: on for CUDA; on the CPU a step runs
     # to its end before the host goes on, so there it would only delay each output by a step.
@@ -213,8 +214,6 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks: must be >= 1, got {args.num_kv_blocks}")
         if not isinstance(args.kv_offload_gb, int | float) or not 0 <= args.kv_offload_gb < float("inf"):
             raise ValueError(f"kv_offload_gb: must be a number >= 0, got {args.kv_offload_gb!r}")
-        if args.kv_offload_gb and not args.enable_prefix_caching:
-            raise ValueError("kv_offload_gb: the CPU tier sits under the prefix cache; it needs enable_prefix_caching")
         if not 0 < args.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {args.gpu_memory_utilization}")
         if args.load_format not in ("auto", "dummy"):

@@ -4,6 +4,10 @@ A full block is named by a hash chained over every token before it (xxhash), so 
 the same first k*block_size tokens share k physical blocks. Blocks whose last user finished stay in
 the hash map, parked in a free queue, and are evicted least-recently-freed first; with a CPU tier
 (engine/cpu_tier.py) an evicted block's KV goes to CPU memory, where a later prefix match finds it.
+
+A sequence that can never fit the GPU pool runs in long-context mode on the same CPU pool: its blocks before the one
+its next tokens start in move to CPU blocks it holds (Sequence.cpu_blocks), and attention streams them back layer by
+layer (worker/kv_ring.py). Its blocks are not offered to the prefix cache.
 """
 
 import struct
@@ -50,7 +54,9 @@ def chain_hash(prev_hash: int, block_bytes: bytes) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_cpu_blocks: int = 0) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_cpu_blocks: int = 0,
+                 cpu_prefix_tier: bool = True) -> None:
+        """cpu_prefix_tier: whether evicted prefix blocks go to the CPU pool (else it serves long context only)."""
         self.block_size = block_size
         self.block_bytes = block_size * 8  # a block's tokens as token_bytes() gives them (int64 each)
         self.enable_prefix_caching = enable_prefix_caching
@@ -60,7 +66,8 @@ class BlockManager:
         self.prefix_queries = 0  # prompt tokens looked up in the cache
         self.prefix_hits = 0  # of which found there (on the GPU or in the CPU tier)
         self.cpu_prefix_hits = 0  # of which in the CPU tier
-        self.cpu = CpuTier(num_cpu_blocks) if num_cpu_blocks and enable_prefix_caching else None
+        self.cpu = CpuTier(num_cpu_blocks) if num_cpu_blocks else None
+        self.cpu_prefix_tier = cpu_prefix_tier and enable_prefix_caching
         # KV copies the next step makes before its forward pass: (GPU block, CPU block) to the CPU tier, then
         # (CPU block, GPU block) back (take_swaps).
         self.swap_out: list[tuple[int, int]] = []
@@ -114,7 +121,7 @@ class BlockManager:
                 if cached[i * width:(i + 1) * width] != data[i * width:(i + 1) * width]:
                     return Prefix(hits[:i], [])
         cpu_hits = []
-        if self.cpu is not None:
+        if self.cpu is not None and self.cpu_prefix_tier:
             # The prefix may go on in the CPU tier. It is always loaded rather than recomputed: by arithmetic (not
             # measured yet), a Llama-3.1-8B token's KV is 128 KiB, ~5 us over 25 GB/s of PCIe, against 16 GFLOP of
             # forward pass, ~40 us at 400 TFLOP/s; for Qwen3-0.6B (112 KiB, 1.2 GFLOP) the two are about even, and
@@ -146,7 +153,7 @@ class BlockManager:
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Name the blocks that this step filled, so later requests can share them."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.cpu_blocks is not None:
             return
         # Pending tokens (async scheduling) are computed but not yet known, so they cannot be hashed.
         num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
@@ -169,6 +176,8 @@ class BlockManager:
 
     # -- allocation -----------------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: Prefix = NO_PREFIX) -> bool:
+        if seq.cpu_blocks is not None:
+            return num_new_tokens <= self.long_context_room(seq)
         return self._num_new_blocks(seq, num_new_tokens, prefix) <= len(self.free)
 
     def _num_new_blocks(self, seq: Sequence, num_new_tokens: int, prefix: Prefix) -> int:
@@ -191,6 +200,9 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix: Prefix = NO_PREFIX) -> list[tuple[int, int]]:
         """Give `seq` room for `num_new_tokens` more tokens; returns (src, dst) block copies to do
         before the forward pass. The caller has checked can_allocate."""
+        if seq.cpu_blocks is not None:
+            self._allocate_long_context(seq, num_new_tokens)
+            return []
         first_admission = seq.request.metrics.first_scheduled_time is None
         if not seq.block_table and self.enable_prefix_caching and first_admission:
             # Counted when the request is first admitted, not at each look-up while it waits for room, nor when a
@@ -246,7 +258,8 @@ class BlockManager:
         if block.block_hash is not None:  # evict: the least recently freed cached block goes first
             if self.cached.get(block.block_hash) == block.block_id:
                 del self.cached[block.block_hash]
-                if self.cpu is not None and (cpu_id := self.cpu.store(block.block_hash, block.token_bytes)) is not None:
+                if self.cpu_prefix_tier and self.cpu is not None and \
+                        (cpu_id := self.cpu.store(block.block_hash, block.token_bytes)) is not None:
                     self.swap_out.append((block.block_id, cpu_id))
             block.block_hash = None
             block.token_bytes = b""
@@ -261,6 +274,38 @@ class BlockManager:
         child.block_hashes = list(parent.block_hashes)
         child.num_cached_blocks = parent.num_cached_blocks
 
+    # -- long-context mode --------------------------------------------------------------------------------------
+    def needs_long_context(self, seq: Sequence) -> bool:
+        """Whether the sequence and its next token need more blocks than the GPU pool has (and a CPU pool can help).
+        One that outgrows the pool while it decodes is preempted, and comes back in this mode (recomputed)."""
+        return self.cpu is not None and self.blocks_needed(seq.num_tokens + 1) > len(self.blocks)
+
+    def _to_move(self, seq: Sequence) -> int:
+        """GPU blocks of a long-context sequence wholly before its next token: they move to the CPU."""
+        return max(0, seq.num_computed_tokens // self.block_size - len(seq.cpu_blocks))
+
+    def long_context_room(self, seq: Sequence) -> int:
+        """How many new tokens a long-context sequence can take now: the GPU blocks it holds from its next token
+        on, the free ones and those it gives up by moving its older blocks to the CPU (as far as the CPU has room)."""
+        move = self._to_move(seq)
+        if move > self.cpu.num_available:
+            return 0
+        held = len(seq.cpu_blocks) + len(seq.block_table)
+        blocks = held - seq.num_computed_tokens // self.block_size + len(self.free) + move
+        return max(0, blocks * self.block_size - seq.num_computed_tokens % self.block_size)
+
+    def _allocate_long_context(self, seq: Sequence, num_new_tokens: int) -> None:
+        for _ in range(self._to_move(seq)):
+            device_id, cpu_id = seq.block_table.pop(0), self.cpu.allocate()
+            self.swap_out.append((device_id, cpu_id))  # copied before this step's forward pass reuses the block
+            seq.cpu_blocks.append(cpu_id)
+            assert self.blocks[device_id].ref_count == 1, "a long-context sequence shares no block"
+            self.blocks[device_id].ref_count = 0
+            self.free[device_id] = None
+        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+        while len(seq.cpu_blocks) + len(seq.block_table) < needed:
+            seq.block_table.append(self._take_fresh().block_id)
+
     def free_seq(self, seq: Sequence) -> None:
         # Reversed, so a prompt's tail blocks are evicted before its head blocks, which more
         # requests share.
@@ -271,5 +316,8 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free[block_id] = None
         seq.block_table = []
+        for cpu_id in seq.cpu_blocks or ():
+            self.cpu.release(cpu_id)
+        seq.cpu_blocks = None
         seq.num_computed_tokens = 0
         seq.num_cached_blocks = 0

@@ -6,6 +6,9 @@ cached blocks finds the next ones here, and they are copied back into fresh GPU 
 them. So a preempted request, whose freed full blocks are evicted to the CPU as others need room, comes back with
 its blocks loaded rather than recomputed: one mechanism for the prefix tier and for swapping on preemption.
 
+Long-context mode (a sequence longer than the GPU pool) takes its blocks from the same pool: a block it holds is out
+of the LRU order, never evicted, until the sequence releases it.
+
 Only ids live here; the copies themselves are the model runner's (worker/kv_offload.py), which the block manager
 asks for through the step's kv_swap_out / kv_swap_in lists.
 """
@@ -21,6 +24,8 @@ class CpuTier:
         self.token_bytes: list[bytes] = [b""] * num_blocks  # to check a hit token by token, as on the GPU
         # Every block, least recently used first: free ones (never filled) lead, then cached ones by last use.
         self.lru: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.held = 0  # blocks held by long-context sequences
+        self.allocated = 0  # blocks given to long-context sequences, in all
         self.stored = 0  # blocks copied here from the GPU
         self.loaded = 0  # blocks copied back
         # Blocks this step copies back to the GPU: not to be overwritten by a copy from the GPU in the same step
@@ -29,7 +34,30 @@ class CpuTier:
 
     @property
     def num_used(self) -> int:
-        return len(self.cached)
+        return len(self.cached) + self.held
+
+    @property
+    def num_available(self) -> int:
+        """Blocks that allocate() can give: free ones, and cached ones it may evict."""
+        return len(self.lru) - len(self.reading)
+
+    def allocate(self) -> int:
+        """A block for a long-context sequence, held until release(); the caller checked num_available."""
+        block_id = next(b for b in self.lru if b not in self.reading)
+        del self.lru[block_id]
+        old = self.hashes[block_id]
+        if old is not None:
+            del self.cached[old]
+            self.hashes[block_id] = None
+            self.token_bytes[block_id] = b""
+        self.held += 1
+        self.allocated += 1
+        return block_id
+
+    def release(self, block_id: int) -> None:
+        self.lru[block_id] = None
+        self.lru.move_to_end(block_id, last=False)  # empty: the first to be used again
+        self.held -= 1
 
     def lookup(self, block_hash: int, token_bytes: bytes) -> int | None:
         """The CPU block holding these tokens, if any."""

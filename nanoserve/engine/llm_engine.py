@@ -17,6 +17,7 @@ from nanoserve.outputs import CompletionOutput, Logprob, RequestOutput
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.structured.backend import GrammarCompiler
 from nanoserve.structured.manager import StructuredOutputManager
+from nanoserve.worker.kv_cache import prefix_load_pays
 from nanoserve.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -34,10 +35,12 @@ class LLMEngine(EngineFrontend):
         if not config.model.eos_token_ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             config.model.eos_token_ids = [self.tokenizer.eos_token_id]
         self.runner = ModelRunner(config)
-        config.fit_kv_pool(self.runner.num_kv_blocks)
+        # A sequence longer than the GPU pool runs in long-context mode, its older blocks in the CPU pool.
+        config.fit_kv_pool(self.runner.num_kv_blocks + self.runner.num_cpu_blocks)
         logger.info("%s", config.summary(self.runner.num_kv_blocks))
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.args.block_size,
-                                          config.args.enable_prefix_caching, self.runner.num_cpu_blocks)
+                                          config.args.enable_prefix_caching, self.runner.num_cpu_blocks,
+                                          cpu_prefix_tier=prefix_load_pays(config))
         self.scheduler = Scheduler(self.block_manager, config.args.max_num_seqs,
                                    config.args.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
@@ -73,6 +76,9 @@ class LLMEngine(EngineFrontend):
         room = self.max_model_len - len(prompt_ids)
         request = Request(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params,
                           max_tokens=min(params.max_tokens or room, room), priority=priority)
+        if params.n > 1 and self.block_manager.blocks_needed(len(prompt_ids) + 1) > self.block_manager.num_blocks:
+            raise ValueError(f"n: a request longer than the GPU KV pool ({self.block_manager.num_blocks} blocks) runs "
+                             "in long-context mode, which takes one sample (n=1)")
         # Every sample is built before the request is registered: a failure leaves the engine as it was.
         first, *request.unforked = [self._new_sequence(request, i) for i in range(params.n)]
         request.seqs.append(first)

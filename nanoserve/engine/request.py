@@ -41,6 +41,9 @@ class Sequence:
     num_pending: int = 0
     num_stale: int = 0  # tokens in flight that arrive after force_tokens replaced them: dropped
     block_table: list[int] = field(default_factory=list)
+    # Long-context mode (a sequence longer than the GPU pool): the CPU blocks holding its first len(cpu_blocks)
+    # logical blocks; block_table then holds the ones after them. None: every block is in block_table.
+    cpu_blocks: list[int] | None = None
     block_hashes: list[int] = field(default_factory=list)  # prefix-cache hash chain of the full blocks
     num_cached_blocks: int = 0  # leading blocks already offered to the prefix cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule

@@ -7,6 +7,10 @@ and it goes back to the front of the queue to be recomputed later (cheaply, if i
 in the prefix cache; with a CPU tier, blocks evicted meanwhile are loaded back from CPU memory: that is
 swapping, by way of the prefix cache).
 
+A request that can never fit the GPU pool runs in long-context mode (with a CPU pool, --kv-offload-gb): its older
+blocks live in CPU memory and each chunk it is given is as long as the GPU blocks it can hold allow
+(BlockManager.long_context_room).
+
 A sequence's num_computed_tokens moves forward when it is scheduled, not when the step's results come
 back: with async scheduling the next step is planned while this one still runs on the GPU, and its
 last sampled token (Sequence.num_pending) is read there on the device.
@@ -80,7 +84,9 @@ class Scheduler:
                 continue  # forked this step, its token not sampled yet
             if seq.num_pending and seq.num_output_tokens >= seq.request.max_tokens:
                 continue  # its pending token is its last: the step that sampled it will finish it
-            if num_new == 1 and seq.block_table and self.block_manager.append_slot(seq):
+            if seq.cpu_blocks is not None:
+                num_new = min(num_new, max(1, self.block_manager.long_context_room(seq)))
+            elif num_new == 1 and seq.block_table and self.block_manager.append_slot(seq):
                 scheduled.append(self._entry(seq, 1))
                 budget -= 1
                 continue
@@ -100,9 +106,15 @@ class Scheduler:
             seq = self.waiting[0]
             if len(self.running) + len(seq.request.unforked) + 1 > self.max_num_seqs:
                 break
-            prefix = self.block_manager.match_prefix(seq) if seq.num_computed_tokens == 0 else NO_PREFIX
+            if seq.cpu_blocks is None and self.block_manager.needs_long_context(seq):
+                seq.cpu_blocks = []
+            long_context = seq.cpu_blocks is not None
+            prefix = self.block_manager.match_prefix(seq) if seq.num_computed_tokens == 0 and not long_context \
+                else NO_PREFIX
             computed = len(prefix) * self.block_manager.block_size
             num_new = min(seq.num_tokens - computed, budget)
+            if long_context:
+                num_new = min(num_new, max(1, self.block_manager.long_context_room(seq)))
             if not self.block_manager.can_allocate(seq, num_new, prefix):
                 break
             if seq.num_output_tokens == 0 and seq.request.metrics.first_scheduled_time is None:

@@ -7,6 +7,7 @@ the cache, so a cached prefix, an earlier prefill chunk and the new tokens are a
 """
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +15,9 @@ from torch import nn
 
 from nanoserve.kernels.prefill.split_scratch import SplitScratch
 from nanoserve.layers.step_plan import EAGER, KernelPlan
+
+if TYPE_CHECKING:
+    from nanoserve.worker.kv_ring import LongContextAttention
 
 
 @dataclass
@@ -42,6 +46,9 @@ class AttentionMetadata:
     decode_order: torch.Tensor | None = None
     # The step's kernel choices (layers/step_plan.py), which the layers read; the default is the plain path.
     plan: KernelPlan = EAGER
+    # Sequences in long-context mode (worker/kv_ring.py's LongContextAttention): the fields above show them their
+    # window only, and attend() then redoes their rows over every key. None: no such sequence (always in graphs).
+    long_context: "LongContextAttention | None" = None
 
 
 class TorchBackend:
@@ -117,6 +124,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
+        self.layer_index = 0  # which layer's CPU blocks long-context attention reads (set by the model runner)
         # Set by the model runner once the pool is allocated.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -128,4 +136,7 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq, D] over the cache, which already holds this step's keys and values -> [T, Hq, D]."""
-        return self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)
+        out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)
+        if meta.long_context is not None:
+            meta.long_context.attend(self.layer_index, q, self.k_cache, self.v_cache, out, self.scale)
+        return out

@@ -28,6 +28,8 @@ class BatchSeq(SamplingRow, Protocol):
     def num_prompt_tokens(self) -> int: ...
     @property
     def block_table(self) -> list[int]: ...
+    @property
+    def cpu_blocks(self) -> list[int] | None: ...  # long-context mode: CPU blocks before block_table's (or None)
 
 
 class ScheduledEntry(Protocol):

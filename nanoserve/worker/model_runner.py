@@ -16,6 +16,7 @@ from nanoserve.worker.batch import ScheduledBatch
 from nanoserve.worker.cuda_graphs import CUDAGraphRunner, PrefillGraphRunner, eager_tile_map
 from nanoserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for, num_cpu_blocks
 from nanoserve.worker.kv_offload import KVOffloader
+from nanoserve.worker.kv_ring import KVRing, LongContextAttention
 from nanoserve.worker.step_inputs import StepInputs, prompt_logprob_rows
 
 
@@ -57,8 +58,9 @@ class ModelRunner:
         torch.manual_seed(config.args.seed)
         self.model = load_model(config, self.tp)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        for layer in self.attn_layers:
+        for index, layer in enumerate(self.attn_layers):
             layer.backend = backend_for(self.device)
+            layer.layer_index = index
         # The one place that picks each step's kernels (layers/step_plan.py): graphs ask it once per shape, eager
         # steps once per step. Prefill attention's launches are planned for the model's heads and the device's SMs.
         attn = self.attn_layers[0]
@@ -76,6 +78,8 @@ class ModelRunner:
         self._bind_kv_cache(self.kv_cache)
         self.num_cpu_blocks = num_cpu_blocks(config)
         self.offloader = KVOffloader(self.kv_cache, self.num_cpu_blocks) if self.num_cpu_blocks else None
+        # Long-context mode's ring of device slots (outside the pool's budget: 2 x 32 MiB for Llama-3.1-8B).
+        self.ring = KVRing(self.offloader, self.block_size) if self.offloader is not None else None
         self.sampler = Sampler(self.device, config.model.eos_token_ids, config.args.seed)
         self.graphs = self.prefill_graphs = None
         if self.device.type == "cuda" and not config.args.enforce_eager:
@@ -210,9 +214,12 @@ class ModelRunner:
             self.offloader.swap([], step.kv_swap_in)
         input_ids, positions, meta, logit_rows = step.to_device(self.device, prev_tokens)
         num_seqs = step.num_seqs
-        if self.graphs is not None and self.graphs.can_run(num_seqs, meta.num_decodes):
+        if step.long_context:  # streams KV through the ring layer by layer: eager
+            meta.long_context = LongContextAttention(self.ring, step.long_context, self.block_size)
+        if meta.long_context is None and self.graphs is not None and self.graphs.can_run(num_seqs, meta.num_decodes):
             hidden = self.graphs.run(input_ids, positions, meta)
-        elif self.prefill_graphs is not None and self.prefill_graphs.can_run(input_ids.shape[0], num_seqs):
+        elif meta.long_context is None and self.prefill_graphs is not None and \
+                self.prefill_graphs.can_run(input_ids.shape[0], num_seqs):
             hidden = self.prefill_graphs.run(input_ids, positions, meta)
         else:
             # An eager step gets its plan here (a graph replays the one it was captured with).

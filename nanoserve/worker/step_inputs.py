@@ -17,8 +17,36 @@ from nanoserve.worker.batch import ScheduledBatch, ScheduledEntry
 
 # Header fields, in this order; STOP in the first one ends a worker.
 _HEADER = ("num_tokens", "num_seqs", "width", "num_pending", "num_logit_rows", "max_seqlen_q",
-           "num_decodes", "sample", "num_copies", "num_swap_out", "num_swap_in", "num_prompt_logprobs")
+           "num_decodes", "sample", "num_copies", "num_swap_out", "num_swap_in", "num_prompt_logprobs",
+           "num_long_context_ints")
 _STOP = -1
+
+
+@dataclass
+class LongContextRow:
+    """A long-context sequence's entry (worker/kv_ring.py): its rows of the step, the position of the first, the CPU
+    blocks holding its older keys, and its blocks on the device (the window) holding the rest from
+    len(cpu_blocks) * block_size on. The step's attention metadata shows the entry the window only."""
+
+    first_row: int
+    num_rows: int
+    start: int
+    cpu_blocks: list[int]
+    window: list[int]
+
+    def pack(self) -> list[int]:
+        return [self.first_row, self.num_rows, self.start, len(self.cpu_blocks), len(self.window), *self.cpu_blocks,
+                *self.window]
+
+    @classmethod
+    def unpack_all(cls, ints: list[int]) -> list["LongContextRow"]:
+        rows, at = [], 0
+        while at < len(ints):
+            first, n, start, num_cpu, num_window = ints[at:at + 5]
+            cpu_end = at + 5 + num_cpu
+            rows.append(cls(first, n, start, ints[at + 5:cpu_end], ints[cpu_end:cpu_end + num_window]))
+            at = cpu_end + num_window
+        return rows
 
 
 def chunk_slots(block_table: list[int], start: int, n: int, block_size: int) -> list[int]:
@@ -50,6 +78,7 @@ class StepInputs:
     kv_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, CPU) blocks, before block_copies
     kv_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (CPU, device) blocks, after them
     prompt_logprob_rows: list[tuple[int, int]] = field(default_factory=list)  # (first hidden row, rows)
+    long_context: list[LongContextRow] = field(default_factory=list)
     # Host copies rank 0 has at hand anyway; the other ranks read them out of `host`.
     cu_seqlens_q_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
@@ -60,11 +89,15 @@ class StepInputs:
         """The step of `batch`. A token that the previous step sampled and the host has not read yet is taken on
         the device from that step's samples, at its row in prev_rows (seq_id -> row)."""
         input_ids, positions, slots, cu, lens, tables, logit_rows = [], [], [], [0], [], [], []
-        pending_at, pending_rows = [], []
+        pending_at, pending_rows, long_context = [], [], []
         bs = block_size
         for entry in batch.scheduled:
             seq, start, n = entry.seq, entry.start, entry.num_new_tokens
             table = seq.block_table
+            if seq.cpu_blocks:  # long-context mode: the table (and what attention sees here) starts after them
+                offset = len(seq.cpu_blocks) * bs
+                long_context.append(LongContextRow(len(input_ids), n, start, list(seq.cpu_blocks), list(table)))
+                table = [-1] * len(seq.cpu_blocks) + table  # slots by position; the attention lengths are cut below
             if n == 1:  # a decode: the common case, without slices and ranges
                 if start < len(seq.token_ids):
                     input_ids.append(seq.token_ids[start])
@@ -81,8 +114,12 @@ class StepInputs:
                 positions += range(start, start + n)
                 slots += chunk_slots(table, start, n, bs)
             cu.append(cu[-1] + n)
-            lens.append(start + n)
-            tables.append(table)
+            if seq.cpu_blocks:
+                lens.append(start + n - offset)
+                tables.append(table[len(seq.cpu_blocks):])
+            else:
+                lens.append(start + n)
+                tables.append(table)
             if entry.sample_seqs:
                 logit_rows += [cu[-1] - 1] * len(entry.sample_seqs)
         width = max(len(t) for t in tables)
@@ -107,7 +144,7 @@ class StepInputs:
         return cls(host, num_tokens, num_seqs, width, len(pending_at), -1 if sample_all else len(logit_rows),
                    max(e.num_new_tokens for e in batch.scheduled), batch.num_decodes, bool(logit_rows),
                    list(batch.block_copies), list(batch.kv_swap_out), list(batch.kv_swap_in), prompt_logprob_rows,
-                   cu, lens)
+                   long_context, cu, lens)
 
     @property
     def num_longs(self) -> int:
@@ -148,7 +185,9 @@ class StepInputs:
                   self.max_seqlen_q, self.num_decodes, int(self.sample), len(self.block_copies),
                   len(self.kv_swap_out), len(self.kv_swap_in), len(self.prompt_logprob_rows)]
         pairs = self.block_copies + self.kv_swap_out + self.kv_swap_in + self.prompt_logprob_rows
-        tail = np.asarray([v for pair in pairs for v in pair], np.int64)
+        long_context = [v for row in self.long_context for v in row.pack()]
+        header.append(len(long_context))
+        tail = np.asarray([v for pair in pairs for v in pair] + long_context, np.int64)
         payload = np.concatenate([self.host, tail])
         tp.broadcast_host(torch.tensor(header + [len(payload)], dtype=torch.int64))
         tp.broadcast_host(torch.from_numpy(payload))
@@ -168,6 +207,9 @@ class StepInputs:
         step = cls(np.empty(0, np.int64), h["num_tokens"], h["num_seqs"], h["width"], h["num_pending"],
                    h["num_logit_rows"], h["max_seqlen_q"], h["num_decodes"], bool(h["sample"]))
         counts = [h["num_copies"], h["num_swap_out"], h["num_swap_in"], h["num_prompt_logprobs"]]
+        num_long = h["num_long_context_ints"]
+        step.long_context = LongContextRow.unpack_all(payload[len(payload) - num_long:].tolist())
+        payload = payload[:len(payload) - num_long]
         tail = [tuple(p) for p in payload[len(payload) - 2 * sum(counts):].reshape(-1, 2).tolist()]
         step.host = payload[:len(payload) - 2 * sum(counts)]
         ends = np.cumsum(counts).tolist()

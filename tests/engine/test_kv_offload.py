@@ -7,7 +7,7 @@ import torch
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.request import Request, Sequence
-from nanoserve.worker.kv_offload import KVOffloader, _runs
+from nanoserve.worker.kv_offload import KVOffloader, block_runs
 
 BS = 4
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -80,7 +80,7 @@ def test_offloader_copies_blocks_out_and_back():
     for (k, v), (k0, v0) in zip(cache, original, strict=True):
         assert torch.equal(k[0], k0[1]) and torch.equal(k[5], k0[2]) and torch.equal(k[2], k0[4])
         assert torch.equal(v[0], v0[1]) and torch.equal(v[5], v0[2]) and torch.equal(v[2], v0[4])
-    assert _runs([3, 4, 5, 9, 1, 2]) == [(0, 3, 3), (3, 9, 1), (4, 1, 2)]
+    assert block_runs([3, 4, 5, 9, 1, 2]) == [(0, 3, 3), (3, 9, 1), (4, 1, 2)]
 
 
 def _run(llm: LLM, prompts) -> list[list[int]]:
@@ -123,9 +123,7 @@ def test_preempted_requests_come_back_through_the_cpu_tier(checkpoints):
     assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.block_manager.cpu.loaded > 0
 
 
-def test_kv_offload_needs_prefix_caching(checkpoints):
-    with pytest.raises(ValueError, match="^kv_offload_gb: the CPU tier sits under the prefix cache"):
-        LLM(str(checkpoints["llama"]), enable_prefix_caching=False, kv_offload_gb=1)
+def test_kv_offload_gb_is_checked(checkpoints):
     with pytest.raises(ValueError, match="^kv_offload_gb: must be a number >= 0"):
         LLM(str(checkpoints["llama"]), kv_offload_gb=-1)
 

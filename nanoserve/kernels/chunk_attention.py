@@ -1,0 +1,131 @@
+"""Attention of one sequence's new tokens over one run of its keys, merged into a running result by log-sum-exp.
+
+Long-context mode (worker/kv_offload.py) computes a sequence's attention piece by piece: over the keys still on the
+device (its window, causal), then over each chunk of older keys streamed back from CPU memory. Each call adds its
+piece to fp32 accumulators `out` [M, Hq, D] and `lse` [M, Hq] (natural log): the softmax over the union of the
+pieces is the pieces' outputs weighted by exp(lse_piece - lse_union), so no piece needs to see another's keys.
+
+Keys are paged ([blocks, block_size, kv heads, head_dim], any block stride: a ring slot holding keys and values of a
+block side by side works as well as the pool) and listed by `block_ids`; key j sits at position key_pos0 + j and
+query i at q_pos0 + i, which sees keys up to its own position.
+"""
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the PyTorch reference serves there
+    triton = None
+
+
+def chunk_attention_ref(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, block_ids: torch.Tensor,
+                        num_keys: int, key_pos0: int, q_pos0: int, scale: float, out: torch.Tensor,
+                        lse: torch.Tensor, accumulate: bool) -> None:
+    """PyTorch reference (and the CPU path): same contract as chunk_attention."""
+    group = q.shape[1] // k_blocks.shape[2]
+    k = k_blocks[block_ids.long()].flatten(0, 1)[:num_keys].float().repeat_interleave(group, 1)  # [N, Hq, D]
+    v = v_blocks[block_ids.long()].flatten(0, 1)[:num_keys].float().repeat_interleave(group, 1)
+    scores = torch.einsum("mhd,nhd->hmn", q.float(), k) * scale
+    q_pos = q_pos0 + torch.arange(q.shape[0], device=q.device)
+    k_pos = key_pos0 + torch.arange(num_keys, device=q.device)
+    scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    piece_lse = torch.logsumexp(scores, dim=-1)  # [Hq, M]; -inf where a query sees no key here
+    probs = torch.exp(scores - piece_lse.clamp_min(-1e30)[..., None])
+    piece = torch.einsum("hmn,nhd->mhd", probs, v)
+    piece_lse = piece_lse.transpose(0, 1)
+    if not accumulate:
+        out.copy_(piece)
+        lse.copy_(piece_lse)
+        return
+    merged = torch.logaddexp(lse, piece_lse)
+    safe = merged.clamp_min(-1e30)  # both -inf: weights 0, not NaN
+    out.mul_(torch.exp(lse - safe)[..., None]).add_(piece * torch.exp(piece_lse - safe)[..., None])
+    lse.copy_(merged)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _chunk_attention_kernel(q_ptr, k_ptr, v_ptr, block_ids_ptr, out_ptr, lse_ptr, num_keys, key_pos0, q_pos0,
+                                num_rows, qk_scale, stride_qm, stride_qh, stride_kb, stride_kt, stride_kh,
+                                group, ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                                HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                                BLOCK_N: tl.constexpr):
+        head = tl.program_id(1)
+        kv_head = head // group
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        row_ok = offs_m < num_rows
+        q = tl.load(q_ptr + offs_m[:, None] * stride_qm + head * stride_qh + offs_d[None, :], mask=row_ok[:, None],
+                    other=0.0)
+        q_pos = q_pos0 + offs_m
+        # Keys past the tile's last query are masked for every row: stop before them.
+        hi = tl.minimum(num_keys, q_pos0 + tl.program_id(0) * BLOCK_M + BLOCK_M - key_pos0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for start_n in range(0, hi, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < hi
+            blocks = tl.load(block_ids_ptr + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+            kv_offs = blocks * stride_kb + (offs_n % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
+            k = tl.load(k_ptr + kv_offs[None, :] + offs_d[:, None], mask=n_ok[None, :], other=0.0)
+            v = tl.load(v_ptr + kv_offs[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+            # Products in the inputs' precision, accumulated in fp32; the softmax is fp32 throughout.
+            qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # log2 units: qk_scale holds log2(e)
+            seen = (key_pos0 + offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+            qk = tl.where(seen, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(qk - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        nonempty = l_i > 0
+        piece = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+        ln2 = 0.6931471805599453
+        piece_lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * ln2, float("-inf"))
+        o_ptrs = out_ptr + offs_m[:, None] * (tl.num_programs(1) * HEAD_DIM) + head * HEAD_DIM + offs_d[None, :]
+        lse_ptrs = lse_ptr + offs_m * tl.num_programs(1) + head
+        if ACCUMULATE:
+            old_lse = tl.load(lse_ptrs, mask=row_ok, other=float("-inf"))
+            top = tl.maximum(old_lse, piece_lse)
+            top_safe = tl.where(top > float("-inf"), top, 0.0)
+            w_old = tl.exp(old_lse - top_safe)
+            w_new = tl.exp(piece_lse - top_safe)
+            total = w_old + w_new
+            old = tl.load(o_ptrs, mask=row_ok[:, None], other=0.0)
+            piece = (old * w_old[:, None] + piece * w_new[:, None]) / tl.where(total > 0, total, 1.0)[:, None]
+            piece_lse = tl.where(total > 0, top_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+        tl.store(o_ptrs, piece, mask=row_ok[:, None])
+        tl.store(lse_ptrs, piece_lse, mask=row_ok)
+
+
+def chunk_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, block_ids: torch.Tensor,
+                    num_keys: int, key_pos0: int, q_pos0: int, scale: float, out: torch.Tensor, lse: torch.Tensor,
+                    accumulate: bool) -> None:
+    """q [M, Hq, D] over keys 0..num_keys-1 of k/v_blocks[block_ids] ([blocks, block_size, Hkv, D], the last two
+    dims contiguous; k and v with the same strides), into fp32 out [M, Hq, D] and lse [M, Hq] (contiguous): replaced,
+    or with accumulate merged with what they hold."""
+    if q.device.type != "cuda" and not _interpreting():
+        chunk_attention_ref(q, k_blocks, v_blocks, block_ids, num_keys, key_pos0, q_pos0, scale, out, lse, accumulate)
+        return
+    assert k_blocks.stride() == v_blocks.stride() and k_blocks.stride(3) == 1 and q.stride(2) == 1
+    assert out.is_contiguous() and lse.is_contiguous() and out.dtype == lse.dtype == torch.float32
+    rows, heads, head_dim = q.shape
+    block_m = 64 if rows > 16 else 16
+    grid = (triton.cdiv(rows, block_m), heads)
+    _chunk_attention_kernel[grid](
+        q, k_blocks, v_blocks, block_ids, out, lse, num_keys, key_pos0, q_pos0, rows, scale * 1.4426950408889634,
+        q.stride(0), q.stride(1), k_blocks.stride(0), k_blocks.stride(1), k_blocks.stride(2),
+        heads // k_blocks.shape[2], ACCUMULATE=accumulate,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HEAD_DIM=head_dim, BLOCK_SIZE=k_blocks.shape[1],
+        BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=2)
+
+
+def _interpreting() -> bool:
+    import os
+
+    return triton is not None and os.environ.get("TRITON_INTERPRET") == "1"

@@ -1,0 +1,106 @@
+"""Long-context attention: a sequence's older keys stream back from the CPU pool through a ring of device slots.
+
+A sequence longer than the device's KV pool keeps only its window there (the blocks from the one its next tokens
+start in); its older blocks sit in the CPU pool (worker/kv_offload.py), one contiguous run per layer when they were
+moved there together. At each layer, after the batch's attention, the sequence's rows are computed again in pieces:
+over the window (causal), then over its older blocks a chunk at a time, each chunk copied into a ring slot on the
+offloader's copy-in stream while the slot before is attended to on the compute stream; the pieces are merged by
+log-sum-exp (kernels/chunk_attention.py) and replace the rows the batch's attention wrote from the window alone.
+
+With two slots, the copy of chunk j + 1 waits only for the attention over chunk j - 1 (the slot's last reader, by
+an event) and for the copy to the CPU of blocks the step has just moved (the offloader's events); a prefill chunk's
+attention over a chunk of keys takes longer than copying it (PCIe moves ~40 GB/s, a chunk of 4,096 Llama-3.1-8B
+queries against 8,192 keys is ~70 GFLOP), so the stream stays busy. A decode's single query reads each key once:
+decode runs at the copy's speed, all older KV crossing PCIe at every token.
+
+On the CPU (tests) the same pieces are read straight from the CPU pool.
+"""
+
+import torch
+
+from nanoserve.kernels.chunk_attention import chunk_attention, chunk_attention_ref
+from nanoserve.utils import to_device
+from nanoserve.worker.kv_offload import KVOffloader, block_runs
+from nanoserve.worker.step_inputs import LongContextRow
+
+# Keys per ring slot: 8,192 tokens is 32 MiB a slot for Llama-3.1-8B (8 kv heads of 128, bf16), and each chunk is
+# one copy per run of consecutive CPU blocks, large enough to run at the link's bandwidth.
+RING_SLOT_TOKENS = 8192
+
+
+class KVRing:
+    """The device slots and the events that order their copies and readers."""
+
+    def __init__(self, offloader: KVOffloader, block_size: int, num_slots: int = 2) -> None:
+        self.offloader = offloader
+        self.slot_blocks = max(1, RING_SLOT_TOKENS // block_size)
+        cpu = offloader.cpu
+        self.cuda = offloader.in_stream is not None
+        self.slots = torch.empty((num_slots, self.slot_blocks, *cpu.shape[2:]), dtype=cpu.dtype,
+                                 device=offloader.device) if self.cuda else None
+        self.readers: list[torch.cuda.Event | None] = [None] * num_slots  # the last attention over each slot
+        self.next_slot = 0
+        self.slot_ids = torch.arange(self.slot_blocks, dtype=torch.int32, device=offloader.device)
+
+    def load(self, layer: int, cpu_ids: list[int]) -> tuple[int, torch.Tensor]:
+        """Queue the copy of one layer's blocks cpu_ids into the next slot; the compute stream waits for it. Returns
+        the slot and its blocks ([n, 2, block_size, kv heads, head_dim]); call done(slot) after the reads are queued."""
+        if not self.cuda:
+            return -1, self.offloader.cpu[layer, cpu_ids]
+        slot = self.next_slot
+        self.next_slot = (slot + 1) % len(self.readers)
+        off = self.offloader
+        ids = set(cpu_ids)
+        off.wait_for(off.in_stream, off.writing, ids)
+        if self.readers[slot] is not None:
+            off.in_stream.wait_event(self.readers[slot])
+        with torch.cuda.stream(off.in_stream):
+            for at, first, n in block_runs(cpu_ids):
+                self.slots[slot, at:at + n].copy_(off.cpu[layer, first:first + n], non_blocking=True)
+            loaded = torch.cuda.Event()
+            loaded.record()
+        off.reading.append((loaded, ids))
+        torch.cuda.current_stream().wait_event(loaded)
+        return slot, self.slots[slot, :len(cpu_ids)]
+
+    def done(self, slot: int) -> None:
+        if slot >= 0:
+            self.readers[slot] = torch.cuda.Event()
+            self.readers[slot].record()
+
+
+class LongContextAttention:
+    """One step's long-context rows, read by every attention layer (AttentionMetadata.long_context)."""
+
+    def __init__(self, ring: KVRing, rows: list[LongContextRow], block_size: int) -> None:
+        self.ring = ring
+        self.rows = rows
+        self.block_size = block_size
+        device = ring.offloader.device
+        self.windows = [to_device(row.window, torch.int32, device) for row in rows]
+        step = ring.slot_blocks
+        self.chunks = [[row.cpu_blocks[i:i + step] for i in range(0, len(row.cpu_blocks), step)] for row in rows]
+
+    def attend(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+               scale: float) -> None:
+        """Replace each long-context sequence's rows of `out` with attention over all of its keys."""
+        bs = self.block_size
+        attention = chunk_attention if q.device.type == "cuda" else chunk_attention_ref
+        for row, window, chunks in zip(self.rows, self.windows, self.chunks, strict=True):
+            rows = slice(row.first_row, row.first_row + row.num_rows)
+            qs = q[rows]
+            acc = torch.empty(qs.shape, dtype=torch.float32, device=q.device)
+            lse = torch.empty(qs.shape[:2], dtype=torch.float32, device=q.device)
+            window_start = len(row.cpu_blocks) * bs
+            attention(qs, k_cache, v_cache, window, row.start + row.num_rows - window_start, window_start,
+                            row.start, scale, acc, lse, accumulate=False)
+            key_pos = 0
+            for cpu_ids in chunks:
+                slot, blocks = self.ring.load(layer, cpu_ids)
+                ids = self.ring.slot_ids[:len(cpu_ids)] if slot >= 0 else torch.arange(len(cpu_ids),
+                                                                                      dtype=torch.int32)
+                attention(qs, blocks[:, 0], blocks[:, 1], ids, len(cpu_ids) * bs, key_pos, row.start, scale,
+                                acc, lse, accumulate=True)
+                self.ring.done(slot)
+                key_pos += len(cpu_ids) * bs
+            out[rows] = acc.to(out.dtype)
