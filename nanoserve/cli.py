@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from nanoserve import __version__
 from nanoserve.args import HelpFormatter, add_engine_args, add_server_args, engine_args_from
 
-BENCHMARKS = ("throughput", "latency", "serve", "prefix", "multi-turn")
+BENCHMARKS = ("throughput", "latency", "serve", "prefix", "multi-turn", "long-context")
 # The exit status of a command stopped by Ctrl-C, as a shell reports a process that SIGINT ended.
 INTERRUPTED = 130
 

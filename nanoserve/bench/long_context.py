@@ -1,0 +1,69 @@
+"""Long context beyond the GPU's KV pool: one long prompt, then decode, with the GPU pool limited so that the context
+does not fit (its older blocks in the CPU pool, --kv-offload-gb), beside the same run with a pool that holds it.
+
+    nanoserve bench long-context --model DIR [--prompt-lens 65536 130816] [--output-len 256] [--gpu-kv-tokens 8192]
+
+DIR: a model directory; with only a config.json in it, the weights are random (--load-format dummy). Prefill tok/s
+is prompt tokens over the time to the first token; decode tok/s is the other output tokens over the time after it.
+"""
+
+import time
+
+import numpy as np
+
+from nanoserve.bench.common import emit, engine_args, free_device_memory, parser
+from nanoserve.llm import LLM
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.worker.kv_cache import bytes_per_block
+
+
+def measure(llm: LLM, prompt: list[int], output_len: int) -> tuple[float, float]:
+    """(prefill tok/s, decode tok/s) of one request."""
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    start = time.perf_counter()
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    end = time.perf_counter()
+    first = out.metrics.first_token_time
+    # The metrics' clock is time.monotonic: the first token's delay from the request's arrival.
+    ttft = first - out.metrics.arrival_time
+    decode_s = (end - start) - ttft
+    return len(prompt) / ttft, (len(out.outputs[0].token_ids) - 1) / decode_s
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser("long-context", __doc__)
+    p.add_argument("--prompt-lens", type=int, nargs="+", default=[65536, 130816], help="prompt lengths, one run each")
+    p.add_argument("--output-len", type=int, default=256, help="tokens generated after each prompt")
+    p.add_argument("--gpu-kv-tokens", type=int, default=8192, help="the GPU pool of the offload runs, in tokens")
+    ns = p.parse_args(argv)
+    longest = max(ns.prompt_lens) + ns.output_len
+    ns.max_model_len = ns.max_model_len or longest
+    result = {"bench": "long-context", "output_len": ns.output_len, "gpu_kv_tokens": ns.gpu_kv_tokens}
+    for offload in (True, False):
+        args = engine_args(ns)
+        if offload:
+            args.num_kv_blocks = ns.gpu_kv_tokens // args.block_size
+            args.kv_offload_gb = 1.1 * -(-longest // args.block_size) * bytes_per_block(args.create_config()) / 2**30
+        llm = LLM(**vars(args))
+        rng = np.random.default_rng(ns.seed)
+        vocab = llm.engine.config.model.vocab_size
+        llm.generate([list(range(1, 64))], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+        key = "offload" if offload else "gpu"
+        for n in ns.prompt_lens:
+            prefill, decode = measure(llm, rng.integers(0, vocab, n).tolist(), ns.output_len)
+            result |= {f"prefill_tok_s_{key}_{n}": round(prefill, 1), f"decode_tok_s_{key}_{n}": round(decode, 2)}
+            print(f"{key} {n}: prefill {prefill:.0f} tok/s, decode {decode:.2f} tok/s", flush=True)
+        if offload:
+            result["kv_offload_gb"] = round(args.kv_offload_gb, 2)
+        llm.shutdown()
+        del llm
+        free_device_memory()
+    for n in ns.prompt_lens:
+        result[f"prefill_ratio_{n}"] = round(result[f"prefill_tok_s_offload_{n}"] / result[f"prefill_tok_s_gpu_{n}"], 3)
+        result[f"decode_ratio_{n}"] = round(result[f"decode_tok_s_offload_{n}"] / result[f"decode_tok_s_gpu_{n}"], 3)
+    emit(result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
