@@ -115,14 +115,16 @@ def chunk_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Ten
     assert k_blocks.stride() == v_blocks.stride() and k_blocks.stride(3) == 1 and q.stride(2) == 1
     assert out.is_contiguous() and lse.is_contiguous() and out.dtype == lse.dtype == torch.float32
     rows, heads, head_dim = q.shape
-    block_m = 64 if rows > 16 else 16
+    # A prefill chunk: 128-row tiles (8 warps, 3 stages), the shape of the common H100 flash-attention configs; a
+    # decode's one row: a 16-row tile, the smallest a matrix product takes.
+    block_m, warps, stages = (128, 8, 3) if rows > 16 else (16, 4, 2)
     grid = (triton.cdiv(rows, block_m), heads)
     _chunk_attention_kernel[grid](
         q, k_blocks, v_blocks, block_ids, out, lse, num_keys, key_pos0, q_pos0, rows, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k_blocks.stride(0), k_blocks.stride(1), k_blocks.stride(2),
         heads // k_blocks.shape[2], ACCUMULATE=accumulate,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HEAD_DIM=head_dim, BLOCK_SIZE=k_blocks.shape[1],
-        BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=2)
+        BLOCK_M=block_m, BLOCK_N=64, num_warps=warps, num_stages=stages)
 
 
 def _interpreting() -> bool:

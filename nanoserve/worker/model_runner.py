@@ -224,7 +224,8 @@ class ModelRunner:
         else:
             # An eager step gets its plan here (a graph replays the one it was captured with).
             meta.plan = self.planner.plan(num_seqs, meta.num_decodes, input_ids.shape[0],
-                                          triton=self.attn_layers[0].backend is TritonBackend)
+                                          triton=self.attn_layers[0].backend is TritonBackend,
+                                          long_context=meta.long_context is not None)
             if self.planner.prefill is not None:
                 eager_tile_map(meta, self.device, self.attn_layers[0].head_dim, self.planner.prefill)
             hidden = self.model(input_ids, positions, meta)

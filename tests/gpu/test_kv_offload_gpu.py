@@ -21,8 +21,10 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("offload") / "qwen3", "qwen3", hidden_size=128,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=3)
+    # Wide enough for the tier to pay on a GPU (~27,000 FLOPs per KV byte in fp32: worker/kv_cache.py's rule).
+    return write_checkpoint(tmp_path_factory.mktemp("offload") / "qwen3", "qwen3", hidden_size=512,
+                            intermediate_size=4096, num_attention_heads=8, num_key_value_heads=1, head_dim=64,
+                            num_hidden_layers=3, max_position_embeddings=2048)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
