@@ -115,9 +115,10 @@ def chunk_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Ten
     assert k_blocks.stride() == v_blocks.stride() and k_blocks.stride(3) == 1 and q.stride(2) == 1
     assert out.is_contiguous() and lse.is_contiguous() and out.dtype == lse.dtype == torch.float32
     rows, heads, head_dim = q.shape
-    # A prefill chunk: 128-row tiles (8 warps, 3 stages), the shape of the common H100 flash-attention configs; a
-    # decode's one row: a 16-row tile, the smallest a matrix product takes.
-    block_m, warps, stages = (128, 8, 3) if rows > 16 else (16, 4, 2)
+    # A decode's one row takes a 16-row tile, the smallest a matrix product takes. For prefill chunks 64-row tiles
+    # (4 warps, 2 stages) ran `bench long-context` faster than 128-row ones (8 warps, 3 stages) on an H100: 5,294 vs
+    # 4,611 prefill tok/s at 64k, 4,972 vs 3,755 at 128k. Neither is tuned further (no GQA packing, no autotune).
+    block_m, warps, stages = (64, 4, 2) if rows > 16 else (16, 4, 2)
     grid = (triton.cdiv(rows, block_m), heads)
     _chunk_attention_kernel[grid](
         q, k_blocks, v_blocks, block_ids, out, lse, num_keys, key_pos0, q_pos0, rows, scale * 1.4426950408889634,

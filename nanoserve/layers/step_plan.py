@@ -141,8 +141,9 @@ class KernelPlanner:
              triton: bool | None = None, long_context: bool = False) -> KernelPlan:
         """The plan of a step of num_tokens tokens in num_seqs sequences, the first num_decodes of which are decodes
         (one token each). graph: the step is captured in a CUDA graph (for a bucket: its padded shape). triton:
-        whether attention runs the Triton kernels (default: on CUDA). long_context: the step has long-context rows,
-        whose attention Attention.attend redoes (worker/kv_ring.py): the fused rope decode, which bypasses it, is off."""
+        whether attention runs the Triton kernels (default: on CUDA). long_context: the step has long-context
+        rows, whose attention Attention.attend redoes (worker/kv_ring.py): the fused rope decode, which bypasses it,
+        is off."""
         # The PyTorch backend (the CPU's, or a reference run's on a GPU) has no fused rope decode.
         triton = self.device.type == "cuda" if triton is None else triton
         fused_rope = self._fuses_rope(num_decodes, num_tokens, triton) and not long_context
