@@ -10,9 +10,12 @@ sample and streamed like sampled text, in chunks of its own whose delta says "to
 With `tools` (ToolMode): tool_choice "required" or a named function constrains the reply with a grammar
 (structured/tools.py) and reads it back as calls; "auto" (needs --enable-auto-tool-choice and a
 --tool-call-parser, or the bundled model, whose calculator calls are read by the nanochat parser) reads the
-model's own format with the parser. The message then carries `tool_calls`, and finish_reason is "tool_calls"
-(a named function keeps "stop", as OpenAI does). A stream sends content until the tool-call section starts,
-then each call in one delta (index, id, name, arguments) once it is complete.
+model's own format with the parser, and with a tool marked `strict` holds the reply to a grammar of free text or
+calls in that format (a parser whose format cannot: 400 naming the tool's `strict`). The message then carries
+`tool_calls`, and finish_reason is "tool_calls" (a named function keeps "stop", as OpenAI does). A stream sends
+content until the tool-call section starts, then each call's first delta (index, id, type, name) as its arguments
+begin and their pieces as they are written (hermes, llama3_json, mistral, "required", named; the other parsers'
+calls come whole once complete).
 """
 
 import dataclasses
@@ -40,7 +43,13 @@ from nanoserve.server.streaming import (
     run_until_disconnected,
 )
 from nanoserve.structured.tool_parsers import PARSERS, ParsedReply, ToolParser
-from nanoserve.structured.tools import ToolCallStream, forced_reply, tool_choice_constraint
+from nanoserve.structured.tool_parsers.grammar import Markers
+from nanoserve.structured.tools import (
+    ToolCallStream,
+    forced_parser,
+    strict_auto_constraint,
+    tool_choice_constraint,
+)
 
 # Chat request ids start with this (ServingBase.start adds "-<hex>-<i>"); the tool loop tracks exactly these.
 ID_PREFIX = "chatcmpl"
@@ -48,31 +57,22 @@ ID_PREFIX = "chatcmpl"
 
 @dataclass
 class ToolMode:
-    """How one request's reply is read back as tool calls: by a parser ("auto"), or as the JSON a tool_choice
-    grammar forced ("required", or a named function)."""
+    """How one request's reply is read back as tool calls: by the model's format's parser ("auto"), or as the JSON a
+    tool_choice grammar forced ("required", or a named function: tools.forced_parser)."""
 
     tool_choice: str | dict
-    parser: ToolParser | None  # for "auto"
+    parser: ToolParser
+
+    @property
+    def auto(self) -> bool:
+        return self.tool_choice == "auto"
 
     def parse(self, text: str) -> ParsedReply:
-        return self.parser.parse(text) if self.parser is not None else forced_reply(text, self.tool_choice)
+        return self.parser.parse(text)
 
     def finish_reason(self, reply: ParsedReply, finish_reason: str | None) -> str | None:
         named = isinstance(self.tool_choice, dict)
         return "tool_calls" if reply.tool_calls and finish_reason == "stop" and not named else finish_reason
-
-
-class ForcedStream:
-    """A stream under a tool_choice grammar: the calls go out whole once the reply is over."""
-
-    def __init__(self, mode: ToolMode) -> None:
-        self.mode = mode
-
-    def update(self, text: str, final: bool):
-        if not final:
-            return "", []
-        reply = self.mode.parse(text)
-        return reply.content or "", reply.tool_calls
 
 
 class ServingChat(ServingBase):
@@ -95,6 +95,10 @@ class ServingChat(ServingBase):
         self.parser_class = PARSERS[tool_call_parser] if tool_call_parser is not None else None
         self.auto_tools = enable_auto_tool_choice and self.parser_class is not None
         self.special_tokens = list(getattr(tokenizer, "all_special_tokens", []) or [])
+        # Added tokens by text: a strict grammar names a marker that is one by its id (tool_parsers/grammar.py).
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self.markers = Markers({token.content: token_id for token_id, token in added.items()},
+                               engine.engine.config.model.eos_token_ids)
 
     def tool_mode(self, req: ChatCompletionRequest) -> ToolMode | None:
         """How the reply is read back as calls (None: plain content); 400 naming the field for a bad combination."""
@@ -113,26 +117,35 @@ class ServingChat(ServingBase):
             if not self.auto_tools:
                 raise APIError(400, 'tool_choice: "auto" needs the server started with --enable-auto-tool-choice '
                                     'and --tool-call-parser', "tool_choice")
+            strict = next((i for i, t in enumerate(req.tools) if t.function.strict), None)
+            if strict is not None and _constrained(req):
+                raise APIError(400, f"tools.{strict}.function.strict: a strict tool under tool_choice \"auto\" "
+                                    "constrains the reply itself; it cannot go with response_format or "
+                                    "structured_outputs", f"tools.{strict}.function.strict")
             return ToolMode("auto", self.parser_class(self.special_tokens))
-        if req.response_format is not None and req.response_format.type != "text" or req.structured_outputs:
+        if _constrained(req):
             raise APIError(400, f"tool_choice: {choice if isinstance(choice, str) else 'a named function'} "
                                 "constrains the reply itself; it cannot go with response_format or "
                                 "structured_outputs", "tool_choice")
-        return ToolMode(choice if isinstance(choice, str) else choice.model_dump(), None)
+        tool_choice = choice if isinstance(choice, str) else choice.model_dump()
+        return ToolMode(tool_choice, forced_parser(tool_choice))
 
     def tool_params(self, params: SamplingParams, mode: ToolMode, req: ChatCompletionRequest) -> SamplingParams:
         """The request's SamplingParams as its tool mode needs them (a constraint, special tokens, a stop)."""
         tools = [t.model_dump(exclude_none=True) for t in req.tools]
         changes = {}
         try:
-            constraint = tool_choice_constraint(tools, mode.tool_choice, req.parallel_tool_calls)
+            if mode.auto:
+                constraint = strict_auto_constraint(tools, mode.parser, req.parallel_tool_calls, self.markers)
+            else:
+                constraint = tool_choice_constraint(tools, mode.tool_choice, req.parallel_tool_calls)
         except ValueError as exc:
             raise bad_request(exc) from None
         if constraint is not None:
             changes["structured_outputs"] = constraint
-        if mode.parser is not None and mode.parser.needs_special_tokens:
+        if mode.auto and (mode.parser.needs_special_tokens or set(mode.parser.markers) & set(self.special_tokens)):
             changes["skip_special_tokens"] = False  # its markers are special tokens
-        if mode.parser is not None and mode.parser.name == "nanochat" and self.tool_tokens is not None:
+        if mode.parser.name == "nanochat" and self.tool_tokens is not None:
             # The call ends the reply: the client runs the calculator and sends its result as a tool message.
             changes["stop_token_ids"] = [*params.stop_token_ids, self.tool_tokens.python_end]
         return dataclasses.replace(params, **changes) if changes else params
@@ -190,6 +203,11 @@ class ServingChat(ServingBase):
                 "model": gen.model, "choices": choices, "usage": gen.usage(finals).to_dict()}
 
 
+def _constrained(req: ChatCompletionRequest) -> bool:
+    """Whether the request holds its reply to a format of its own (response_format or structured_outputs)."""
+    return req.response_format is not None and req.response_format.type != "text" or bool(req.structured_outputs)
+
+
 def _all_forced(c: CompletionOutput, start: int) -> bool:
     """Whether the tokens of `c` from `start` on were all forced by the tool loop. The loop hands
     forced tokens over in an output of their own, so a delta is all forced or all sampled."""
@@ -207,7 +225,7 @@ class ChatChunks:
         self.include_usage = include_usage
         self.top_logprobs = top_logprobs
         self.mode = mode
-        self.tool_streams: dict[int, ToolCallStream | ForcedStream] = {}  # choice index -> its reading
+        self.tool_streams: dict[int, ToolCallStream] = {}  # choice index -> its reading
 
     def render(self, prompt_index: int, out: RequestOutput) -> str:
         gen, text_out = self.gen, ""
@@ -235,26 +253,18 @@ class ChatChunks:
         return text_out
 
     def tool_chunks(self, index: int, c: CompletionOutput) -> str:
-        """A choice's chunks under a tool mode: content deltas, then one delta per complete call (logprobs are not
-        sent in this mode)."""
+        """A choice's chunks under a tool mode: content deltas, then per call a first delta and argument pieces,
+        one chunk per call that moved (logprobs are not sent in this mode)."""
         stream = self.tool_streams.get(index)
         if stream is None:
-            stream = self.tool_streams[index] = (ToolCallStream(self.mode.parser) if self.mode.parser is not None
-                                                 else ForcedStream(self.mode))
+            stream = self.tool_streams[index] = ToolCallStream(self.mode.parser)
         final = c.finish_reason is not None
-        first_call = stream.num_calls if isinstance(stream, ToolCallStream) else 0
         content, calls = stream.update(c.text, final)
         out = self.chunk(index, '{"content": ' + json_str(content) + "}", None, None) if content else ""
-        for i, call in enumerate(calls, start=first_call):
-            delta = {"tool_calls": [{"index": i, **call.to_dict()}]}
-            out += self.chunk(index, json_value(delta), None, None)
+        for delta in calls:
+            out += self.chunk(index, json_value({"tool_calls": [delta]}), None, None)
         if final:
-            finish = c.finish_reason
-            if isinstance(stream, ToolCallStream):
-                finish = "tool_calls" if stream.num_calls and finish == "stop" else finish
-            elif calls:
-                finish = self.mode.finish_reason(ParsedReply(None, calls), finish)
-            out += self.chunk(index, "{}", None, finish)
+            out += self.chunk(index, "{}", None, self.mode.finish_reason(stream.reply, c.finish_reason))
         return out
 
     def chunk(self, index: int, delta_json: str, logprobs: dict | None, finish_reason: str | None) -> str:

@@ -48,3 +48,9 @@ TIME = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"zone": {"type": "string", "pattern": "^UTC[+-][0-9]$"}},
                    "required": ["zone"], "additionalProperties": False}}}
 TOOLS = [WEATHER, TIME]
+# Added to the test tokenizer (conftest.py): the first two not special, the others special.
+MARKER_TOKENS = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>"]
+
+
+def strict(tools: list[dict]) -> list[dict]:
+    return [{**t, "function": {**t["function"], "strict": True}} for t in tools]

@@ -1,7 +1,7 @@
 """Structured output and tools through the OpenAI server on a random-weight model (async scheduling on), with the
 official openai client: response_format, vLLM's structured_outputs on both endpoints, 400s that say what is wrong,
-tool_choice "required" and named, tool messages through the template, streamed tool-call deltas, and
-client.beta.chat.completions.parse with a pydantic model."""
+tool_choice "required" and named, strict tools under "auto", tool messages through the template, streamed tool-call
+deltas (arguments in pieces), and client.beta.chat.completions.parse with a pydantic model."""
 
 import importlib.util
 import json
@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
-from structured_cases import SCHEMAS, TOOLS, WEATHER
+from structured_cases import SCHEMAS, TOOLS, WEATHER, strict
 
 
 def _start_server():
@@ -84,6 +84,8 @@ def test_structured_outputs_on_completions(server):
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
      "not among tools"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": strict(TOOLS), "response_format": {"type": "json_object"}}, "tools.0.function.strict",
+     "cannot go with response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
       "tool_choice": "required"}, "tools", "Invalid type: objekt"),
 ])
@@ -105,7 +107,7 @@ def _check_calls(calls, allowed: list[dict]) -> None:
 def test_tool_choice_required_and_named(server):
     client = server.client()
     r = client.chat.completions.create(model=server.model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
-                                       n=2, temperature=1.0, seed=4, max_tokens=200)
+                                       n=2, temperature=1.0, seed=4, max_tokens=600)
     for choice in r.choices:
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         _check_calls(choice.message.tool_calls, TOOLS)
@@ -127,15 +129,8 @@ def test_streamed_tool_call_deltas_join_to_the_message(server, tool_choice):
                   seed=8, max_tokens=300, parallel_tool_calls=False)
     whole = client.chat.completions.create(**kwargs).choices[0]
     assert whole.message.tool_calls, whole
-    calls, finish = {}, None
-    for chunk in client.chat.completions.create(**kwargs, stream=True):
-        for choice in chunk.choices:
-            finish = choice.finish_reason or finish
-            for delta in choice.delta.tool_calls or []:
-                call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
-                call["name"] += delta.function.name or ""
-                call["arguments"] += delta.function.arguments or ""
-    assert finish == whole.finish_reason
+    calls, finish, pieces = _joined_stream(client, **kwargs)
+    assert finish == whole.finish_reason and pieces > 3  # the arguments come as they are written
     assert [calls[i] for i in sorted(calls)] == [{"name": c.function.name, "arguments": c.function.arguments}
                                                  for c in whole.message.tool_calls]
 
@@ -168,3 +163,57 @@ def test_openai_client_parse_with_a_pydantic_model(server):
                                                    temperature=1.0, seed=9, max_tokens=200)
     order = r.choices[0].message.parsed
     assert isinstance(order, Order) and 1 <= len(order.items) <= 2
+
+
+# The test tokenizer's <tool_call> token (conftest.py), favoured so that a random model writes calls.
+TOOL_CALL_BIAS = {"382": 3}
+
+
+def _joined_stream(client, **kwargs) -> tuple[dict, str | None, int]:
+    """A streamed reply's tool-call deltas joined as a client does: ({index: {"name", "arguments"}}, finish_reason,
+    how many chunks carried argument pieces)."""
+    calls, finish, pieces = {}, None, 0
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+                pieces += bool(delta.function.arguments)
+    return calls, finish, pieces
+
+
+def test_strict_tools_under_auto_give_prose_or_valid_calls(server):
+    """tool_choice "auto" with strict tools: over several seeds every reply is prose, or calls (in the model's Hermes
+    format, read back by the parser) whose arguments validate; a reply that has calls ends with "tool_calls" unless
+    max_tokens cut the prose after them."""
+    client = server.client()
+    calls = prose = 0
+    for seed, parallel, bias in [(1, True, None), (2, True, TOOL_CALL_BIAS), (3, False, TOOL_CALL_BIAS),
+                                 (4, True, TOOL_CALL_BIAS), (5, False, None)]:
+        r = client.chat.completions.create(model=server.model, messages=MESSAGES, tools=strict(TOOLS),
+                                           parallel_tool_calls=parallel, temperature=1.0, seed=seed, max_tokens=150,
+                                           n=2, logit_bias=bias, extra_body={"tool_choice": "auto"})
+        for choice in r.choices:
+            message = choice.message
+            if message.tool_calls:
+                _check_calls(message.tool_calls, TOOLS)
+                assert choice.finish_reason in ("tool_calls", "length") and (parallel or len(message.tool_calls) == 1)
+                calls += 1
+            else:
+                assert "<tool_call>" not in message.content or choice.finish_reason == "length", message.content
+                prose += "<tool_call>" not in message.content
+    assert calls and prose
+
+
+def test_strict_auto_streams_arguments_in_pieces_joined_as_unstreamed(server):
+    client = server.client()
+    kwargs = dict(model=server.model, messages=MESSAGES, tools=strict(TOOLS), temperature=1.0, seed=2,
+                  max_tokens=150, logit_bias=TOOL_CALL_BIAS, parallel_tool_calls=False)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.message.tool_calls, whole
+    calls, finish, pieces = _joined_stream(client, **kwargs)
+    assert finish == whole.finish_reason and pieces > 3
+    assert [calls[i] for i in sorted(calls)] == [{"name": c.function.name, "arguments": c.function.arguments}
+                                                 for c in whole.message.tool_calls]

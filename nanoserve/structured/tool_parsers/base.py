@@ -2,12 +2,17 @@
 
 A parser turns a model's whole reply into (content, tool calls) in the format of the model family it serves; what
 it cannot read as a call stays content (a malformed call is never an error). For streaming, a parser also says
-where its tool-call section starts (`section_start`) and which calls of an unfinished reply are complete already
-(`parse(text, final=False)` returns only calls that the final parse returns too), so that a stream's deltas join
-to the message the same request gets unstreamed.
+where its tool-call section starts (`section_start`), which calls of an unfinished reply are complete already
+(`parse(text, final=False)` returns only calls that the final parse returns too), and, where its format allows,
+how to read a call's arguments while they are written (`stream_formats`, scan.py), so that a stream's deltas join
+to the message the same request gets unstreamed. Arguments are arguments.py's canonical text of the object the
+model wrote.
+
+With a tool marked `strict`, tool_choice "auto" holds the reply to `strict_grammar`: free text, or calls in the
+parser's format whose JSON follows the tools' schemas (grammar.py); a format that cannot hold them says why in
+`strict_unsupported`.
 """
 
-import json
 import secrets
 import string
 from dataclasses import dataclass, field
@@ -33,28 +38,6 @@ def call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
 
 
-def arguments_text(arguments: object) -> str | None:
-    """A call's arguments as JSON text: an object as it is, a string holding an object parsed first; None if it is
-    neither (the call is then malformed)."""
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    return json.dumps(arguments, ensure_ascii=False)
-
-
-def call_from_json(obj: object, args_keys: tuple[str, ...] = ("arguments", "parameters")) -> ToolCall | None:
-    """{"name": ..., "arguments" | "parameters": {...}} as a ToolCall, or None if it is not that shape."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return None
-    key = next((k for k in args_keys if k in obj), None)
-    args = arguments_text(obj[key]) if key is not None else "{}"
-    return None if args is None else ToolCall(obj["name"], args, call_id())
-
-
 class ToolParser:
     """Base class: subclasses set `name` and implement `parse`, and either set `section_marker` (the calls start at
     its first occurrence) or implement `section_start` and `may_start`."""
@@ -63,6 +46,8 @@ class ToolParser:
     section_marker = ""
     needs_special_tokens = False  # its markers are special tokens, which the text must keep
     markers: tuple[str, ...] = ()  # its own markers, which scrub() keeps
+    stream_formats: list = []  # scan.StreamFormat: how its calls' arguments stream (none: each call comes whole)
+    strict_unsupported = ""  # why its format cannot hold strict tools under "auto" (empty: it can)
 
     def __init__(self, special_tokens: list[str] | None = None) -> None:
         # Special tokens' text that must not reach content when the reply keeps special tokens (eos, say).
@@ -80,6 +65,19 @@ class ToolParser:
         return held_back(text, self.section_marker) if self.section_marker else 0
 
     def parse(self, text: str, final: bool = True) -> ParsedReply:
+        raise NotImplementedError
+
+    def stream_text(self, text: str) -> str:
+        """The text its stream_formats are matched on (a parser that reads its section without special tokens'
+        text scrubs it)."""
+        return text
+
+    def new_id(self) -> str:
+        return call_id()
+
+    def strict_grammar(self, functions: list[tuple[str, dict]], parallel: bool, markers) -> str:
+        """The grammar (Lark) that holds a reply to free text or calls of `functions` ((name, arguments schema)),
+        at most one call unless `parallel`; `markers` (grammar.Markers) says which of its markers are tokens."""
         raise NotImplementedError
 
     def scrub(self, text: str) -> str:

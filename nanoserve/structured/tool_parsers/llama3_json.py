@@ -4,16 +4,21 @@
     <|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}
 """
 
-import json
-
-from nanoserve.structured.tool_parsers.base import ParsedReply, ToolParser, call_from_json, held_back
+from nanoserve.structured.tool_parsers.arguments import WS, read_call, skip_ws
+from nanoserve.structured.tool_parsers.base import ParsedReply, ToolParser, held_back
+from nanoserve.structured.tool_parsers.grammar import calls_schema, json_rule, lark, regex_escape
+from nanoserve.structured.tool_parsers.scan import SPACE, StreamFormat, json_head, lit, opt
 
 PYTHON_TAG = "<|python_tag|>"
+# What str.lstrip() strips (section_start reads a reply as calls after it), for the grammar's prose.
+_SPACES = "".join(f"\\x{{{ord(c):x}}}" for c in map(chr, range(0x3001)) if c.isspace())
 
 
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     markers = (PYTHON_TAG,)
+    stream_formats = [StreamFormat([opt(PYTHON_TAG), SPACE, *json_head()],
+                                   [SPACE, lit("}"), SPACE, lit(";"), SPACE, *json_head()], allow_string=True)]
 
     def section_start(self, text: str) -> int | None:
         stripped = text.lstrip()
@@ -28,30 +33,31 @@ class Llama3JsonParser(ToolParser):
             return len(text)
         return 0
 
+    def stream_text(self, text: str) -> str:
+        return self.scrub(text)
+
     def parse(self, text: str, final: bool = True) -> ParsedReply:
         """All calls or none: anything that is not a call (text after them, a malformed object) makes the whole
         reply content, as vLLM does; so no call is known before the end."""
-        start = self.section_start(text)
+        body = self.scrub(text)
+        start = self.section_start(body)
         if start is None or not final:
             return ParsedReply(self.clean(text) if start is None else None)
-        body = self.scrub(text[start:]).strip()
-        body = body[len(PYTHON_TAG):] if body.startswith(PYTHON_TAG) else body
-        decoder, calls, at = json.JSONDecoder(), [], 0
-        while at < len(body):
-            try:
-                obj, end = decoder.raw_decode(body, at)
-            except json.JSONDecodeError:
-                break
-            call = call_from_json(obj)
-            if call is None:
-                break
-            rest = body[end:].lstrip()
-            calls.append(call)
-            if not rest:
+        at = start + len(PYTHON_TAG) if body.startswith(PYTHON_TAG, start) else start
+        calls = []
+        while (read := read_call(body, at)) is not None:
+            calls.append(read[0])
+            at = skip_ws(body, read[1])
+            if not body[at:].strip(WS):
                 return ParsedReply(None, calls)
-            if not rest.startswith(";"):
+            if not body.startswith(";", at):
                 break
-            at = len(body) - len(rest) + 1
-            while at < len(body) and body[at].isspace():
-                at += 1
+            at += 1
         return ParsedReply(self.clean(text))
+
+    def strict_grammar(self, functions: list[tuple[str, dict]], parallel: bool, markers) -> str:
+        # Prose may not start (after whitespace) with what section_start reads as calls: "{" or the tag's text.
+        calls = 'calls: body (";" " "? body)*' if parallel else "calls: body"
+        return lark(f"start: PROSE | {markers.ref(PYTHON_TAG)} calls | calls", calls,
+                    f"PROSE: /(?s:.*)/ & ~/[{_SPACES}]*(\\{{|{regex_escape(PYTHON_TAG)})(?s:.*)/",
+                    "body: " + json_rule(calls_schema(functions, "parameters")))

@@ -21,6 +21,8 @@ class NanochatParser(ToolParser):
     section_marker = START
     needs_special_tokens = True
     markers = (START, END)
+    strict_unsupported = ("the nanochat format writes a bare calculator expression, not JSON arguments, so no "
+                          "schema can hold them")
 
     def parse(self, text: str, final: bool = True) -> ParsedReply:
         start = self.section_start(text)

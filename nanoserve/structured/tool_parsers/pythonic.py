@@ -17,6 +17,8 @@ START, END = "<|python_start|>", "<|python_end|>"
 class PythonicParser(ToolParser):
     name = "pythonic"
     markers = (START, END)
+    strict_unsupported = ("the pythonic format writes arguments as Python literals, which a JSON schema cannot "
+                          "hold")
 
     def section_start(self, text: str) -> int | None:
         stripped = text.lstrip()
