@@ -2,8 +2,8 @@
 # The GPU tests, then the benchmarks of DESIGN.md through the CLI (the figures of BENCHMARKS.md).
 # Usage, on the GPU machine from the repo root (with the model configs in shared/bench-configs or ../shared):
 #   NANOSERVE_COMMIT=<sha> bash scripts/gpu_bench.sh [steps...]
-# Steps: tests throughput latency-qwen latency-llama prefix serve-inf serve-16 multi-turn (default: all but multi-turn,
-# ~20 minutes).
+# Steps: tests throughput latency-qwen latency-llama prefix serve-inf serve-16 multi-turn long-context structured
+# (default: the first seven, ~20 minutes). structured needs QWEN3_TOKENIZER (scripts/qwen3_tokenizer.py's output).
 # NANOSERVE_COMMIT is what the JSON lines report as `commit` (the device's copy of the tree may have no .git).
 # Each step's log goes to $OUT (or ./gpu-out); the JSON lines are collected in results.jsonl.
 set -u
@@ -32,6 +32,9 @@ for step in $steps; do
     latency-llama) timeout 300 python -m nanoserve.cli bench latency --model "$cfg/llama-3.1-8b" --max-model-len 8192 ;;
     prefix) timeout 200 python -m nanoserve.cli bench prefix --model "$cfg/qwen3-0.6b" --max-model-len 4096 ;;
     multi-turn) timeout 500 python -m nanoserve.cli bench multi-turn --model "$cfg/qwen3-0.6b" ;;
+    long-context) timeout 580 python -m nanoserve.cli bench long-context --model "$cfg/llama-3.1-8b" --output-len 64 ;;
+    structured) timeout 500 python -m nanoserve.cli bench throughput --model "$cfg/qwen3-0.6b" \
+                  --tokenizer "$QWEN3_TOKENIZER" --json-schema nanoserve/bench/schemas/records.json ;;
     serve-inf) timeout 300 $serve ;;
     serve-16) timeout 300 $serve --request-rate 16 ;;
     *) echo "unknown step: $step" ;;

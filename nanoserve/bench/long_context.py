@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             result |= {f"prefill_tok_s_{key}_{n}": round(prefill, 1), f"decode_tok_s_{key}_{n}": round(decode, 2)}
             print(f"{key} {n}: prefill {prefill:.0f} tok/s, decode {decode:.2f} tok/s", flush=True)
         if offload:
-            result["kv_offload_gb"] = round(args.kv_offload_gb, 2)
+            result["kv_offload_gb"] = float(f"{args.kv_offload_gb:.4g}")
         llm.shutdown()
         del llm
         free_device_memory()
