@@ -316,7 +316,7 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free[block_id] = None
         seq.block_table = []
-        for cpu_id in seq.cpu_blocks or ():
+        for cpu_id in reversed(seq.cpu_blocks or ()):  # each to the front: the next holder gets them in order
             self.cpu.release(cpu_id)
         seq.cpu_blocks = None
         seq.num_computed_tokens = 0

@@ -86,6 +86,12 @@ class Scheduler:
                 continue  # its pending token is its last: the step that sampled it will finish it
             if seq.cpu_blocks is not None:
                 num_new = min(num_new, max(1, self.block_manager.long_context_room(seq)))
+            elif self.block_manager.cpu is not None and self.block_manager.needs_long_context(seq):
+                # It outgrew the GPU pool: preempting the others would not make room. It comes back in long-context
+                # mode (recomputed).
+                self._preempt(seq)
+                preempted += 1
+                continue
             elif num_new == 1 and seq.block_table and self.block_manager.append_slot(seq):
                 scheduled.append(self._entry(seq, 1))
                 budget -= 1
@@ -114,7 +120,12 @@ class Scheduler:
             computed = len(prefix) * self.block_manager.block_size
             num_new = min(seq.num_tokens - computed, budget)
             if long_context:
-                num_new = min(num_new, max(1, self.block_manager.long_context_room(seq)))
+                # Not before the CPU pool can hold its prompt's older blocks: taken in by chunks, it would run out
+                # of room part way, preempt itself and start over.
+                bm = self.block_manager
+                if bm.cpu.num_available < bm.blocks_needed(seq.num_tokens) - bm.num_blocks:
+                    break
+                num_new = min(num_new, max(1, bm.long_context_room(seq)))
             if not self.block_manager.can_allocate(seq, num_new, prefix):
                 break
             if seq.num_output_tokens == 0 and seq.request.metrics.first_scheduled_time is None:

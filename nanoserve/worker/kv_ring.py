@@ -28,6 +28,15 @@ from nanoserve.worker.step_inputs import LongContextRow
 RING_SLOT_TOKENS = 8192
 
 
+class RingChunk:
+    """Some of a sequence's older blocks, loaded into one slot together: the same for every layer of a step."""
+
+    def __init__(self, cpu_ids: list[int]) -> None:
+        self.cpu_ids = cpu_ids
+        self.ids = set(cpu_ids)
+        self.runs = block_runs(cpu_ids)
+
+
 class KVRing:
     """The device slots and the events that order their copies and readers."""
 
@@ -41,27 +50,29 @@ class KVRing:
         self.readers: list[torch.cuda.Event | None] = [None] * num_slots  # the last attention over each slot
         self.next_slot = 0
         self.slot_ids = torch.arange(self.slot_blocks, dtype=torch.int32, device=offloader.device)
+        self.last_layer = offloader.cpu.shape[0] - 1
 
-    def load(self, layer: int, cpu_ids: list[int]) -> tuple[int, torch.Tensor]:
-        """Queue the copy of one layer's blocks cpu_ids into the next slot; the compute stream waits for it. Returns
-        the slot and its blocks ([n, 2, block_size, kv heads, head_dim]); call done(slot) after the reads are queued."""
+    def load(self, layer: int, chunk: RingChunk) -> tuple[int, torch.Tensor]:
+        """Queue the copy of one layer's blocks of `chunk` into the next slot; the compute stream waits for it.
+        Returns the slot and its blocks ([n, 2, block_size, kv heads, head_dim]); call done(slot) after the reads
+        are queued."""
         if not self.cuda:
-            return -1, self.offloader.cpu[layer, cpu_ids]
+            return -1, self.offloader.cpu[layer, chunk.cpu_ids]
         slot = self.next_slot
         self.next_slot = (slot + 1) % len(self.readers)
         off = self.offloader
-        ids = set(cpu_ids)
-        off.wait_for(off.in_stream, off.writing, ids)
+        off.wait_for(off.in_stream, off.writing, chunk.ids)
         if self.readers[slot] is not None:
             off.in_stream.wait_event(self.readers[slot])
         with torch.cuda.stream(off.in_stream):
-            for at, first, n in block_runs(cpu_ids):
+            for at, first, n in chunk.runs:
                 self.slots[slot, at:at + n].copy_(off.cpu[layer, first:first + n], non_blocking=True)
             loaded = torch.cuda.Event()
             loaded.record()
-        off.reading.append((loaded, ids))
+        if layer == self.last_layer:  # the copy stream runs in order: the last layer's copy ends the chunk's reads
+            off.reading.append((loaded, chunk.ids))
         torch.cuda.current_stream().wait_event(loaded)
-        return slot, self.slots[slot, :len(cpu_ids)]
+        return slot, self.slots[slot, :len(chunk.cpu_ids)]
 
     def done(self, slot: int) -> None:
         if slot >= 0:
@@ -79,7 +90,12 @@ class LongContextAttention:
         device = ring.offloader.device
         self.windows = [to_device(row.window, torch.int32, device) for row in rows]
         step = ring.slot_blocks
-        self.chunks = [[row.cpu_blocks[i:i + step] for i in range(0, len(row.cpu_blocks), step)] for row in rows]
+        # Every older key comes before every query, so their order does not matter to attention: sorted, the blocks
+        # form the longest runs of consecutive ids, each one copy per layer.
+        self.chunks = []
+        for row in rows:
+            ids = sorted(row.cpu_blocks)
+            self.chunks.append([RingChunk(ids[i:i + step]) for i in range(0, len(ids), step)])
 
     def attend(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                scale: float) -> None:
@@ -93,14 +109,12 @@ class LongContextAttention:
             lse = torch.empty(qs.shape[:2], dtype=torch.float32, device=q.device)
             window_start = len(row.cpu_blocks) * bs
             attention(qs, k_cache, v_cache, window, row.start + row.num_rows - window_start, window_start,
-                            row.start, scale, acc, lse, accumulate=False)
-            key_pos = 0
-            for cpu_ids in chunks:
-                slot, blocks = self.ring.load(layer, cpu_ids)
-                ids = self.ring.slot_ids[:len(cpu_ids)] if slot >= 0 else torch.arange(len(cpu_ids),
-                                                                                      dtype=torch.int32)
-                attention(qs, blocks[:, 0], blocks[:, 1], ids, len(cpu_ids) * bs, key_pos, row.start, scale,
-                                acc, lse, accumulate=True)
+                      row.start, scale, acc, lse, accumulate=False)
+            for chunk in chunks:
+                slot, blocks = self.ring.load(layer, chunk)
+                n = len(chunk.cpu_ids)
+                ids = self.ring.slot_ids[:n] if slot >= 0 else torch.arange(n, dtype=torch.int32)
+                # Key positions 0 .. n * bs - 1 stand for any older ones: every query sees every one of them.
+                attention(qs, blocks[:, 0], blocks[:, 1], ids, n * bs, 0, row.start, scale, acc, lse, accumulate=True)
                 self.ring.done(slot)
-                key_pos += len(cpu_ids) * bs
             out[rows] = acc.to(out.dtype)

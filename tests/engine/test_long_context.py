@@ -93,3 +93,27 @@ def test_block_moves_follow_the_next_token():
     assert bm.long_context_room(seq) == 2 + 3 * 4
     bm.free_seq(seq)
     assert bm.num_free_blocks == 4 and bm.cpu.held == 0 and seq.cpu_blocks is None
+
+
+def test_a_request_that_outgrows_the_gpu_pool_goes_on_in_long_context_mode(checkpoints):
+    """80 prompt tokens and 40 more generated through a 96-token pool: at the pool's end it is preempted and comes back
+    in long-context mode, with the tokens of a big pool (and so does the short request beside it)."""
+    path = str(checkpoints["llama"])
+    prompts = [_prompt(80, 5), _prompt(8, 6)]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)]
+    reference = [o.outputs[0].token_ids for o in LLM(path, num_kv_blocks=64, block_size=16).generate(
+        prompts, params, use_tqdm=False)]
+    llm = LLM(path, kv_offload_gb=0.01, **POOL)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == reference
+    assert llm.engine.scheduler.num_preemptions >= 1 and llm.engine.block_manager.cpu.allocated > 0
+
+
+def test_released_cpu_blocks_come_back_in_order():
+    """A sequence's CPU blocks, released, are handed to the next one in ascending order: one copy per run."""
+    bm = BlockManager(2, 4, enable_prefix_caching=False, num_cpu_blocks=8)
+    ids = [bm.cpu.allocate() for _ in range(5)]
+    seq = Sequence(Request("r", None, [1], SamplingParams(max_tokens=1), max_tokens=1), 0, [1], 1, None)
+    seq.cpu_blocks = ids
+    bm.free_seq(seq)
+    assert [bm.cpu.allocate() for _ in range(5)] == sorted(ids)
