@@ -192,9 +192,10 @@ def test_model_fuses_where_planned(tmp_path, monkeypatch, arch):
     plans, calls = [], []
     plan = KernelPlanner.plan
 
-    def planned(self, num_seqs, num_decodes, num_tokens, graph=False, triton=None):
+    def planned(self, num_seqs, num_decodes, num_tokens, graph=False, triton=None, long_context=False):
         one = num_decodes == num_tokens == 1
-        plans.append((one, plan(self, num_seqs, num_decodes, num_tokens, graph=graph, triton=one or triton)))
+        plans.append((one, plan(self, num_seqs, num_decodes, num_tokens, graph=graph, triton=one or triton,
+                                long_context=long_context)))
         return plans[-1][1]
 
     monkeypatch.setattr(KernelPlanner, "plan", planned)
