@@ -31,7 +31,7 @@ for step in $steps; do
     latency-qwen) timeout 200 python -m nanoserve.cli bench latency --model "$cfg/qwen3-0.6b" --max-model-len 8192 ;;
     latency-llama) timeout 300 python -m nanoserve.cli bench latency --model "$cfg/llama-3.1-8b" --max-model-len 8192 ;;
     prefix) timeout 200 python -m nanoserve.cli bench prefix --model "$cfg/qwen3-0.6b" --max-model-len 4096 ;;
-    multi-turn) timeout 500 python -m nanoserve.cli bench multi-turn --model "$cfg/qwen3-0.6b" ;;
+    multi-turn) timeout 500 python -m nanoserve.cli bench multi-turn --model "$cfg/llama-3.1-8b" ;;
     long-context) timeout 580 python -m nanoserve.cli bench long-context --model "$cfg/llama-3.1-8b" --output-len 64 ;;
     structured) timeout 500 python -m nanoserve.cli bench throughput --model "$cfg/qwen3-0.6b" \
                   --tokenizer "$QWEN3_TOKENIZER" --json-schema nanoserve/bench/schemas/records.json ;;
