@@ -4,6 +4,7 @@
 #   NANOSERVE_COMMIT=<sha> bash scripts/gpu_bench.sh [steps...]
 # Steps: tests throughput latency-qwen latency-llama prefix serve-inf serve-16 multi-turn long-context structured
 # (default: the first seven, ~20 minutes). structured needs QWEN3_TOKENIZER (scripts/qwen3_tokenizer.py's output).
+# On 2+ GPUs, with TP=2 (or TP=4, 8): tp-tests tp-throughput tp-latency tp-70b tp-serve-inf tp-serve-16.
 # NANOSERVE_COMMIT is what the JSON lines report as `commit` (the device's copy of the tree may have no .git).
 # Each step's log goes to $OUT (or ./gpu-out); the JSON lines are collected in results.jsonl.
 set -u
@@ -12,6 +13,9 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # the tree
 cfg=shared/bench-configs
 [ -d "$cfg" ] || cfg=../shared/bench-configs
 steps=${*:-tests throughput latency-qwen latency-llama prefix serve-inf serve-16}
+TP=${TP:-2}
+# NVLink multicast stays off on the lent machines, in every process started from here.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # The server's dependencies travel as wheels in .whl/ (../shared/tools/gpu-wheels.sh): the machine has no registry.
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
@@ -35,6 +39,15 @@ for step in $steps; do
     long-context) timeout 580 python -m nanoserve.cli bench long-context --model "$cfg/llama-3.1-8b" --output-len 64 ;;
     structured) timeout 500 python -m nanoserve.cli bench throughput --model "$cfg/qwen3-0.6b" \
                   --tokenizer "$QWEN3_TOKENIZER" --json-schema nanoserve/bench/schemas/records.json ;;
+    tp-tests) timeout 570 python -m pytest -q -rf -s -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py ;;
+    tp-throughput) timeout 570 python -m nanoserve.cli bench throughput --model "$cfg/llama-3.1-8b" \
+                     --tensor-parallel-size "$TP" ;;
+    tp-latency) timeout 300 python -m nanoserve.cli bench latency --model "$cfg/llama-3.1-8b" --max-model-len 8192 \
+                  --tensor-parallel-size "$TP" ;;
+    tp-70b) timeout 570 python -m nanoserve.cli bench latency --model "$cfg/llama-3.1-70b" --max-model-len 8192 \
+              --tensor-parallel-size "$TP" ;;
+    tp-serve-inf) timeout 300 $serve --tensor-parallel-size "$TP" ;;
+    tp-serve-16) timeout 300 $serve --tensor-parallel-size "$TP" --request-rate 16 ;;
     serve-inf) timeout 300 $serve ;;
     serve-16) timeout 300 $serve --request-rate 16 ;;
     *) echo "unknown step: $step" ;;
