@@ -49,19 +49,22 @@ if triton is not None:
     @triton.jit
     def _chunk_attention_kernel(q_ptr, k_ptr, v_ptr, block_ids_ptr, out_ptr, lse_ptr, num_keys, key_pos0, q_pos0,
                                 num_rows, qk_scale, stride_qm, stride_qh, stride_kb, stride_kt, stride_kh,
-                                group, ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                                group, num_q_heads, ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                                 BLOCK_N: tl.constexpr):
-        head = tl.program_id(1)
-        kv_head = head // group
-        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        # GQA packing: a program serves one kv head, and its tile's entries are (query row, query head of the group)
+        # pairs, row-major, so each key tile is read once for the whole group.
+        kv_head = tl.program_id(1)
+        offs_e = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row = offs_e // group
+        head = kv_head * group + offs_e % group
         offs_d = tl.arange(0, HEAD_DIM)
-        row_ok = offs_m < num_rows
-        q = tl.load(q_ptr + offs_m[:, None] * stride_qm + head * stride_qh + offs_d[None, :], mask=row_ok[:, None],
-                    other=0.0)
-        q_pos = q_pos0 + offs_m
-        # Keys past the tile's last query are masked for every row: stop before them.
-        hi = tl.minimum(num_keys, q_pos0 + tl.program_id(0) * BLOCK_M + BLOCK_M - key_pos0)
+        row_ok = offs_e < num_rows * group
+        q = tl.load(q_ptr + row[:, None] * stride_qm + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        q_pos = q_pos0 + row
+        # Keys past the tile's last query are masked for every entry: stop before them.
+        hi = tl.minimum(num_keys, q_pos0 + (tl.program_id(0) * BLOCK_M + BLOCK_M - 1) // group + 1 - key_pos0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -87,8 +90,8 @@ if triton is not None:
         piece = acc / tl.where(nonempty, l_i, 1.0)[:, None]
         ln2 = 0.6931471805599453
         piece_lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * ln2, float("-inf"))
-        o_ptrs = out_ptr + offs_m[:, None] * (tl.num_programs(1) * HEAD_DIM) + head * HEAD_DIM + offs_d[None, :]
-        lse_ptrs = lse_ptr + offs_m * tl.num_programs(1) + head
+        o_ptrs = out_ptr + (row * num_q_heads + head)[:, None] * HEAD_DIM + offs_d[None, :]
+        lse_ptrs = lse_ptr + row * num_q_heads + head
         if ACCUMULATE:
             old_lse = tl.load(lse_ptrs, mask=row_ok, other=float("-inf"))
             top = tl.maximum(old_lse, piece_lse)
@@ -115,15 +118,18 @@ def chunk_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Ten
     assert k_blocks.stride() == v_blocks.stride() and k_blocks.stride(3) == 1 and q.stride(2) == 1
     assert out.is_contiguous() and lse.is_contiguous() and out.dtype == lse.dtype == torch.float32
     rows, heads, head_dim = q.shape
-    # A decode's one row takes a 16-row tile, the smallest a matrix product takes. For prefill chunks 64-row tiles
-    # (4 warps, 2 stages) ran `bench long-context` faster than 128-row ones (8 warps, 3 stages) on an H100: 5,294 vs
-    # 4,611 prefill tok/s at 64k, 4,972 vs 3,755 at 128k. Neither is tuned further (no GQA packing, no autotune).
-    block_m, warps, stages = (64, 4, 2) if rows > 16 else (16, 4, 2)
-    grid = (triton.cdiv(rows, block_m), heads)
+    kv_heads = k_blocks.shape[2]
+    group = heads // kv_heads
+    # A decode's one row (its group's query heads) takes a 16-entry tile, the smallest a matrix product takes. For
+    # prefill chunks 64-entry tiles (4 warps, 2 stages) ran `bench long-context` faster than 128-row ones (8 warps, 3
+    # stages) on an H100, before GQA packing: 5,294 vs 4,611 prefill tok/s at 64k, 4,972 vs 3,755 at 128k. The
+    # packing (each key tile read once per kv head, not once per query head) is not measured on a GPU yet.
+    block_m, warps, stages = (64, 4, 2) if rows * group > 16 else (16, 4, 2)
+    grid = (triton.cdiv(rows * group, block_m), kv_heads)
     _chunk_attention_kernel[grid](
         q, k_blocks, v_blocks, block_ids, out, lse, num_keys, key_pos0, q_pos0, rows, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k_blocks.stride(0), k_blocks.stride(1), k_blocks.stride(2),
-        heads // k_blocks.shape[2], ACCUMULATE=accumulate,
+        group, heads, ACCUMULATE=accumulate,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HEAD_DIM=head_dim, BLOCK_SIZE=k_blocks.shape[1],
         BLOCK_M=block_m, BLOCK_N=64, num_warps=warps, num_stages=stages)
 
