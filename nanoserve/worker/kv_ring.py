@@ -8,10 +8,11 @@ offloader's copy-in stream while the slot before is attended to on the compute s
 log-sum-exp (kernels/chunk_attention.py) and replace the rows the batch's attention wrote from the window alone.
 
 With two slots, the copy of chunk j + 1 waits only for the attention over chunk j - 1 (the slot's last reader, by
-an event) and for the copy to the CPU of blocks the step has just moved (the offloader's events); a prefill chunk's
-attention over a chunk of keys takes longer than copying it (PCIe moves ~40 GB/s, a chunk of 4,096 Llama-3.1-8B
-queries against 8,192 keys is ~70 GFLOP), so the stream stays busy. A decode's single query reads each key once:
-decode runs at the copy's speed, all older KV crossing PCIe at every token.
+an event) and for the copy to the CPU of blocks the step has just moved (the offloader's events). By arithmetic, a
+prefill chunk's attention over a slot takes longer than copying the slot (~42 GB/s measured for the copies; 8,192
+Llama-3.1-8B queries against 8,192 keys are ~140 GFLOP a layer), so prefill need not wait for PCIe; a decode's
+single query cannot hide it: all older KV crosses PCIe at every token (16 GiB at 128k tokens, ~0.4 s). Measured on
+an H100: BENCHMARKS.md table 5.
 
 On the CPU (tests) the same pieces are read straight from the CPU pool.
 """
