@@ -9,10 +9,10 @@ log-sum-exp (kernels/chunk_attention.py) and replace the rows the batch's attent
 
 With two slots, the copy of chunk j + 1 waits only for the attention over chunk j - 1 (the slot's last reader, by
 an event) and for the copy to the CPU of blocks the step has just moved (the offloader's events). By arithmetic, a
-prefill chunk's attention over a slot takes longer than copying the slot (~42 GB/s measured for the copies; 8,192
-Llama-3.1-8B queries against 8,192 keys are ~140 GFLOP a layer), so prefill need not wait for PCIe; a decode's
-single query cannot hide it: all older KV crosses PCIe at every token (16 GiB at 128k tokens, ~0.4 s). Measured on
-an H100: BENCHMARKS.md table 5.
+prefill chunk's attention over a slot takes longer than copying the slot (8,192 Llama-3.1-8B queries against 8,192
+keys are ~1.1 TFLOP a layer; the slot is 32 MiB, under a millisecond at the ~42 GB/s measured for the copies), so
+prefill need not wait for PCIe; a decode's single query cannot hide it: all older KV crosses PCIe at every token
+(16 GiB at 128k tokens, ~0.4 s). Measured on an H100: BENCHMARKS.md table 5.
 
 On the CPU (tests) the same pieces are read straight from the CPU pool.
 """
