@@ -117,3 +117,11 @@ def test_released_cpu_blocks_come_back_in_order():
     seq.cpu_blocks = ids
     bm.free_seq(seq)
     assert [bm.cpu.allocate() for _ in range(5)] == sorted(ids)
+
+
+def test_long_context_rows_pack_and_unpack():
+    """What rank 0 sends the other ranks of a step's long-context rows comes back whole, row by row."""
+    from nanoserve.worker.step_inputs import LongContextRow
+
+    rows = [LongContextRow(0, 1, 300, [7, 8, 9], [2]), LongContextRow(1, 64, 1000, [], [4, 5, 6, 1])]
+    assert LongContextRow.unpack_all([v for row in rows for v in row.pack()]) == rows
