@@ -122,10 +122,9 @@ class BlockManager:
                     return Prefix(hits[:i], [])
         cpu_hits = []
         if self.cpu is not None and self.cpu_prefix_tier:
-            # The prefix may go on in the CPU tier. It is always loaded rather than recomputed: by arithmetic (not
-            # measured yet), a Llama-3.1-8B token's KV is 128 KiB, ~5 us over 25 GB/s of PCIe, against 16 GFLOP of
-            # forward pass, ~40 us at 400 TFLOP/s; for Qwen3-0.6B (112 KiB, 1.2 GFLOP) the two are about even, and
-            # loading spends none of the step's token budget.
+            # The prefix may go on in the CPU tier, which the engine keeps only for models where loading a block
+            # beats recomputing it (worker/kv_cache.py's prefix_load_pays: Llama-3.1-8B yes, Qwen3-0.6B no, as
+            # measured on an H100); there a hit is always loaded, which also spends none of the step's token budget.
             for i in range(len(hits), num_full):
                 block_id = self.cpu.lookup(seq.block_hashes[i], data[i * width:(i + 1) * width])
                 if block_id is None:
