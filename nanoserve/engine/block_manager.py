@@ -289,11 +289,36 @@ class BlockManager:
         move = self._to_move(seq)
         if move > self.cpu.num_available:
             return 0
-        held = len(seq.cpu_blocks) + len(seq.block_table)
-        blocks = held - seq.num_computed_tokens // self.block_size + len(self.free) + move
+        # Its GPU blocks from the next token's on, the free ones, and those that moving frees.
+        blocks = (len(seq.block_table) - move) + len(self.free) + move
         return max(0, blocks * self.block_size - seq.num_computed_tokens % self.block_size)
 
+    def swap_out_long_context(self, seq: Sequence) -> bool:
+        """Preempt a long-context sequence by moving its GPU blocks to the CPU pool beside its older ones, so that it
+        resumes where it was instead of recomputing its whole context. False (nothing changed) when it is not in
+        long-context mode or the CPU pool lacks room: the caller frees it."""
+        if seq.cpu_blocks is None or len(seq.block_table) > self.cpu.num_available:
+            return False
+        for device_id in seq.block_table:
+            cpu_id = self.cpu.allocate()
+            self.swap_out.append((device_id, cpu_id))
+            seq.cpu_blocks.append(cpu_id)
+            self.blocks[device_id].ref_count = 0
+            self.free[device_id] = None
+        seq.block_table = []
+        return True
+
     def _allocate_long_context(self, seq: Sequence, num_new_tokens: int) -> None:
+        current = seq.num_computed_tokens // self.block_size
+        if len(seq.cpu_blocks) > current:  # resumed after swap_out_long_context: its partial last block comes back
+            back = seq.cpu_blocks[current:]
+            del seq.cpu_blocks[current:]
+            for cpu_id in back:
+                block = self._take_fresh()  # first: it may store an evicted prefix block in the CPU tier
+                self.swap_in.append((cpu_id, block.block_id))
+                seq.block_table.append(block.block_id)
+                self.cpu.release(cpu_id)
+                self.cpu.reading.add(cpu_id)  # not overwritten by this step's copies to the CPU
         for _ in range(self._to_move(seq)):
             device_id, cpu_id = seq.block_table.pop(0), self.cpu.allocate()
             self.swap_out.append((device_id, cpu_id))  # copied before this step's forward pass reuses the block

@@ -9,7 +9,8 @@ swapping, by way of the prefix cache).
 
 A request that can never fit the GPU pool runs in long-context mode (with a CPU pool, --kv-offload-gb): its older
 blocks live in CPU memory and each chunk it is given is as long as the GPU blocks it can hold allow
-(BlockManager.long_context_room).
+(BlockManager.long_context_room). Preempted, it is swapped rather than recomputed: its GPU blocks join the others in
+CPU memory, and it resumes where it was.
 
 A sequence's num_computed_tokens moves forward when it is scheduled, not when the step's results come
 back: with async scheduling the next step is planned while this one still runs on the GPU, and its
@@ -62,6 +63,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_swapped = 0  # of which long-context sequences swapped to the CPU pool, not to be recomputed
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -117,13 +119,14 @@ class Scheduler:
             long_context = seq.cpu_blocks is not None
             prefix = self.block_manager.match_prefix(seq) if seq.num_computed_tokens == 0 and not long_context \
                 else NO_PREFIX
-            computed = len(prefix) * self.block_manager.block_size
+            # A long-context sequence swapped out by preemption resumes where it was.
+            computed = seq.num_computed_tokens if long_context else len(prefix) * self.block_manager.block_size
             num_new = min(seq.num_tokens - computed, budget)
             if long_context:
                 # Not before the CPU pool can hold its prompt's older blocks: taken in by chunks, it would run out
                 # of room part way, preempt itself and start over.
                 bm = self.block_manager
-                if bm.cpu.num_available < bm.blocks_needed(seq.num_tokens) - bm.num_blocks:
+                if bm.cpu.num_available < bm.blocks_needed(seq.num_tokens) - bm.num_blocks - len(seq.cpu_blocks):
                     break
                 num_new = min(num_new, max(1, bm.long_context_room(seq)))
             if not self.block_manager.can_allocate(seq, num_new, prefix):
@@ -161,7 +164,10 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.block_manager.free_seq(seq)
+        if self.block_manager.swap_out_long_context(seq):
+            self.num_swapped += 1
+        else:
+            self.block_manager.free_seq(seq)
         seq.status = SeqStatus.WAITING
         self.waiting.insert(0, seq)
         self.num_preemptions += 1
@@ -173,6 +179,8 @@ class Scheduler:
             self.block_manager.free_seq(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            if seq.cpu_blocks:  # a long-context sequence swapped out by preemption
+                self.block_manager.free_seq(seq)
         seq.status = SeqStatus.FINISHED
 
     def abort_request(self, request: Request) -> list[Sequence]:

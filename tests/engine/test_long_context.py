@@ -125,3 +125,16 @@ def test_long_context_rows_pack_and_unpack():
 
     rows = [LongContextRow(0, 1, 300, [7, 8, 9], [2]), LongContextRow(1, 64, 1000, [], [4, 5, 6, 1])]
     assert LongContextRow.unpack_all([v for row in rows for v in row.pack()]) == rows
+
+
+def test_a_preempted_long_context_request_is_swapped_out_and_resumes(checkpoints):
+    """Two short requests that grow fill the 96-token pool; the long one, last to arrive, is the one preempted: its GPU
+    blocks join its CPU blocks and it resumes where it was, with the tokens of a big pool."""
+    path = str(checkpoints["llama"])
+    prompts = [_prompt(30, 7), _prompt(30, 8), _prompt(300, 9)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    reference = _tokens(LLM(path, num_kv_blocks=64, block_size=16), prompts, params)
+    llm = LLM(path, kv_offload_gb=0.01, **POOL)
+    assert _tokens(llm, prompts, params) == reference
+    scheduler, cpu = llm.engine.scheduler, llm.engine.block_manager.cpu
+    assert scheduler.num_swapped > 0 and cpu.held == 0
