@@ -289,8 +289,9 @@ class BlockManager:
         move = self._to_move(seq)
         if move > self.cpu.num_available:
             return 0
-        # Its GPU blocks from the next token's on, the free ones, and those that moving frees.
-        blocks = (len(seq.block_table) - move) + len(self.free) + move
+        # Its GPU blocks from the next token's on, the free ones, and the `move` older ones that moving frees: all it
+        # holds on the GPU, and the free ones.
+        blocks = len(seq.block_table) + len(self.free)
         return max(0, blocks * self.block_size - seq.num_computed_tokens % self.block_size)
 
     def swap_out_long_context(self, seq: Sequence) -> bool:

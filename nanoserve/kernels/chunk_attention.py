@@ -10,6 +10,8 @@ block side by side works as well as the pool) and listed by `block_ids`; key j s
 query i at q_pos0 + i, which sees keys up to its own position.
 """
 
+import os
+
 import torch
 
 try:
@@ -135,6 +137,4 @@ def chunk_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Ten
 
 
 def _interpreting() -> bool:
-    import os
-
     return triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
