@@ -23,6 +23,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 serve="python -m nanoserve.cli bench serve --launch --no-progress --model $cfg/qwen3-0.6b"
 serve="$serve --load-format dummy --dtype bfloat16"
+serve_llama="python -m nanoserve.cli bench serve --launch --no-progress --model $cfg/llama-3.1-8b --load-format dummy"
+serve_llama="$serve_llama --dtype bfloat16"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader | tee "$out/gpu.txt"
 for step in $steps; do
   echo "== $step"
@@ -40,14 +42,17 @@ for step in $steps; do
     structured) timeout 500 python -m nanoserve.cli bench throughput --model "$cfg/qwen3-0.6b" \
                   --tokenizer "$QWEN3_TOKENIZER" --json-schema nanoserve/bench/schemas/records.json ;;
     tp-tests) timeout 570 python -m pytest -q -rf -s -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py ;;
-    tp-throughput) timeout 570 python -m nanoserve.cli bench throughput --model "$cfg/llama-3.1-8b" \
-                     --tensor-parallel-size "$TP" ;;
-    tp-latency) timeout 300 python -m nanoserve.cli bench latency --model "$cfg/llama-3.1-8b" --max-model-len 8192 \
-                  --tensor-parallel-size "$TP" ;;
-    tp-70b) timeout 570 python -m nanoserve.cli bench latency --model "$cfg/llama-3.1-70b" --max-model-len 8192 \
+    # TP=1 beside TP=$TP in the same call, so that the ratio compares runs on the same machine.
+    tp-throughput) for n in 1 "$TP"; do timeout 280 python -m nanoserve.cli bench throughput \
+                     --model "$cfg/llama-3.1-8b" --tensor-parallel-size "$n"; done ;;
+    tp-latency) for n in 1 "$TP"; do timeout 150 python -m nanoserve.cli bench latency --model "$cfg/llama-3.1-8b" \
+                  --max-model-len 8192 --tensor-parallel-size "$n"; done ;;
+    # 141 GB of bf16 weights: one H100 or H200 cannot hold it, so there is no TP=1 row.
+    tp-70b) timeout 330 python -m nanoserve.cli bench throughput --model "$cfg/llama-3.1-70b" --tensor-parallel-size "$TP"
+            timeout 240 python -m nanoserve.cli bench latency --model "$cfg/llama-3.1-70b" --max-model-len 8192 \
               --tensor-parallel-size "$TP" ;;
-    tp-serve-inf) timeout 300 $serve --tensor-parallel-size "$TP" ;;
-    tp-serve-16) timeout 300 $serve --tensor-parallel-size "$TP" --request-rate 16 ;;
+    tp-serve-inf) timeout 300 $serve_llama --tensor-parallel-size "$TP" ;;
+    tp-serve-16) timeout 300 $serve_llama --tensor-parallel-size "$TP" --request-rate 16 ;;
     serve-inf) timeout 300 $serve ;;
     serve-16) timeout 300 $serve --request-rate 16 ;;
     *) echo "unknown step: $step" ;;

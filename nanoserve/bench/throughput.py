@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     n_in = sum(len(p) for p in prompts)
     result = {"bench": "throughput", "model": cfg.model_dir, "num_prompts": len(prompts), "wall_s": round(wall, 2),
               "output_tok_s": round(n_out / wall, 1), "total_tok_s": round((n_out + n_in) / wall, 1),
-              "output_tokens": n_out, "prompt_tokens": n_in}
+              "output_tokens": n_out, "prompt_tokens": n_in,
+              "tensor_parallel_size": cfg.args.tensor_parallel_size}
     if bw is not None:
         model = llm.engine.runner.model
         bound = roofline.decode_bound_seconds([len(p) for p in prompts], out_lens, roofline.model_bytes(model),
