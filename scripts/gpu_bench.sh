@@ -50,7 +50,7 @@ for step in $steps; do
     # 141 GB of bf16 weights: one H100 or H200 cannot hold it, so there is no TP=1 row. At TP=2 on H100s the weights
     # leave ~10 GiB a card, hence the higher memory fraction; 128 prompts keep the step inside a call's 10 minutes.
     tp-70b) timeout 200 python -m nanoserve.cli bench throughput --model "$cfg/llama-3.1-70b" --tensor-parallel-size "$TP" \
-              --gpu-memory-utilization 0.95 --num-prompts 128
+              --gpu-memory-utilization 0.95 --num-prompts 128 --max-model-len 4096
             timeout 120 python -m nanoserve.cli bench latency --model "$cfg/llama-3.1-70b" --max-model-len 8192 \
               --tensor-parallel-size "$TP" --gpu-memory-utilization 0.95 --iters 2 ;;
     tp-serve-inf) timeout 300 $serve_llama --tensor-parallel-size "$TP" ;;
