@@ -61,7 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     result = {"bench": "throughput", "model": cfg.model_dir, "num_prompts": len(prompts), "wall_s": round(wall, 2),
               "output_tok_s": round(n_out / wall, 1), "total_tok_s": round((n_out + n_in) / wall, 1),
               "output_tokens": n_out, "prompt_tokens": n_in,
-              "tensor_parallel_size": cfg.args.tensor_parallel_size}
+              "tensor_parallel_size": cfg.args.tensor_parallel_size,
+              # What the KV pool held: a pool that fits few sequences (a 70B shape on two cards) keeps the batch
+              # small and the figure far under the bound, which assumes every request decodes together.
+              "num_kv_blocks": llm.engine.runner.num_kv_blocks, "preemptions": llm.engine.scheduler.num_preemptions}
     if bw is not None:
         model = llm.engine.runner.model
         bound = roofline.decode_bound_seconds([len(p) for p in prompts], out_lens, roofline.model_bytes(model),

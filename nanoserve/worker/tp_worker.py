@@ -175,11 +175,14 @@ class TensorParallelWorkers:
                 StepInputs.send_stop(self.tp)
             except RuntimeError:  # a peer went away meanwhile
                 pass
+        # Before the join, not after: NCCL frees a communicator collectively, so the ranks must destroy it together.
+        # Destroyed after the workers had destroyed theirs and exited, rank 0's destroy waited for them forever
+        # (two H100s, 6eda351: LLM.shutdown() never returned; py-spy showed it in destroy_process_group).
+        dist.destroy_process_group()
         for p in self.processes:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-        dist.destroy_process_group()
 
 
 def run_node(config: EngineConfig) -> int:
