@@ -178,7 +178,10 @@ class TensorParallelWorkers:
         # Before the join, not after: NCCL frees a communicator collectively, so the ranks must destroy it together.
         # Destroyed after the workers had destroyed theirs and exited, rank 0's destroy waited for them forever
         # (two H100s, 6eda351: LLM.shutdown() never returned; py-spy showed it in destroy_process_group).
-        dist.destroy_process_group()
+        # With a rank lost, NCCL's destroy would wait for it the same way: the group stays, and this process can
+        # start no other tensor-parallel engine (TensorParallelWorkers.start says so). gloo's needs no peer.
+        if self.lost is None or self.config.device.type != "cuda":
+            dist.destroy_process_group()
         for p in self.processes:
             p.join(timeout=10)
             if p.is_alive():
