@@ -4,7 +4,7 @@
 #   NANOSERVE_COMMIT=<sha> bash scripts/gpu_bench.sh [steps...]
 # Steps: tests throughput latency-qwen latency-llama prefix serve-inf serve-16 multi-turn long-context structured
 # (default: the first seven, ~20 minutes). structured needs QWEN3_TOKENIZER (scripts/qwen3_tokenizer.py's output).
-# On 2+ GPUs, with TP=2 (or TP=4, 8): tp-tests tp-throughput tp-latency tp-70b tp-serve-inf tp-serve-16.
+# On 2+ GPUs, with TP=2 (or TP=4, 8): tp-tests tp-throughput tp-latency tp-profile tp-70b tp-serve-inf tp-serve-16.
 # NANOSERVE_COMMIT is what the JSON lines report as `commit` (the device's copy of the tree may have no .git).
 # Each step's log goes to $OUT (or ./gpu-out); the JSON lines are collected in results.jsonl.
 set -u
@@ -47,6 +47,10 @@ for step in $steps; do
                      --model "$cfg/llama-3.1-8b" --tensor-parallel-size "$n"; done ;;
     tp-latency) for n in 1 "$TP"; do timeout 150 python -m nanoserve.cli bench latency --model "$cfg/llama-3.1-8b" \
                   --max-model-len 8192 --tensor-parallel-size "$n"; done ;;
+    # Where a decode step's time goes (collective, attention, matmul, other), at batch 1 and 256, TP=1 and TP=$TP.
+    tp-profile) for n in 1 "$TP"; do for b in 1 256; do timeout 140 python -m nanoserve.cli bench latency \
+                  --model "$cfg/llama-3.1-8b" --max-model-len 4096 --batch-size "$b" --output-len 128 --iters 1 \
+                  --profile --tensor-parallel-size "$n"; done; done ;;
     # 141 GB of bf16 weights: one H100 or H200 cannot hold it, so there is no TP=1 row. At TP=2 on H100s the weights
     # leave ~10 GiB a card, hence the higher memory fraction; 128 prompts keep the step inside a call's 10 minutes.
     tp-70b) timeout 200 python -m nanoserve.cli bench throughput --model "$cfg/llama-3.1-70b" --tensor-parallel-size "$TP" \

@@ -32,3 +32,34 @@ def test_bad_batch_size_is_refused_naming_the_flag(capsys: pytest.CaptureFixture
         main(["bench", "latency", "--device", "cpu", "--batch-size", value])
     assert exc.value.code == 2
     assert "--batch-size" in capsys.readouterr().err
+
+
+def test_profile_splits_a_decode_step_by_kind(capsys: pytest.CaptureFixture, tmp_path) -> None:
+    trace = tmp_path / "trace.json"
+    result = run_bench(capsys, "--profile", "--profile-steps", "3", "--profile-trace", str(trace))
+    per_step = result["profile_us_per_step"]
+    assert result["profile_steps"] == 3
+    # The model's projections are matmuls; one rank has nothing to reduce.
+    assert per_step["matmul"] > 0 and per_step["collective"] == 0
+    assert per_step["total"] == pytest.approx(sum(v for k, v in per_step.items() if k != "total"), abs=0.5)
+    assert result["profile_top_us_per_step"][0][1] > 0
+    assert "traceEvents" in json.loads(trace.read_text())
+
+
+def test_profile_counts_the_all_reduces_of_two_ranks(capsys: pytest.CaptureFixture, llama_dir) -> None:
+    result = run_bench(capsys, "--model", str(llama_dir), "--profile", "--profile-steps", "2",
+                       "--tensor-parallel-size", "2")
+    assert result["tensor_parallel_size"] == 2
+    assert result["profile_us_per_step"]["collective"] > 0
+
+
+@pytest.mark.parametrize(("name", "kind"), [
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "collective"),
+    ("_decode_rope_split_kernel", "attention"), ("_prefill_attention_kernel", "attention"),
+    ("_skinny_linear_kernel", "matmul"), ("_silu_mul_gemv_kernel", "matmul"), ("nvjet_tst_128x64_64x8", "matmul"),
+    ("aten::addmm", "matmul"), ("aten::mm", "matmul"), ("_rms_norm_kernel", "other"), ("aten::index", "other"),
+])
+def test_kernels_are_grouped_by_name(name: str, kind: str) -> None:
+    from nanoserve.bench.device_profile import kind_of
+
+    assert kind_of(name) == kind

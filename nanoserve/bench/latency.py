@@ -6,6 +6,8 @@ DIR: a model directory; with only a config.json in it, the weights are random (-
 
 MBU = (weight bytes + the KV bytes a step reads) / time per step / measured copy bandwidth. With --batch-size B,
 B prompts of random ids (distinct, so no prefix is shared) decode together, and ms_per_token is the time a step.
+--profile: one more run of the batch, its decode steps under torch.profiler (bench/device_profile.py); the JSON
+line gains the device time a step by kind (collective, attention, matmul, other) and the top kernels.
 """
 
 import time
@@ -15,6 +17,7 @@ import numpy as np
 from nanoserve.args import at_least_one
 from nanoserve.bench import roofline
 from nanoserve.bench.common import ceilings_at_start, emit, engine_args, free_device_memory, parser
+from nanoserve.bench.device_profile import profile_steps
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
 
@@ -27,6 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=3, help="timed runs (their median counts)")
     p.add_argument("--hf-output-len", type=int, default=64,
                    help="tokens the transformers baseline decodes (it is slow)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed runs, profile --profile-steps decode steps of one more run")
+    p.add_argument("--profile-steps", type=at_least_one, default=32, help="decode steps profiled")
+    p.add_argument("--profile-trace", default=None, metavar="FILE",
+                   help="with --profile: write the Chrome trace there too (chrome://tracing, Perfetto)")
     ns = p.parse_args(argv)
     args = engine_args(ns)
     bw, _ = ceilings_at_start(args)
@@ -57,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         # Copy bandwidth counts read + write; a decode step mostly reads, so compare like with like.
         result |= {"bandwidth_tb_s": round(bw / 1e12, 2), "mbu": round(step_bytes / step_s / bw, 3),
                    "bound_tok_s": round(ns.batch_size * bw / step_bytes, 1)}
+    if ns.profile:
+        result |= profile_decode(engine, prompts, ns.profile_steps, ns.profile_trace)
     if ns.baseline == "hf":
         from nanoserve.bench.hf_baseline import hf_generate_seconds, hf_model
 
@@ -70,3 +80,16 @@ def main(argv: list[str] | None = None) -> int:
         result |= {"hf_ms_per_token": round(hf_step * 1e3, 3), "speedup_vs_hf": round(hf_step / step_s, 2)}
     emit(result)
     return 0
+
+
+def profile_decode(engine, prompts: list[list[int]], num_steps: int, trace: str | None) -> dict:
+    """One more run of the batch: its prefill unprofiled, then num_steps decode steps under the profiler."""
+    params = SamplingParams(temperature=0, max_tokens=num_steps + 8, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"profile-{i}", prompt, params)
+    while not engine.step():  # until the prefill's first tokens
+        pass
+    result = profile_steps(engine.step, num_steps, engine.config.device, trace)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return result
