@@ -41,7 +41,8 @@ for step in $steps; do
     long-context) timeout 580 python -m nanoserve.cli bench long-context --model "$cfg/llama-3.1-8b" --output-len 64 ;;
     structured) timeout 500 python -m nanoserve.cli bench throughput --model "$cfg/qwen3-0.6b" \
                   --tokenizer "$QWEN3_TOKENIZER" --json-schema nanoserve/bench/schemas/records.json ;;
-    tp-tests) timeout 250 python -m pytest -q -rf -s -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py ;;
+    # ~100 s an engine with Triton's cache cold (fp32 first): a call of its own.
+    tp-tests) timeout 540 python -m pytest -q -rf -s -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py ;;
     # TP=1 beside TP=$TP in the same call, so that the ratio compares runs on the same machine.
     tp-throughput) for n in 1 "$TP"; do timeout 280 python -m nanoserve.cli bench throughput \
                      --model "$cfg/llama-3.1-8b" --tensor-parallel-size "$n"; done ;;
