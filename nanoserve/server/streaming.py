@@ -4,8 +4,10 @@ A stream sends one piece of its SSE body per engine output that makes chunks, so
 thousands of times a second under load and is kept lean: the JSON parts that never change within a stream
 (id, object, created, model, the surrounding structure) are encoded once by ChunkHead, and
 EngineStreamResponse has the body written straight through the ASGI `send`, not through StreamingResponse.
-The bytes are exactly what json.dumps(chunk, ensure_ascii=False) framed as `data: ...\\n\\n` gives
-(tests/server/test_stream_chunks.py checks that).
+The bytes are exactly what json.dumps(chunk, ensure_ascii=False) framed as `data: ...\\n\\n` gives, with
+U+0085, U+2028 and U+2029 escaped (tests/server/test_stream_chunks.py checks that): JSON may leave them raw, but
+they end a line for Python's str.splitlines and so for httpx's iter_lines, which then cut an event in two (a
+random-weight model writes them now and then).
 
 A streaming response aborts its engine requests however it ends: finished, client gone (a watcher task
 sees http.disconnect, and the task writing the body is cancelled), or failed. A non-streaming handler is
@@ -24,22 +26,33 @@ from starlette.types import Send
 
 from nanoserve.server.errors import APIError
 
-# json.dumps(s, ensure_ascii=False) for a str s, without building a JSONEncoder per call: json.dumps
-# makes one whenever a keyword argument is not the default, and that is most of its cost for small values.
-json_str: Callable[[str], str] = encode_basestring
+# The line breaks of str.splitlines that JSON leaves raw; escaped, a JSON string means the same. They can only be
+# inside strings in JSON text (its structure is ASCII), so the whole text can be translated.
+_RAW_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def one_line(json_text: str) -> str:
+    """JSON text without the line breaks that splitlines sees and JSON does not escape."""
+    return json_text if json_text.isascii() else json_text.translate(_RAW_LINE_BREAKS)
+
+
+def json_str(s: str) -> str:
+    """json.dumps(s, ensure_ascii=False) for a str s, one line, without building a JSONEncoder per call: json.dumps
+    makes one whenever a keyword argument is not the default, and that is most of its cost for small values."""
+    return one_line(encode_basestring(s))
 
 
 def json_value(value) -> str:
-    """json.dumps(value, ensure_ascii=False), quick for the None and str that most chunk fields hold."""
+    """json.dumps(value, ensure_ascii=False), one line, quick for the None and str that most chunk fields hold."""
     if value is None:
         return "null"
     if value.__class__ is str:
-        return encode_basestring(value)
-    return json.dumps(value, ensure_ascii=False)
+        return one_line(encode_basestring(value))
+    return one_line(json.dumps(value, ensure_ascii=False))
 
 
 def sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"data: {data if isinstance(data, str) else one_line(json.dumps(data, ensure_ascii=False))}\n\n"
 
 
 SSE_DONE = sse("[DONE]")

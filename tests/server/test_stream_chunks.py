@@ -1,7 +1,8 @@
 """Streamed chunks are encoded from templates (serving_completions.CompletionChunks, serving_chat.ChatChunks)
 and written by ServingBase.stream; their bytes must stay exactly what json.dumps(chunk, ensure_ascii=False)
-framed as SSE gave. Latencies are batched into the inter-token histogram (metrics.RequestTracker): the
-histogram must end up as if every token had been observed on its own."""
+framed as SSE gave, with the line breaks JSON leaves raw (U+0085, U+2028, U+2029) escaped. Latencies are batched
+into the inter-token histogram (metrics.RequestTracker): the histogram must end up as if every token had been
+observed on its own."""
 
 import asyncio
 import json
@@ -20,7 +21,7 @@ from nanoserve.server.serving_chat import ChatChunks
 from nanoserve.server.serving_completions import CompletionChunks
 
 TEXTS = ["", " hello", 'quote " backslash \\ slash /', "tab\tnew\nline\r\x00\x1f\x7f", "é ü 中文 🙂", "\u2028\u2029",
-         "</script>"]
+         "next\x85line", "</script>"]
 LOGPROBS = {"tokens": ["a", "é"], "token_logprobs": [-0.1, -1e-08], "top_logprobs": [{"a": -0.1}, {"é": -2.5}],
             "text_offset": [0, 1]}
 
@@ -29,8 +30,13 @@ def _gen(n: int = 1, prompts: int = 1, model: str = "tiny-llama", group=None, tr
     return Generation('cmpl-0123"\\é', 1_700_000_000, model, [[1, 2]] * prompts, n, group, tracker)
 
 
+def _dumps(value) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text.replace("\x85", "\\u0085").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+
+
 def _sse(chunk: dict) -> str:
-    return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+    return f"data: {_dumps(chunk)}\n\n"
 
 
 def _events(text: str) -> list[dict]:
@@ -38,7 +44,7 @@ def _events(text: str) -> list[dict]:
     key order and float reprs round-trip, so re-encoding what was parsed must give the same string)."""
     assert text.endswith("\n\n")
     payloads = [e[len("data: "):] for e in text[:-2].split("\n\n")]
-    assert all(json.dumps(json.loads(p), ensure_ascii=False) == p for p in payloads)
+    assert all(_dumps(json.loads(p)) == p for p in payloads)
     return [json.loads(p) for p in payloads]
 
 
@@ -64,7 +70,15 @@ def test_chat_chunk_is_json_dumps(text, logprobs, finish_reason):
         expected = {"id": gen.response_id, "object": "chat.completion.chunk", "created": gen.created,
                     "model": gen.model, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
                                                      "finish_reason": finish_reason}]}
-        assert chunks.chunk(0, json.dumps(delta, ensure_ascii=False), logprobs, finish_reason) == _sse(expected)
+        assert chunks.chunk(0, _dumps(delta), logprobs, finish_reason) == _sse(expected)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_a_chunk_is_one_line_to_httpx(text):
+    """httpx's iter_lines splits as str.splitlines does: on U+2028 too, which json.dumps leaves raw."""
+    chunk = CompletionChunks(_gen(), False, None).chunk(0, text, LOGPROBS, None, None)
+    lines = [line for line in httpx._decoders.LineDecoder().decode(chunk) if line]
+    assert len(lines) == 1 and json.loads(lines[0][len("data: "):])["choices"][0]["text"] == text
 
 
 def _out(request_id: str, samples: list[CompletionOutput], finished: bool = False) -> RequestOutput:
