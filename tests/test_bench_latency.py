@@ -41,7 +41,6 @@ def test_profile_splits_a_decode_step_by_kind(capsys: pytest.CaptureFixture, tmp
     assert result["profile_steps"] == 3
     # The model's projections are matmuls; one rank has nothing to reduce.
     assert per_step["matmul"] > 0 and per_step["collective"] == 0
-    assert per_step["total"] == pytest.approx(sum(v for k, v in per_step.items() if k != "total"), abs=0.5)
     assert result["profile_top_us_per_step"][0][1] > 0
     assert "traceEvents" in json.loads(trace.read_text())
 
@@ -51,13 +50,17 @@ def test_profile_counts_the_all_reduces_of_two_ranks(capsys: pytest.CaptureFixtu
                        "--tensor-parallel-size", "2")
     assert result["tensor_parallel_size"] == 2
     assert result["profile_us_per_step"]["collective"] > 0
+    # Not only the step inputs' broadcast: the layers' all-reduces, gloo's slowest operator here by far.
+    assert any("allreduce" in name for name, _ in result["profile_top_us_per_step"])
 
 
 @pytest.mark.parametrize(("name", "kind"), [
     ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "collective"),
     ("_decode_rope_split_kernel", "attention"), ("_prefill_attention_kernel", "attention"),
     ("_skinny_linear_kernel", "matmul"), ("_silu_mul_gemv_kernel", "matmul"), ("nvjet_tst_128x64_64x8", "matmul"),
-    ("aten::addmm", "matmul"), ("aten::mm", "matmul"), ("_rms_norm_kernel", "other"), ("aten::index", "other"),
+    ("aten::addmm", "matmul"), ("aten::mm", "matmul"), ("cublasLt::splitKreduce_kernel", "matmul"),
+    ("c10d::allreduce_", "collective"), ("_rms_norm_kernel", "other"), ("aten::index", "other"),
+    ("aten::broadcast_tensors", "other"), ("comm_kernel", "other"),
 ])
 def test_kernels_are_grouped_by_name(name: str, kind: str) -> None:
     from nanoserve.bench.device_profile import kind_of

@@ -4,7 +4,8 @@
 
 Kinds, by kernel name: collective (NCCL's all-reduce, gather, broadcast), attention, matmul (cuBLAS and the
 GEMV kernels), other (norms, rotary, KV stores, sampling). On the CPU, where there are no kernels, the operators'
-own time is grouped instead. Under tensor parallelism only rank 0, the engine's process, is profiled: its
+own time is grouped instead (attention's products then count as matmul, and the profiler's cost per operator
+inflates the total). Under tensor parallelism only rank 0, the engine's process, is profiled: its
 collectives' time includes waiting for the other ranks, which is what a step pays for them. Kernels replayed from
 CUDA graphs are seen one by one.
 """
@@ -18,9 +19,9 @@ from torch.profiler import ProfilerActivity, profile
 
 # First match wins: a collective before anything else, attention before matmul (a fused rope-attention kernel).
 _KINDS = (
-    ("collective", re.compile(r"nccl|gloo|all_?reduce|all_?gather|broadcast")),
+    ("collective", re.compile(r"nccl|gloo|c10d::|all_?reduce|all_?gather")),
     ("attention", re.compile(r"attention|attn|decode_split|decode_reduce|decode_rope|sdpa")),
-    ("matmul", re.compile(r"gemm|gemv|linear|nvjet|cutlass|xmma|matmul|\b(add|b)?mm\b")),
+    ("matmul", re.compile(r"gemm|gemv|linear|nvjet|cutlass|xmma|cublas|matmul|\b(add|b|baddb|_scaled_)?mm\b")),
 )
 
 
@@ -35,6 +36,8 @@ def profile_steps(step: Callable[[], object], num_steps: int, device: torch.devi
     `top` kernels (or operators) by time a step, and writes a Chrome trace to `trace` when given."""
     on_cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    if on_cuda:
+        torch.cuda.synchronize()  # the window starts with no earlier step still running
     with profile(activities=activities) as prof:
         for _ in range(num_steps):
             step()
@@ -44,6 +47,9 @@ def profile_steps(step: Callable[[], object], num_steps: int, device: torch.devi
         prof.export_chrome_trace(trace)
     per_name: dict[str, float] = {}
     for evt in prof.key_averages():
+        # An annotation (c10d's "nccl:all_reduce", say) is repeated on the device's timeline beside the kernel.
+        if getattr(evt, "is_user_annotation", False):
+            continue
         if on_cuda:
             if evt.device_type != DeviceType.CUDA:
                 continue

@@ -87,7 +87,7 @@ def profile_decode(engine, prompts: list[list[int]], num_steps: int, trace: str 
     params = SamplingParams(temperature=0, max_tokens=num_steps + 8, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"profile-{i}", prompt, params)
-    while not engine.step():  # until the prefill's first tokens
+    while engine.has_unfinished_requests() and not engine.step():  # until the prefill's first tokens
         pass
     result = profile_steps(engine.step, num_steps, engine.config.device, trace)
     while engine.has_unfinished_requests():

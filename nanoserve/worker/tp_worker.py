@@ -170,22 +170,25 @@ class TensorParallelWorkers:
         self.stopped = True
         from nanoserve.worker.step_inputs import StepInputs
 
-        if self.lost is None:
+        # Every rank has the stop (gloo's send returns once the peer takes it), or some rank is gone.
+        delivered = self.lost is None and all(p.is_alive() for p in self.processes)
+        if delivered:
             try:
                 StepInputs.send_stop(self.tp)
             except RuntimeError:  # a peer went away meanwhile
-                pass
+                delivered = False
         # Before the join, not after: NCCL frees a communicator collectively, so the ranks must destroy it together.
         # Destroyed after the workers had destroyed theirs and exited, rank 0's destroy waited for them forever
         # (two H100s, 6eda351: LLM.shutdown() never returned; py-spy showed it in destroy_process_group).
-        # With a rank lost, NCCL's destroy would wait for it the same way: the group stays, and this process can
+        # With a rank gone, NCCL's destroy would wait for it the same way: the group stays, and this process can
         # start no other tensor-parallel engine (TensorParallelWorkers.start says so). gloo's needs no peer.
-        if self.lost is None or self.config.device.type != "cuda":
+        if delivered or self.config.device.type != "cuda":
             dist.destroy_process_group()
         for p in self.processes:
-            p.join(timeout=10)
+            p.join(timeout=10 if delivered else 0)  # without the stop, the others would wait for their next step
             if p.is_alive():
                 p.kill()
+                p.join()
 
 
 def run_node(config: EngineConfig) -> int:
