@@ -4,6 +4,7 @@ for 64 mixed-length prompts with prefix-cache hits and preemption (with async sc
 import pytest
 import torch
 from checkpoints import write_checkpoint
+from prompts import mixed_prompts
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.layers.attention import TorchBackend, TritonBackend
@@ -12,11 +13,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(0)
-    system = torch.randint(2, 384, (48,), generator=g).tolist()
-    lens = torch.randint(1, 200, (64,), generator=g).tolist()
-    return [(system if i % 2 else []) + torch.randint(2, 384, (n,), generator=g).tolist()
-            for i, n in enumerate(lens)]
+    return mixed_prompts(384, 48, 200)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prompts import mixed_prompts
 
 from nanoserve import LLM, SamplingParams
 
@@ -24,11 +25,7 @@ CONFIGS = next((p for p in (ROOT / "shared" / "bench-configs", ROOT.parent / "sh
 
 
 def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(0)
-    system = torch.randint(2, 30000, (300,), generator=g).tolist()
-    lens = torch.randint(1, 600, (64,), generator=g).tolist()
-    return [(system if i % 2 else []) + torch.randint(2, 30000, (n,), generator=g).tolist()
-            for i, n in enumerate(lens)]
+    return mixed_prompts(30000, 300, 600)
 
 
 def build(model: str, dtype: str, tp: int) -> LLM:
