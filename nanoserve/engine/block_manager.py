@@ -277,7 +277,11 @@ class BlockManager:
     def needs_long_context(self, seq: Sequence) -> bool:
         """Whether the sequence and its next token need more blocks than the GPU pool has (and a CPU pool can help).
         One that outgrows the pool while it decodes is preempted, and comes back in this mode (recomputed)."""
-        return self.cpu is not None and self.blocks_needed(seq.num_tokens + 1) > len(self.blocks)
+        return self.cpu is not None and self.exceeds_gpu_pool(seq.num_tokens + 1)
+
+    def exceeds_gpu_pool(self, num_tokens: int) -> bool:
+        """Whether num_tokens need more blocks than the whole GPU pool has."""
+        return self.blocks_needed(num_tokens) > len(self.blocks)
 
     def _to_move(self, seq: Sequence) -> int:
         """GPU blocks of a long-context sequence wholly before its next token: they move to the CPU."""
@@ -301,13 +305,18 @@ class BlockManager:
         if seq.cpu_blocks is None or len(seq.block_table) > self.cpu.num_available:
             return False
         for device_id in seq.block_table:
-            cpu_id = self.cpu.allocate()
-            self.swap_out.append((device_id, cpu_id))
-            seq.cpu_blocks.append(cpu_id)
-            self.blocks[device_id].ref_count = 0
-            self.free[device_id] = None
+            self._move_to_cpu(seq, device_id)
         seq.block_table = []
         return True
+
+    def _move_to_cpu(self, seq: Sequence, device_id: int) -> None:
+        """A long-context sequence's GPU block joins its CPU blocks (copied before this step's forward pass reuses
+        the GPU block) and the GPU block is free."""
+        cpu_id = self.cpu.allocate()
+        self.swap_out.append((device_id, cpu_id))
+        seq.cpu_blocks.append(cpu_id)
+        self.blocks[device_id].ref_count = 0
+        self.free[device_id] = None
 
     def _allocate_long_context(self, seq: Sequence, num_new_tokens: int) -> None:
         current = seq.num_computed_tokens // self.block_size
@@ -321,12 +330,9 @@ class BlockManager:
                 self.cpu.release(cpu_id)
                 self.cpu.reading.add(cpu_id)  # not overwritten by this step's copies to the CPU
         for _ in range(self._to_move(seq)):
-            device_id, cpu_id = seq.block_table.pop(0), self.cpu.allocate()
-            self.swap_out.append((device_id, cpu_id))  # copied before this step's forward pass reuses the block
-            seq.cpu_blocks.append(cpu_id)
+            device_id = seq.block_table.pop(0)
             assert self.blocks[device_id].ref_count == 1, "a long-context sequence shares no block"
-            self.blocks[device_id].ref_count = 0
-            self.free[device_id] = None
+            self._move_to_cpu(seq, device_id)
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
         while len(seq.cpu_blocks) + len(seq.block_table) < needed:
             seq.block_table.append(self._take_fresh().block_id)

@@ -76,7 +76,7 @@ class LLMEngine(EngineFrontend):
         room = self.max_model_len - len(prompt_ids)
         request = Request(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params,
                           max_tokens=min(params.max_tokens or room, room), priority=priority)
-        if params.n > 1 and self.block_manager.blocks_needed(len(prompt_ids) + 1) > self.block_manager.num_blocks:
+        if params.n > 1 and self.block_manager.exceeds_gpu_pool(len(prompt_ids) + 1):
             raise ValueError(f"n: a request longer than the GPU KV pool ({self.block_manager.num_blocks} blocks) runs "
                              "in long-context mode, which takes one sample (n=1)")
         # Every sample is built before the request is registered: a failure leaves the engine as it was.

@@ -88,7 +88,7 @@ class Scheduler:
                 continue  # its pending token is its last: the step that sampled it will finish it
             if seq.cpu_blocks is not None:
                 num_new = min(num_new, max(1, self.block_manager.long_context_room(seq)))
-            elif self.block_manager.cpu is not None and self.block_manager.needs_long_context(seq):
+            elif self.block_manager.needs_long_context(seq):
                 # It outgrew the GPU pool: preempting the others would not make room. It comes back in long-context
                 # mode (recomputed).
                 self._preempt(seq)

@@ -67,9 +67,6 @@ class ToolMode:
     def auto(self) -> bool:
         return self.tool_choice == "auto"
 
-    def parse(self, text: str) -> ParsedReply:
-        return self.parser.parse(text)
-
     def finish_reason(self, reply: ParsedReply, finish_reason: str | None) -> str | None:
         named = isinstance(self.tool_choice, dict)
         return "tool_calls" if reply.tool_calls and finish_reason == "stop" and not named else finish_reason
@@ -191,7 +188,7 @@ class ServingChat(ServingBase):
                 # (chat_engine.TOOL_MARKERS), as the stream's deltas do, until tool calls get OpenAI's shape.
                 message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
                 if mode is not None:
-                    reply = mode.parse(c.text)
+                    reply = mode.parser.parse(c.text)
                     message["content"] = reply.content
                     if reply.tool_calls:
                         message["tool_calls"] = [call.to_dict() for call in reply.tool_calls]

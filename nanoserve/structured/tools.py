@@ -167,16 +167,14 @@ class ToolCallStream:
         return delta, [deltas[i] for i in sorted(deltas)]
 
     def _scan(self, text: str, final: bool, deltas: dict[int, dict]) -> None:
+        if self.scanner is None and not self.parser.stream_formats:
+            return
+        scanned = self.parser.stream_text(text)
         if self.scanner is None:
-            if not self.parser.stream_formats:
-                return
-            scanned = self.parser.stream_text(text)
             start = self.parser.section_start(scanned)
             if start is None:
                 return
             self.scanner = CallScanner(self.parser.stream_formats, start)
-        else:
-            scanned = self.parser.stream_text(text)
         for index, name, piece in self.scanner.advance(scanned, final):
             if name is not None:
                 self._new(name, self.parser.new_id(), piece, deltas)

@@ -33,8 +33,9 @@ def test_samples_spread_over_lanes_only_while_they_run_together(tokenizer):
     assert sorted(s.lane for s in states) == [0, 0, 0, 1, 1, 2, 2]
     del states[:3]
     assert sum(compiled.users) == 4
-    GrammarState(compiled)  # goes to the least used lane
+    extra = GrammarState(compiled)  # goes to the least used lane (kept, or its lane would be given back at once)
     assert max(compiled.users) - min(compiled.users) <= 1
+    del extra
 
 
 def test_lane_masks_are_one_lanes_masks(tokenizer):

@@ -60,10 +60,10 @@ def _ranges(ids: list[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def text_without(markers: list[str], name: str = "TEXT") -> str:
+def text_without(markers: list[str]) -> str:
     """A terminal: any text (the empty one too) that does not contain any of `markers`."""
     alternatives = "|".join(regex_escape(m) for m in markers)
-    return f"{name}: /(?s:.*)/ & ~/(?s:.*)({alternatives})(?s:.*)/"
+    return f"TEXT: /(?s:.*)/ & ~/(?s:.*)({alternatives})(?s:.*)/"
 
 
 def json_rule(schema: dict) -> str:

@@ -44,7 +44,7 @@ class MistralParser(ToolParser):
         if not calls:
             return ParsedReply(self.clean(text))
         for call in calls:
-            call.id = mistral_call_id()
+            call.id = self.new_id()
         return ParsedReply(self.clean(text[:start]), calls)
 
     def strict_grammar(self, functions: list[tuple[str, dict]], parallel: bool, markers) -> str:
@@ -67,5 +67,3 @@ def _args_form(section: str) -> list[ToolCall] | None:
             return None
         calls.append(ToolCall(name.strip(), arguments))
     return calls
-
-
