@@ -85,6 +85,15 @@ class _Graphs:
         torch.cuda.synchronize()
         return pool
 
+    def release(self) -> None:
+        """Destroy the graphs now, not whenever Python collects them: a graph that captured an NCCL collective holds
+        a reference on its communicator, and NCCL's destroy of the group waits until every such graph is gone
+        (pytorch/pytorch#115388)."""
+        torch.cuda.synchronize()
+        for graph, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+
     def _forward(self, *args) -> torch.Tensor:
         """What a graph holds: the model's forward pass over the static inputs."""
         return self.model(*args)

@@ -237,8 +237,18 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent)."""
         if self.workers is not None:
+            self.release_graphs()  # before the group's destroy in stop(): release_graphs says why
             self.workers.stop()
             self.workers = None
+
+    def release_graphs(self) -> None:
+        """Destroy the CUDA graphs (the runner steps eagerly after this). Every rank must, before NCCL's destroy of
+        the group: NCCL waits in it until no graph that captured one of its collectives is left, so on two H100s
+        each rank's destroy_process_group waited forever (py-spy, 27a2a45)."""
+        for graphs in (self.prefill_graphs, self.graphs):
+            if graphs is not None:
+                graphs.release()
+        self.graphs = self.prefill_graphs = None
 
     def _prompt_logprobs(self, entries: list, logits: list[torch.Tensor]) -> dict:
         result = {}

@@ -77,6 +77,7 @@ def run_worker(config: EngineConfig, rank: int, init_method: str) -> None:
             _, logits = runner.execute(step, prev_tokens)
             if logits is not None:  # rank 0's samples, for the next step's pending tokens
                 prev_tokens = tp.broadcast(torch.empty(logits.shape[0], dtype=torch.int64, device=config.device))
+    runner.release_graphs()
     dist.destroy_process_group()
     # Not a normal interpreter exit: a gloo thread still freeing the last broadcast's tensor needs the GIL while
     # the interpreter shuts down, and aborted the process ("terminate called without an active exception", exit 1)
@@ -177,9 +178,8 @@ class TensorParallelWorkers:
                 StepInputs.send_stop(self.tp)
             except RuntimeError:  # a peer went away meanwhile
                 delivered = False
-        # Before the join, not after: NCCL frees a communicator collectively, so the ranks must destroy it together.
-        # Destroyed after the workers had destroyed theirs and exited, rank 0's destroy waited for them forever
-        # (two H100s, 6eda351: LLM.shutdown() never returned; py-spy showed it in destroy_process_group).
+        # Before the join, not after: NCCL frees a communicator collectively, so the ranks must destroy it together
+        # (and each rank's CUDA graphs must be gone by then: ModelRunner.release_graphs).
         # With a rank gone, NCCL's destroy would wait for it the same way: the group stays, and this process can
         # start no other tensor-parallel engine (TensorParallelWorkers.start says so). gloo's needs no peer.
         if delivered or self.config.device.type != "cuda":
