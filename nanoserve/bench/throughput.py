@@ -4,7 +4,8 @@
 
 DIR: a model directory; with only a config.json in it, the weights are random (--load-format dummy).
 --json-schema FILE: the same recipe again with every request constrained by that JSON schema (structured output),
-reported beside the unconstrained run of the same call: its tok/s, the ratio, and the host's mask time per step.
+reported beside the unconstrained run of the same call: its tok/s, the ratio, the host's mask time per step, and how
+long of it the engine's thread waited for (the masks are filled beside it: structured/manager.py).
 It needs a tokenizer (--tokenizer DIR for a config-only model directory). eos stays ignored, so both runs generate
 the same number of tokens: once a sample's object is complete its grammar allows only eos, which it then repeats
 (`grammar_open_fraction`: the share of tokens generated while the grammar was still open).
@@ -19,6 +20,7 @@ from nanoserve.bench import roofline
 from nanoserve.bench.common import ceilings_at_start, emit, engine_args, free_device_memory, parser
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.structured.manager import MaskStats
 from nanoserve.structured.params import StructuredOutputs
 
 
@@ -95,9 +97,7 @@ def structured_run(llm: LLM, prompts: list, params: list[SamplingParams], constr
     constrained = [SamplingParams(**{**vars(p), "structured_outputs": constraint}) for p in params]
     llm.generate(prompts[:8], SamplingParams(max_tokens=16, ignore_eos=True, structured_outputs=constraint),
                  use_tqdm=False)
-    stats = llm.engine.structured.stats
-    stats.steps = stats.rows = 0
-    stats.seconds = 0.0
+    stats = llm.engine.structured.stats = MaskStats()
     start = time.perf_counter()
     outs = llm.generate(prompts, constrained)
     wall = time.perf_counter() - start
@@ -110,6 +110,7 @@ def structured_run(llm: LLM, prompts: list, params: list[SamplingParams], constr
     tok_s = n_out / wall
     return {"json_schema": path, "structured_wall_s": round(wall, 2), "structured_output_tok_s": round(tok_s, 1),
             "structured_vs_plain": round(tok_s / plain_tok_s, 3), "mask_ms_per_step": round(stats.ms_per_step, 3),
+            "mask_wait_ms_per_step": round(stats.per_step(stats.waited), 3),
             "mask_rows_per_step": round(stats.rows / max(stats.steps, 1), 1),
             "grammar_open_fraction": round(open_tokens / max(n_out, 1), 3), "structured_valid_json": valid}
 

@@ -46,6 +46,12 @@ class TokenBitmask:
     rows: list[int]  # the rows of the batch it constrains, in order
     bits: torch.Tensor  # [len(rows), words] int32 on the host (pinned when bound for a GPU)
     failed: dict[int, Exception] = field(default_factory=dict)  # row -> why its grammar could not give a mask
+    ready: Callable[[], None] | None = None  # waits until `bits` is filled, when another thread fills it
+
+    def wait(self) -> None:
+        if self.ready is not None:
+            self.ready()
+            self.ready = None
 
 
 @dataclass
@@ -204,6 +210,7 @@ class Sampler:
 
     def _apply_bitmask(self, logits: torch.Tensor, masks: TokenBitmask) -> None:
         """-inf on every token the constrained rows' grammars do not allow (ids past the bitmask included)."""
+        masks.wait()
         bits = masks.bits.to(self.device, non_blocking=True)
         # Unpacked one byte at a time: [rows, words * 4, 8] booleans, one per token, in token order.
         allowed = ((bits.view(torch.uint8)[:, :, None] & self.bit_values) != 0).view(bits.shape[0], -1)

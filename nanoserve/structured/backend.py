@@ -23,6 +23,7 @@ rows to the threads lane by lane. A grammar used by one sample at a time (most t
 import os
 import weakref
 from collections import OrderedDict
+from concurrent.futures import Future
 
 import llguidance
 import llguidance.hf
@@ -137,12 +138,20 @@ class GrammarState:
         self.matcher = compiled.lanes[self.lane].deep_copy()
         weakref.finalize(self, compiled.release, self.lane)  # the sample is done with its lane
         self.num_consumed = 0
+        self.filling: Future | None = None  # the mask computation using the matcher, if one may still run
+
+    def settle(self) -> None:
+        """Wait for a mask computation on this matcher to end: a matcher is never stepped during one."""
+        if self.filling is not None:
+            self.filling.result()
+            self.filling = None
 
     def advance(self, token_ids: list[int], num_prompt_tokens: int, pending: int | None = None) -> None:
         """Take the sample's output tokens (token_ids after its prompt, then `pending`, a token sampled but not yet
         appended) not taken yet. Each is taken once: the engine shows a pending token early, to compute the next
         mask, and again when it appends it. Only the new tokens are sliced: this runs per sample per step. Raises
         ValueError if the grammar refuses one, which only a token sampled against the mask (or forced) can be."""
+        self.settle()
         new = token_ids[num_prompt_tokens + self.num_consumed:]
         if pending is not None:
             new.append(pending)

@@ -3,11 +3,14 @@
 - Compiling. A request whose grammar is in the cache starts at once; another waits, out of the scheduler, while a
   worker thread compiles it (llguidance drops the GIL while it builds), so a large schema never stalls the steps
   of everyone else. The engine asks for the ready ones at the start of each step.
-- Masks. The model runner calls `logit_masks` after it has queued a step's forward pass and before it samples, so
-  the masks are computed on the host while the device runs the model. With async scheduling a constrained sample's
-  last token may still be in flight (sampled by the previous step, not read yet): it is read then, and shown to
-  the grammar early; reading it waits only for the previous step, which the device finished before this step's
-  forward began. So constrained requests keep async scheduling's overlap.
+- Masks. The model runner calls `logit_masks` after it has queued a step's forward pass. With async scheduling a
+  constrained sample's last token may still be in flight (sampled by the previous step, not read yet): it is read
+  then, and the grammar takes it early; reading it waits only for the previous step, which the device finished
+  before this step's forward began. Then a mask thread fills the masks (llguidance's threads, GIL dropped) while
+  the device runs the forward pass and the engine's thread handles the previous step's outputs and schedules the
+  next one; the step's sampling is queued once they are filled, before the next forward (ModelRunner.launch).
+  In series with the engine's own host work, the masks made the host the bottleneck (146 rows of the bench
+  schema: ~5 ms of masks beside a ~7 ms device step on an H100 machine, BENCHMARKS.md table 7).
 - Advancing. When the engine appends a sample's token, its grammar takes it (GrammarState.advance takes each token
   once, whether it saw it early or not).
 """
@@ -32,11 +35,17 @@ class MaskStats:
 
     steps: int = 0  # steps with at least one constrained row
     rows: int = 0
-    seconds: float = 0.0  # in logit_masks, pending reads included
+    seconds: float = 0.0  # the engine's thread in logit_masks (the grammars taking tokens; pending reads included)
+    fill_seconds: float = 0.0  # the mask thread filling masks
+    waited: float = 0.0  # the engine's thread waiting for a fill to end
+
+    def per_step(self, seconds: float) -> float:
+        return 1e3 * seconds / self.steps if self.steps else 0.0
 
     @property
     def ms_per_step(self) -> float:
-        return 1e3 * self.seconds / self.steps if self.steps else 0.0
+        """Host time of masks a step: the grammars stepped on the engine's thread and the fill beside it."""
+        return self.per_step(self.seconds + self.fill_seconds)
 
 
 class StructuredOutputManager:
@@ -47,6 +56,7 @@ class StructuredOutputManager:
         self.device = device
         self.compiler: GrammarCompiler | None = None
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.mask_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.compiling: dict[str, concurrent.futures.Future] = {}  # grammar text -> its compile
         self.waiting: list = []  # requests waiting for their grammar
         self.stats = MaskStats()
@@ -110,7 +120,8 @@ class StructuredOutputManager:
 
     def logit_masks(self, seqs: list, prev) -> TokenBitmask | None:
         """The masks of the constrained rows of a step about to sample `seqs` (its rows, in order); `prev`: the
-        launched step before it (a LaunchedStep), whose samples hold the constrained rows' pending tokens."""
+        launched step before it (a LaunchedStep), whose samples hold the constrained rows' pending tokens. The
+        grammars take those tokens here; the masks are filled on a thread of their own (TokenBitmask.wait)."""
         rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
         if not rows:
             return None
@@ -131,19 +142,38 @@ class StructuredOutputManager:
                 failed[i] = exc
         bits = torch.empty((len(rows), self.compiler.mask_words), dtype=torch.int32,
                            pin_memory=self.device.type == "cuda")
-        self.compiler.fill([seqs[i].grammar for i in rows], bits)
-        for j, i in enumerate(rows):
-            if i in failed:
-                bits[j] = -1  # any token: the row is dropped, but must not be all -inf (NaN) beside the others
+        states = [seqs[i].grammar for i in rows]
+        failed_rows = [j for j, i in enumerate(rows) if i in failed]
+        if self.mask_pool is None:
+            self.mask_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-masks")
+        filling = self.mask_pool.submit(self._fill, states, bits, failed_rows)
+        for state in states:  # the engine's thread must not step a grammar while its mask is being computed
+            state.filling = filling
         self.stats.steps += 1
         self.stats.rows += len(rows)
         self.stats.seconds += time.perf_counter() - start
-        return TokenBitmask(rows, bits, failed)
+
+        def ready() -> None:
+            waited = time.perf_counter()
+            filling.result()
+            self.stats.waited += time.perf_counter() - waited
+
+        return TokenBitmask(rows, bits, failed, ready)
+
+    def _fill(self, states: list, bits: torch.Tensor, failed_rows: list[int]) -> None:
+        start = time.perf_counter()
+        self.compiler.fill(states, bits)
+        for j in failed_rows:
+            bits[j] = -1  # any token: the row is dropped, but must not be all -inf (NaN) beside the others
+        self.stats.fill_seconds += time.perf_counter() - start
 
     def shutdown(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
             self.pool = None
+        if self.mask_pool is not None:
+            self.mask_pool.shutdown(wait=True)  # a fill in progress writes into a buffer that must outlive it
+            self.mask_pool = None
 
 
 def _attach(request, template) -> None:

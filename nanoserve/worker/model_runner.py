@@ -30,8 +30,16 @@ class LaunchedStep:
     host: SampledTokens | None  # the same, being copied to the host
     done: torch.cuda.Event | None
     prompt_logprobs: dict
+    sample: Callable[[], None] | None = None  # queues the sampling, deferred until its token masks are filled
+
+    def settle(self) -> None:
+        """Queue the deferred sampling, if any (it waits for the masks): before anything reads `sampled`."""
+        if self.sample is not None:
+            sample, self.sample = self.sample, None
+            sample()
 
     def result(self) -> SamplerOutput:
+        self.settle()
         if self.host is None:
             return SamplerOutput([], [])
         if self.done is not None:
@@ -162,6 +170,8 @@ class ModelRunner:
         """Queue one step's forward pass and sampling on the device without waiting for them. Requests
         that asked for prompt_logprobs get them now, as {request_id: [(target id, logprob, rank,
         top ids, top logprobs), ...]} (that path reads back to the host)."""
+        if prev is not None:
+            prev.settle()
         plp_entries, plp_rows, row = [], [], 0
         for entry in batch.scheduled:
             if entry.seq.params.prompt_logprobs is not None and (count := prompt_logprob_rows(entry)):
@@ -183,22 +193,35 @@ class ModelRunner:
         seqs = [s for e in batch.scheduled for s in e.sample_seqs]
         if not seqs:
             return LaunchedStep(batch, None, {}, None, None, prompt_logprobs)
-        # Structured output's token masks, computed on the host now, while the device runs the forward pass.
-        sampled = self.sampler.sample(logits, seqs, logit_masks(seqs, prev) if logit_masks is not None else None)
-        if self.workers is not None:  # the other ranks take pending tokens from them (StepInputs)
-            try:
-                self.tp.broadcast(sampled.token_ids)
-            except RuntimeError as exc:
-                raise self.workers.explain(exc) from exc
-        done = None
-        if self.device.type == "cuda":
-            host = sampled.to_host()
-            done = torch.cuda.Event()
-            done.record()
+        # Structured output's token masks: the grammars take the previous step's tokens now, and a thread fills
+        # the masks while the device runs the forward pass and this thread goes on to the previous step's outputs
+        # and the next schedule. The sampling waits for them: it is queued when the next step launches (or when
+        # this step's result is read), before that step's forward, which takes these samples as its inputs.
+        masks = logit_masks(seqs, prev) if logit_masks is not None else None
+        launched = LaunchedStep(batch, None, {s.seq_id: i for i, s in enumerate(seqs)}, None, None, prompt_logprobs)
+
+        def sample() -> None:
+            sampled = self.sampler.sample(logits, seqs, masks)
+            if self.workers is not None:  # the other ranks take pending tokens from them (StepInputs)
+                try:
+                    self.tp.broadcast(sampled.token_ids)
+                except RuntimeError as exc:
+                    raise self.workers.explain(exc) from exc
+            launched.sampled, launched.host = sampled, sampled
+            if self.device.type == "cuda":
+                launched.host = sampled.to_host()
+                launched.done = torch.cuda.Event()
+                launched.done.record()
+
+        # Not deferred under tensor parallelism: the other ranks would wait for the samples in a collective, where
+        # a stop message could not reach them.
+        # Nor when a row's sampling reads its history (min_tokens, penalties): that moves as this thread appends.
+        if masks is not None and masks.ready is not None and self.workers is None and \
+                not any(s.params.min_tokens or s.params.has_penalties for s in seqs):
+            launched.sample = sample
         else:
-            host = sampled
-        rows = {s.seq_id: i for i, s in enumerate(seqs)}
-        return LaunchedStep(batch, sampled, rows, host, done, prompt_logprobs)
+            sample()
+        return launched
 
     def execute(self, step: StepInputs, prev_tokens: torch.Tensor | None,
                 ) -> tuple[list[torch.Tensor], torch.Tensor | None]:

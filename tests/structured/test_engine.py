@@ -119,3 +119,41 @@ def test_chat_engine_generate_takes_a_constraint(llm):
                    SamplingParams(temperature=1.0, seed=4, max_tokens=10,
                                   structured_outputs={"choice": ["red", "green"]}), use_tqdm=False)
     assert out[0].outputs[0].text in ("red", "green")
+
+
+def test_sampling_waits_for_masks_filled_beside_the_engine(llm):
+    """A step with constrained rows leaves its sampling for later (the masks are filled on a thread beside the
+    engine's); a step where a row's sampling reads its history (min_tokens) samples at once. Both finish valid."""
+    engine = llm.engine
+    deferred = []
+    for i, extra in enumerate(({}, {"min_tokens": 2})):
+        engine.add_request(f"defer-{i}", PROMPTS[0], constrained(SCHEMAS["flags"], temperature=0, **extra))
+        seen, finished = [], None
+        while finished is None:
+            for out in engine.step():
+                finished = out if out.finished else finished
+            if engine.in_flight is not None:
+                seen.append(engine.in_flight.sample is not None)
+        deferred.append(any(seen))
+        json.loads(finished.outputs[0].text)
+    assert deferred == [True, False]
+
+
+def test_a_grammar_is_not_stepped_while_its_mask_is_filled(llm):
+    """GrammarState.advance waits for a fill that uses its matcher: the token is taken only after it ends."""
+    import threading
+    from concurrent.futures import Future
+
+    from nanoserve.structured.backend import GrammarState
+
+    compiler = llm.engine.structured.compiler
+    state = GrammarState(compiler.compile(StructuredOutputs(regex="[ab]+").compiled))
+    fill = state.filling = Future()
+    token = llm.engine.tokenizer.encode("a", add_special_tokens=False)[0]
+    stepped = threading.Event()
+    thread = threading.Thread(target=lambda: (state.advance([token], 0), stepped.set()))
+    thread.start()
+    assert not stepped.wait(0.2) and state.num_consumed == 0
+    fill.set_result(None)
+    thread.join(timeout=10)
+    assert stepped.is_set() and state.num_consumed == 1
