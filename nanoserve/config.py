@@ -144,6 +144,10 @@ class EngineArgs:
     # Plan step N+1 while step N runs (LLMEngine.step). None: on for CUDA; on the CPU a step runs
     # to its end before the host goes on, so there it would only delay each output by a step.
     async_scheduling: bool | None = _arg(None, "schedule step N+1 while the GPU runs step N; None: on for CUDA")
+    # The mask threads run beside the engine's own thread (structured/manager.py): on a machine whose cores are
+    # shared (hyperthreads, other jobs), fewer of them can leave that thread more of its core.
+    mask_threads: int | None = _arg(None, "structured output: threads computing token masks; None: 4 in 5 of the "
+                                          "CPUs this process may use, at most 32 (llguidance's default)")
     tensor_parallel_size: int = _arg(1, "ranks the model is split over: one process per GPU (rank 0 is the engine's "
                                         "own), or per CPU process with gloo on the CPU")
     distributed_init_method: str | None = _arg(None, "tensor parallel: where the ranks meet (torch.distributed's "
@@ -208,6 +212,8 @@ class EngineConfig:
         model = ModelConfig.from_dir(model_dir, args.generation_config)
         _check_positive(args, "block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
                         "nnodes")
+        if args.mask_threads is not None:
+            _check_positive(args, "mask_threads")
         if args.block_size & (args.block_size - 1):
             raise ValueError(f"block_size: must be a power of two, got {args.block_size}")
         if args.num_kv_blocks is not None and args.num_kv_blocks < 1:

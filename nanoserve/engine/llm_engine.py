@@ -53,7 +53,8 @@ class LLMEngine(EngineFrontend):
         self.last_batch: SchedulerOutput | None = None  # the batch the last step() scheduled (the web page shows it)
         # Structured output (nanoserve/structured/): grammars compiled off this loop, token masks, matcher states.
         self.structured = StructuredOutputManager(
-            lambda: GrammarCompiler(self.tokenizer, config.model.eos_token_ids, config.model.vocab_size), config.device)
+            lambda: GrammarCompiler(self.tokenizer, config.model.eos_token_ids, config.model.vocab_size,
+                                    num_threads=config.args.mask_threads), config.device)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
