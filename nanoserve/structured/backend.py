@@ -151,12 +151,12 @@ class GrammarState:
         appended) not taken yet. Each is taken once: the engine shows a pending token early, to compute the next
         mask, and again when it appends it. Only the new tokens are sliced: this runs per sample per step. Raises
         ValueError if the grammar refuses one, which only a token sampled against the mask (or forced) can be."""
-        self.settle()
         new = token_ids[num_prompt_tokens + self.num_consumed:]
         if pending is not None:
             new.append(pending)
-        if not new:
+        if not new:  # the usual case when the engine appends a token its grammar took early: no wait for a fill
             return
+        self.settle()
         self.num_consumed += len(new)
         # One at a time: llguidance's consume_tokens refuses even eos once the grammar is complete, consume_token
         # takes it (and more eos after it, as with ignore_eos).

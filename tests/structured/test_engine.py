@@ -157,3 +157,31 @@ def test_a_grammar_is_not_stepped_while_its_mask_is_filled(llm):
     fill.set_result(None)
     thread.join(timeout=10)
     assert stepped.is_set() and state.num_consumed == 1
+
+
+def test_the_engine_thread_does_not_wait_for_a_fill_to_append_a_token(llm, monkeypatch):
+    """While a step's masks are filled, the engine's thread appends the previous step's tokens, which the grammars
+    took early: it must not wait for the fill there (at 8459f98 it did, at every token: on an H100 the steps then
+    took the device's time plus the masks', as before the fill had a thread of its own). Fills are slowed here so
+    that each is still running when the engine appends."""
+    import time
+
+    from nanoserve.structured.backend import GrammarState
+
+    params = constrained(SCHEMAS["flags"], temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)
+    llm.generate(PROMPTS[:1], params, use_tqdm=False)  # compiles the grammar (and the compiler)
+    compiler = llm.engine.structured.compiler
+    fill = compiler.fill
+    monkeypatch.setattr(compiler, "fill", lambda states, bits: (time.sleep(0.05), fill(states, bits)))
+    waits = []
+    settle = GrammarState.settle
+
+    def watched(self):
+        if self.filling is not None and not self.filling.done():
+            waits.append(self)
+        settle(self)
+
+    monkeypatch.setattr(GrammarState, "settle", watched)
+    outs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+    assert waits == []
