@@ -7,7 +7,7 @@ import torch
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.request import Request, Sequence
-from nanoserve.worker.kv_offload import KVOffloader, block_runs
+from nanoserve.worker.kv_offload import KVOffloader, block_runs, by_cpu_block
 
 BS = 4
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -81,6 +81,16 @@ def test_offloader_copies_blocks_out_and_back():
         assert torch.equal(k[0], k0[1]) and torch.equal(k[5], k0[2]) and torch.equal(k[2], k0[4])
         assert torch.equal(v[0], v0[1]) and torch.equal(v[5], v0[2]) and torch.equal(v[2], v0[4])
     assert block_runs([3, 4, 5, 9, 1, 2]) == [(0, 3, 3), (3, 9, 1), (4, 1, 2)]
+
+
+def test_blocks_stored_tail_first_load_in_one_run():
+    """A sequence's blocks reach the CPU tier tail first, with descending ids: the copies go by CPU block, so its
+    prefix comes back in one run (one copy a layer), each block still to its own device block."""
+    pairs, runs = by_cpu_block([(7, 10), (6, 11), (5, 12), (4, 13), (1, 20)], cpu=0)  # (cpu, device), coming back
+    assert pairs == [(1, 20), (4, 13), (5, 12), (6, 11), (7, 10)]
+    assert runs == [(0, 1, 1), (1, 4, 4)]
+    pairs, runs = by_cpu_block([(10, 7), (11, 6), (12, 5)], cpu=1)  # (device, cpu) pairs, going out
+    assert pairs == [(12, 5), (11, 6), (10, 7)] and runs == [(0, 5, 3)]
 
 
 def _run(llm: LLM, prompts) -> list[list[int]]:
