@@ -30,12 +30,12 @@ class LaunchedStep:
     host: SampledTokens | None  # the same, being copied to the host
     done: torch.cuda.Event | None
     prompt_logprobs: dict
-    sample: Callable[[], None] | None = None  # queues the sampling, deferred until its token masks are filled
+    deferred_sample: Callable[[], None] | None = None  # queues the sampling, deferred until its token masks are filled
 
     def settle(self) -> None:
         """Queue the deferred sampling, if any (it waits for the masks): before anything reads `sampled`."""
-        if self.sample is not None:
-            sample, self.sample = self.sample, None
+        if self.deferred_sample is not None:
+            sample, self.deferred_sample = self.deferred_sample, None
             sample()
 
     def result(self) -> SamplerOutput:
@@ -218,7 +218,7 @@ class ModelRunner:
         # Nor when a row's sampling reads its history (min_tokens, penalties): that moves as this thread appends.
         if masks is not None and masks.ready is not None and self.workers is None and \
                 not any(s.params.min_tokens or s.params.has_penalties for s in seqs):
-            launched.sample = sample
+            launched.deferred_sample = sample
         else:
             sample()
         return launched

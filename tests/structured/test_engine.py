@@ -133,7 +133,7 @@ def test_sampling_waits_for_masks_filled_beside_the_engine(llm):
             for out in engine.step():
                 finished = out if out.finished else finished
             if engine.in_flight is not None:
-                seen.append(engine.in_flight.sample is not None)
+                seen.append(engine.in_flight.deferred_sample is not None)
         deferred.append(any(seen))
         json.loads(finished.outputs[0].text)
     assert deferred == [True, False]
