@@ -143,8 +143,10 @@ class GrammarState:
     def settle(self) -> None:
         """Wait for a mask computation on this matcher to end: a matcher is never stepped during one."""
         if self.filling is not None:
-            self.filling.result()
-            self.filling = None
+            try:
+                self.filling.result()
+            finally:  # a fill that raised has ended too: it says so once
+                self.filling = None
 
     def advance(self, token_ids: list[int], num_prompt_tokens: int, pending: int | None = None) -> None:
         """Take the sample's output tokens (token_ids after its prompt, then `pending`, a token sampled but not yet

@@ -163,8 +163,10 @@ class StructuredOutputManager:
     def _fill(self, states: list, bits: torch.Tensor, failed_rows: list[int]) -> None:
         start = time.perf_counter()
         self.compiler.fill(states, bits)
-        for j in failed_rows:
-            bits[j] = -1  # any token: the row is dropped, but must not be all -inf (NaN) beside the others
+        # bits was made under the engine thread's inference mode, which a thread does not inherit.
+        with torch.inference_mode():
+            for j in failed_rows:
+                bits[j] = -1  # any token: the row is dropped, but must not be all -inf (NaN) beside the others
         self.stats.fill_seconds += time.perf_counter() - start
 
     def shutdown(self) -> None:

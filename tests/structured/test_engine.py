@@ -185,3 +185,23 @@ def test_the_engine_thread_does_not_wait_for_a_fill_to_append_a_token(llm, monke
     outs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
     assert waits == []
+
+
+def test_a_grammar_in_error_fails_its_request_alone(llm):
+    """A token forced against the grammar leaves its matcher in error: at the next mask the request fails with an
+    error its caller sees, and the unconstrained request beside it finishes (at 8459f98 the mask thread raised on
+    the failed row instead, and the whole step with it)."""
+    engine = llm.engine
+    engine.add_request("in-error", PROMPTS[0], constrained(SCHEMAS["flags"], temperature=0, max_tokens=30))
+    engine.add_request("beside", PROMPTS[1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    with pytest.raises(ValueError, match="grammar"):
+        engine.force_tokens("in-error", 0, engine.tokenizer.encode("zzz", add_special_tokens=False)[:1])
+    finished = {}
+    for _ in range(60):
+        finished |= {out.request_id: out for out in engine.step() if out.finished}
+        if not engine.has_unfinished_requests():
+            break
+    assert finished["in-error"].error is not None
+    assert finished["beside"].outputs[0].finish_reason == "length"
