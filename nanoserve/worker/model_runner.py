@@ -260,8 +260,7 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent)."""
         if self.workers is not None:
-            self.release_graphs()  # before the group's destroy in stop(): release_graphs says why
-            self.workers.stop()
+            self.workers.stop(self.release_graphs)
             self.workers = None
 
     def release_graphs(self) -> None:

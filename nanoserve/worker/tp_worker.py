@@ -21,6 +21,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import wait
 
 import torch
@@ -165,7 +166,9 @@ class TensorParallelWorkers:
             time.sleep(0.02)
         return RuntimeError(self.lost) if self.lost is not None else exc
 
-    def stop(self) -> None:
+    def stop(self, release_graphs: Callable[[], None]) -> None:
+        """Stop the workers. release_graphs: rank 0's, run before NCCL's destroy of the group, which waits for every
+        CUDA graph that captured one of its collectives (ModelRunner.release_graphs)."""
         if self.stopped:
             return
         self.stopped = True
@@ -178,17 +181,20 @@ class TensorParallelWorkers:
                 StepInputs.send_stop(self.tp)
             except RuntimeError:  # a peer went away meanwhile
                 delivered = False
-        # Before the join, not after: NCCL frees a communicator collectively, so the ranks must destroy it together
-        # (and each rank's CUDA graphs must be gone by then: ModelRunner.release_graphs).
-        # With a rank gone, NCCL's destroy would wait for it the same way: the group stays, and this process can
-        # start no other tensor-parallel engine (TensorParallelWorkers.start says so). gloo's needs no peer.
-        if delivered or self.config.device.type != "cuda":
-            dist.destroy_process_group()
-        for p in self.processes:
-            p.join(timeout=10 if delivered else 0)  # without the stop, the others would wait for their next step
-            if p.is_alive():
-                p.kill()
-                p.join()
+        try:
+            # Before the join, not after: NCCL frees a communicator collectively, so the ranks must destroy it
+            # together. With a rank gone, NCCL's destroy would wait for it the same way (and releasing the graphs
+            # could wait on a collective it never joins): the group stays, and this process can start no other
+            # tensor-parallel engine (TensorParallelWorkers.start says so). gloo's needs no peer.
+            if delivered or self.config.device.type != "cuda":
+                release_graphs()
+                dist.destroy_process_group()
+        finally:
+            for p in self.processes:
+                p.join(timeout=10 if delivered else 0)  # without the stop, the others would wait for their next step
+                if p.is_alive():
+                    p.kill()
+                    p.join()
 
 
 def run_node(config: EngineConfig) -> int:
