@@ -216,7 +216,7 @@ class ModelRunner:
         # Not deferred under tensor parallelism: the other ranks would wait for the samples in a collective, where
         # a stop message could not reach them.
         # Nor when a row's sampling reads its history (min_tokens, penalties): that moves as this thread appends.
-        if masks is not None and masks.ready is not None and self.workers is None and \
+        if masks is not None and self.workers is None and \
                 not any(s.params.min_tokens or s.params.has_penalties for s in seqs):
             launched.deferred_sample = sample
         else:
