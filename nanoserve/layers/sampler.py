@@ -116,6 +116,8 @@ class Sampler:
         """Sample one token per row, without reading anything back to the host. Per-row work that raises
         (a sequence's own generator, its penalties, its grammar) marks that row failed instead of failing the
         batch. `masks`: the allowed tokens of the rows a grammar constrains."""
+        if masks is not None:  # its failed rows are known once it is filled
+            masks.wait()
         # One pass over the rows: this runs every step for every sequence, on the host's critical path.
         params = [s.params for s in seqs]
         sampled_rows, temps, top_k, top_p, min_p = [], [], [], [], []

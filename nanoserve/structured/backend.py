@@ -137,6 +137,7 @@ class GrammarState:
         self.lane = compiled.take_lane()
         self.matcher = compiled.lanes[self.lane].deep_copy()
         weakref.finalize(self, compiled.release, self.lane)  # the sample is done with its lane
+        # The sample's output tokens the matcher has taken, or that the mask thread takes before its next fill.
         self.num_consumed = 0
         self.filling: Future | None = None  # the mask computation using the matcher, if one may still run
 
@@ -148,23 +149,33 @@ class GrammarState:
             finally:  # a fill that raised has ended too: it says so once
                 self.filling = None
 
-    def advance(self, token_ids: list[int], num_prompt_tokens: int, pending: int | None = None) -> None:
-        """Take the sample's output tokens (token_ids after its prompt, then `pending`, a token sampled but not yet
-        appended) not taken yet. Each is taken once: the engine shows a pending token early, to compute the next
-        mask, and again when it appends it. Only the new tokens are sliced: this runs per sample per step. Raises
+    def reserve(self, token_ids: list[int], num_prompt_tokens: int, pending: bool) -> list[int]:
+        """For the mask thread, before a fill: the sample's output tokens (token_ids after its prompt) not taken
+        yet, counted as taken, and one more if `pending` (sampled but not yet read: the thread reads it). The thread
+        takes them (`take`) before it computes the mask; the matcher is not touched here."""
+        new = token_ids[num_prompt_tokens + self.num_consumed:]
+        self.num_consumed += len(new) + pending
+        return new
+
+    def advance(self, token_ids: list[int], num_prompt_tokens: int) -> None:
+        """Take the sample's output tokens not taken (nor reserved) yet: the engine appends each token once more
+        after the mask thread took it early. Only the new tokens are sliced: this runs per sample per step. Raises
         ValueError if the grammar refuses one, which only a token sampled against the mask (or forced) can be."""
         new = token_ids[num_prompt_tokens + self.num_consumed:]
-        if pending is not None:
-            new.append(pending)
-        if not new:  # the usual case when the engine appends a token its grammar took early: no wait for a fill
+        if not new:  # the usual case: the mask thread took it, and the engine's thread does not wait for the fill
             return
         self.settle()
         self.num_consumed += len(new)
-        # One at a time: llguidance's consume_tokens refuses even eos once the grammar is complete, consume_token
-        # takes it (and more eos after it, as with ignore_eos).
-        if not all(self.matcher.consume_token(t) for t in new):
+        self.take(new)
+
+    def take(self, token_ids: list[int]) -> None:
+        """Step the matcher over `token_ids`. One at a time: llguidance's consume_tokens refuses even eos once the
+        grammar is complete, consume_token takes it (and more eos after it, as with ignore_eos)."""
+        if not all(self.matcher.consume_token(t) for t in token_ids):
             raise ValueError(f"structured_outputs: the grammar refused a generated token: "
                              f"{self.matcher.get_error().strip()[:300]}")
+        if self.matcher.is_error():
+            raise ValueError(f"structured_outputs: {self.matcher.get_error()[:300]}")
 
     @property
     def finished(self) -> bool:

@@ -4,15 +4,15 @@
   worker thread compiles it (llguidance drops the GIL while it builds), so a large schema never stalls the steps
   of everyone else. The engine asks for the ready ones at the start of each step.
 - Masks. The model runner calls `logit_masks` after it has queued a step's forward pass. With async scheduling a
-  constrained sample's last token may still be in flight (sampled by the previous step, not read yet): it is read
-  then, and the grammar takes it early; reading it waits only for the previous step, which the device finished
-  before this step's forward began. Then a mask thread fills the masks (llguidance's threads, GIL dropped) while
-  the device runs the forward pass and the engine's thread handles the previous step's outputs and schedules the
-  next one; the step's sampling is queued once they are filled, before the next forward (ModelRunner.launch).
-  In series with the engine's own host work, the masks made the host the bottleneck (146 rows of the bench
-  schema: ~5 ms of masks beside a ~7 ms device step on an H100 machine, BENCHMARKS.md table 7).
-- Advancing. When the engine appends a sample's token, its grammar takes it (GrammarState.advance takes each token
-  once, whether it saw it early or not).
+  constrained sample's last token may still be in flight (sampled by the previous step, not read yet). A mask thread
+  reads it (waiting only for the previous step's sampling, which the device ran before this step's forward), steps
+  the grammars over their new tokens and fills the masks (llguidance's threads, GIL dropped), while the device runs
+  the forward pass and the engine's thread handles the previous step's outputs, schedules the next step and builds
+  its inputs; the step's sampling is queued once the masks are filled, just before the next forward
+  (ModelRunner.launch). On the engine's thread, 146 rows of masks (~5 ms on an H100 machine) added to its own host
+  work and made the host the bottleneck beside a ~7 ms device step (BENCHMARKS.md table 7).
+- Advancing. When the engine appends a sample's token its grammar takes it, unless the mask thread has or will have
+  (GrammarState.reserve counts those): each token is taken once, and the engine's thread does not wait for a fill.
 """
 
 import concurrent.futures
@@ -35,8 +35,8 @@ class MaskStats:
 
     steps: int = 0  # steps with at least one constrained row
     rows: int = 0
-    seconds: float = 0.0  # the engine's thread in logit_masks (the grammars taking tokens; pending reads included)
-    fill_seconds: float = 0.0  # the mask thread filling masks
+    seconds: float = 0.0  # the engine's thread in logit_masks
+    fill_seconds: float = 0.0  # the mask thread: the grammars taking tokens (pending reads included), the fill
     waited: float = 0.0  # the engine's thread waiting for a fill to end
 
     def per_step(self, seconds: float) -> float:
@@ -44,7 +44,7 @@ class MaskStats:
 
     @property
     def ms_per_step(self) -> float:
-        """Host time of masks a step: the grammars stepped on the engine's thread and the fill beside it."""
+        """Host time of masks a step: the engine's thread, then the mask thread's (grammars stepped, masks filled)."""
         return self.per_step(self.seconds + self.fill_seconds)
 
 
@@ -120,33 +120,30 @@ class StructuredOutputManager:
 
     def logit_masks(self, seqs: list, prev) -> TokenBitmask | None:
         """The masks of the constrained rows of a step about to sample `seqs` (its rows, in order); `prev`: the
-        launched step before it (a LaunchedStep), whose samples hold the constrained rows' pending tokens. The
-        grammars take those tokens here; the masks are filled on a thread of their own (TokenBitmask.wait)."""
+        launched step before it (a LaunchedStep), whose samples hold the constrained rows' pending tokens. A thread
+        of its own reads those tokens, steps the grammars over them and fills the masks (TokenBitmask.wait); this
+        thread only counts what each grammar is to take."""
         rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
         if not rows:
             return None
         start = time.perf_counter()
         failed: dict[int, Exception] = {}
-        sampled = None
+        takes = []  # per row: (tokens appended but not taken, row of prev's samples with its pending token or None)
         for i in rows:
             seq = seqs[i]
             try:
-                pending = None
-                if seq.num_pending:  # its last token is the previous step's: read it now (see the module's doc)
-                    sampled = sampled or prev.result()
-                    pending = sampled.token_ids[prev.rows[seq.seq_id]]
-                seq.grammar.advance(seq.token_ids, seq.num_prompt_tokens, pending)
-                if seq.grammar.matcher.is_error():
-                    raise ValueError(f"structured_outputs: {seq.grammar.matcher.get_error()[:300]}")
+                pending = prev.rows[seq.seq_id] if seq.num_pending else None  # see the module's doc
+                takes.append((seq.grammar.reserve(seq.token_ids, seq.num_prompt_tokens, pending is not None),
+                              pending))
             except Exception as exc:
                 failed[i] = exc
+                takes.append(([], None))
         bits = torch.empty((len(rows), self.compiler.mask_words), dtype=torch.int32,
                            pin_memory=self.device.type == "cuda")
         states = [seqs[i].grammar for i in rows]
-        failed_rows = [j for j, i in enumerate(rows) if i in failed]
         if self.mask_pool is None:
             self.mask_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-masks")
-        filling = self.mask_pool.submit(self._fill, states, bits, failed_rows)
+        filling = self.mask_pool.submit(self._fill, rows, states, takes, prev, bits, failed)
         for state in states:  # the engine's thread must not step a grammar while its mask is being computed
             state.filling = filling
         self.stats.steps += 1
@@ -160,13 +157,29 @@ class StructuredOutputManager:
 
         return TokenBitmask(rows, bits, failed, ready)
 
-    def _fill(self, states: list, bits: torch.Tensor, failed_rows: list[int]) -> None:
+    def _fill(self, rows: list[int], states: list, takes: list, prev, bits: torch.Tensor,
+              failed: dict[int, Exception]) -> None:
+        """The mask thread: the grammars take their tokens (the pending ones read once the previous step's samples
+        reach the host), then the masks are filled. A row whose grammar refuses is failed (`failed`, read by the
+        sampler after the wait)."""
         start = time.perf_counter()
+        sampled = None
+        for i, state, (tokens, pending) in zip(rows, states, takes, strict=True):
+            if i in failed:
+                continue
+            try:
+                if pending is not None:
+                    sampled = sampled or prev.result()
+                    tokens = [*tokens, sampled.token_ids[pending]]
+                state.take(tokens)
+            except Exception as exc:
+                failed[i] = exc
         self.compiler.fill(states, bits)
         # bits was made under the engine thread's inference mode, which a thread does not inherit.
         with torch.inference_mode():
-            for j in failed_rows:
-                bits[j] = -1  # any token: the row is dropped, but must not be all -inf (NaN) beside the others
+            for j, i in enumerate(rows):
+                if i in failed:
+                    bits[j] = -1  # any token: the row is dropped, but must not be all -inf (NaN) beside the others
         self.stats.fill_seconds += time.perf_counter() - start
 
     def shutdown(self) -> None:

@@ -170,8 +170,6 @@ class ModelRunner:
         """Queue one step's forward pass and sampling on the device without waiting for them. Requests
         that asked for prompt_logprobs get them now, as {request_id: [(target id, logprob, rank,
         top ids, top logprobs), ...]} (that path reads back to the host)."""
-        if prev is not None:
-            prev.settle()
         plp_entries, plp_rows, row = [], [], 0
         for entry in batch.scheduled:
             if entry.seq.params.prompt_logprobs is not None and (count := prompt_logprob_rows(entry)):
@@ -179,6 +177,9 @@ class ModelRunner:
                 plp_rows.append((row, count))
             row += entry.num_new_tokens
         step = StepInputs.build(batch, prev.rows if prev is not None else {}, self.block_size, plp_rows)
+        # Only now, with this step's inputs built, does the previous step's deferred sampling wait for its masks.
+        if prev is not None:
+            prev.settle()
         prev_tokens = prev.sampled.token_ids if prev is not None and prev.sampled is not None else None
         if self.workers is None:
             plp_logits, logits = self.execute(step, prev_tokens)
@@ -193,10 +194,10 @@ class ModelRunner:
         seqs = [s for e in batch.scheduled for s in e.sample_seqs]
         if not seqs:
             return LaunchedStep(batch, None, {}, None, None, prompt_logprobs)
-        # Structured output's token masks: the grammars take the previous step's tokens now, and a thread fills
+        # Structured output's token masks: a thread steps the grammars over the previous step's tokens and fills
         # the masks while the device runs the forward pass and this thread goes on to the previous step's outputs
-        # and the next schedule. The sampling waits for them: it is queued when the next step launches (or when
-        # this step's result is read), before that step's forward, which takes these samples as its inputs.
+        # and the next step's inputs. The sampling waits for them: it is queued when the next step launches (or
+        # when this step's result is read), before that step's forward, which takes these samples as its inputs.
         masks = logit_masks(seqs, prev) if logit_masks is not None else None
         launched = LaunchedStep(batch, None, {s.seq_id: i for i, s in enumerate(seqs)}, None, None, prompt_logprobs)
 

@@ -187,6 +187,42 @@ def test_the_engine_thread_does_not_wait_for_a_fill_to_append_a_token(llm, monke
     assert waits == []
 
 
+def test_logit_masks_leave_the_pending_token_to_the_mask_thread(llm):
+    """logit_masks returns before the previous step's samples are read: the mask thread reads the pending token,
+    and the grammar takes it there before the fill (the engine's thread read it and stepped
+    every grammar itself, at 749541c). The token then counts as taken when the engine appends it."""
+    import threading
+    from types import SimpleNamespace
+
+    from nanoserve.layers.sampler import SamplerOutput
+    from nanoserve.structured.backend import GrammarState
+
+    manager = llm.engine.structured
+    manager.compiler = manager.compiler or manager.make_compiler()
+    state = GrammarState(manager.compiler.compile(StructuredOutputs(regex="ab").compiled))
+    a, b = (llm.engine.tokenizer.encode(t, add_special_tokens=False)[0] for t in "ab")
+    seq = SimpleNamespace(grammar=state, seq_id=7, num_pending=1, token_ids=[1, 2], num_prompt_tokens=2)
+    released = threading.Event()
+
+    class Prev:
+        rows = {7: 0}
+
+        def result(self) -> SamplerOutput:
+            assert released.wait(10)
+            return SamplerOutput([a], [None])
+
+    masks = manager.logit_masks([seq], Prev())
+    assert state.num_consumed == 1 and not state.filling.done()  # counted, not yet taken: the thread waits
+    released.set()
+    masks.wait()
+    assert masks.failed == {}
+    allowed = [t for t in (a, b) if masks.bits[0, t // 32].item() >> (t % 32) & 1]
+    assert allowed == [b]  # "a" was taken: only "b" may follow
+    seq.token_ids.append(a)
+    state.advance(seq.token_ids, seq.num_prompt_tokens)  # the engine appends it: nothing more to take
+    assert state.num_consumed == 1 and state.matcher.consume_token(b)
+
+
 def test_a_grammar_in_error_fails_its_request_alone(llm):
     """A token forced against the grammar leaves its matcher in error: at the next mask the request fails with an
     error its caller sees, and the unconstrained request beside it finishes (at 8459f98 the mask thread raised on
