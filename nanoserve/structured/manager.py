@@ -3,9 +3,9 @@
 - Compiling. A request whose grammar is in the cache starts at once; another waits, out of the scheduler, while a
   worker thread compiles it (llguidance drops the GIL while it builds), so a large schema never stalls the steps
   of everyone else. The engine asks for the ready ones at the start of each step.
-- Masks. The model runner calls `logit_masks` after it has queued a step's forward pass. With async scheduling a
-  constrained sample's last token may still be in flight (sampled by the previous step, not read yet). A mask thread
-  reads it (waiting only for the previous step's sampling, which the device ran before this step's forward), steps
+- Masks. The model runner calls `logit_masks` as it launches a step, before it queues the forward pass. With async
+  scheduling a constrained sample's last token may still be in flight (sampled by the previous step, not read yet).
+  A mask thread reads it (waiting only for the previous step's sampling, queued before this step's forward), steps
   the grammars over their new tokens and fills the masks (llguidance's threads, GIL dropped), while the device runs
   the forward pass and the engine's thread handles the previous step's outputs, schedules the next step and builds
   its inputs; the step's sampling is queued once the masks are filled, just before the next forward

@@ -180,6 +180,12 @@ class ModelRunner:
         # Only now, with this step's inputs built, does the previous step's deferred sampling wait for its masks.
         if prev is not None:
             prev.settle()
+        seqs = [s for e in batch.scheduled for s in e.sample_seqs]
+        # Structured output's token masks: a thread steps the grammars over the previous step's tokens (once its
+        # sampling, just queued, is done) and fills the masks, while this thread queues the forward pass and goes on
+        # to the previous step's outputs and the next step's inputs. This step's sampling waits for them: it is
+        # queued when the next step launches (or when this step's result is read), before that step's forward.
+        masks = logit_masks(seqs, prev) if logit_masks is not None and seqs else None
         prev_tokens = prev.sampled.token_ids if prev is not None and prev.sampled is not None else None
         if self.workers is None:
             plp_logits, logits = self.execute(step, prev_tokens)
@@ -191,14 +197,8 @@ class ModelRunner:
             except RuntimeError as exc:
                 raise self.workers.explain(exc) from exc
         prompt_logprobs = self._prompt_logprobs(plp_entries, plp_logits)
-        seqs = [s for e in batch.scheduled for s in e.sample_seqs]
         if not seqs:
             return LaunchedStep(batch, None, {}, None, None, prompt_logprobs)
-        # Structured output's token masks: a thread steps the grammars over the previous step's tokens and fills
-        # the masks while the device runs the forward pass and this thread goes on to the previous step's outputs
-        # and the next step's inputs. The sampling waits for them: it is queued when the next step launches (or
-        # when this step's result is read), before that step's forward, which takes these samples as its inputs.
-        masks = logit_masks(seqs, prev) if logit_masks is not None else None
         launched = LaunchedStep(batch, None, {s.seq_id: i for i, s in enumerate(seqs)}, None, None, prompt_logprobs)
 
         def sample() -> None:
