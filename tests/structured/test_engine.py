@@ -223,6 +223,28 @@ def test_logit_masks_leave_the_pending_token_to_the_mask_thread(llm):
     assert state.num_consumed == 1 and state.matcher.consume_token(b)
 
 
+def test_the_mask_thread_gets_the_gil_within_a_millisecond(llm):
+    """While the mask thread runs, the process hands the GIL over every 1 ms at most (5 ms by default, most of a
+    step); the manager's shutdown gives the process its own interval back, and a later request lowers it again."""
+    import sys
+
+    manager = llm.engine.structured
+    manager.shutdown()
+    original = sys.getswitchinterval()  # other engines of this process may have lowered it
+    sys.setswitchinterval(0.005)
+    params = constrained(SCHEMAS["flags"], temperature=0, max_tokens=8)
+    try:
+        llm.generate(PROMPTS[:1], params, use_tqdm=False)
+        assert sys.getswitchinterval() <= 0.001
+        manager.shutdown()
+        assert sys.getswitchinterval() == 0.005
+        llm.generate(PROMPTS[:1], params, use_tqdm=False)
+        assert sys.getswitchinterval() <= 0.001
+    finally:
+        manager.shutdown()
+        sys.setswitchinterval(original)
+
+
 def test_a_grammar_in_error_fails_its_request_alone(llm):
     """A token forced against the grammar leaves its matcher in error: at the next mask the request fails with an
     error its caller sees, and the unconstrained request beside it finishes (at 8459f98 the mask thread raised on
