@@ -141,11 +141,12 @@ class LLMEngine(EngineFrontend):
         With async scheduling (on CUDA) the step launched here is read back by the next call: this
         call returns the previous step's tokens, so the host's work overlaps the GPU's."""
         compiled = self._admit_compiled() if self.structured.has_waiting else []
-        batch = self.last_batch = self.scheduler.schedule()
         outputs = []
-        if self.in_flight is not None and batch.needs_host_tokens:
+        # Before scheduling: a sample that finishes on these tokens must not be in the batch (its blocks are freed).
+        if self.in_flight is not None and self.scheduler.needs_host_tokens:
             outputs = self._process(self.in_flight, final_only)
             self.in_flight = None
+        batch = self.last_batch = self.scheduler.schedule()
         launched = self._launch(batch) if batch.scheduled else None
         if self.in_flight is not None:
             outputs = self._process(self.in_flight, final_only)

@@ -49,10 +49,6 @@ class SchedulerOutput:
         # A one-token entry attends like a decode whether or not it ends a prompt.
         return sum(1 for s in self.scheduled if s.num_new_tokens == 1)
 
-    @property
-    def needs_host_tokens(self) -> bool:
-        """Penalties read every earlier token on the host, so none may still be pending."""
-        return any(s.params.has_penalties for e in self.scheduled for s in e.sample_seqs)
 
 
 class Scheduler:
@@ -67,6 +63,12 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Whether a running sample has penalties, which read every earlier token on the host: the next step may
+        then have none pending."""
+        return any(s.params.has_penalties for s in self.running)
 
     @property
     def has_unfinished(self) -> bool:

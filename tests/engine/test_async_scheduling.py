@@ -53,14 +53,18 @@ def test_async_equals_sync(llama_dir, case):
         assert engine.scheduler.num_preemptions > 0
 
 
-def test_stops_mid_flight_drop_the_extra_token(llama_dir):
-    """A sample that stops at step N was already scheduled for step N+1: that token must not appear."""
-    base = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+@pytest.mark.parametrize("penalty", [0.0, 0.3])
+def test_stops_mid_flight_drop_the_extra_token(llama_dir, penalty):
+    """A sample that stops at step N was already scheduled for step N+1: that token must not appear. With
+    penalties the tokens are read before the next step is scheduled, so the stopped sample is not in it (at
+    749541c they were read after, and the next step's inputs read the stopped sample's freed blocks: IndexError)."""
+    base = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, presence_penalty=penalty)
     sync = LLM(str(llama_dir), async_scheduling=False, num_kv_blocks=128)
     free_run = [o.outputs[0].token_ids for o in sync.generate(prompts(), base, use_tqdm=False)]
     # Stop each prompt at the 4th token it generates freely.
     stop_ids = sorted({ids[3] for ids in free_run})
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=stop_ids)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=stop_ids,
+                            presence_penalty=penalty)
     want = summary(sync.generate(prompts(), params, use_tqdm=False))
     overlap = LLM(str(llama_dir), async_scheduling=True, num_kv_blocks=128)
     got = summary(overlap.generate(prompts(), params, use_tqdm=False))
