@@ -18,6 +18,7 @@
 import concurrent.futures
 import logging
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +35,32 @@ logger = logging.getLogger(__name__)
 # 5 ms by default, which is most of a step. One call on an H100 (BENCHMARKS.md table 7): structured / plain 0.821 at
 # 5 ms, 0.906 at 1 ms, 0.884 at 0.5 ms, 0.838 at 0.2 ms (handing over too often costs too).
 MASK_SWITCH_INTERVAL = 0.001
+
+
+class _SwitchInterval:
+    """The interval is the process's, so the engines of one process share it: lowered while any has a mask thread,
+    the process's own given back when the last one shuts down."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.users = 0
+        self.saved = sys.getswitchinterval()
+
+    def lower(self) -> None:
+        with self.lock:
+            if self.users == 0:
+                self.saved = sys.getswitchinterval()
+                sys.setswitchinterval(min(self.saved, MASK_SWITCH_INTERVAL))
+            self.users += 1
+
+    def restore(self) -> None:
+        with self.lock:
+            self.users -= 1
+            if self.users == 0:
+                sys.setswitchinterval(self.saved)
+
+
+_switch_interval = _SwitchInterval()
 
 
 @dataclass
@@ -64,7 +91,6 @@ class StructuredOutputManager:
         self.compiler: GrammarCompiler | None = None
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.mask_pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self.switch_interval = sys.getswitchinterval()
         self.compiling: dict[str, concurrent.futures.Future] = {}  # grammar text -> its compile
         self.waiting: list = []  # requests waiting for their grammar
         self.stats = MaskStats()
@@ -151,8 +177,7 @@ class StructuredOutputManager:
         states = [seqs[i].grammar for i in rows]
         if self.mask_pool is None:
             self.mask_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-masks")
-            self.switch_interval = sys.getswitchinterval()  # the process's, given back at shutdown
-            sys.setswitchinterval(min(self.switch_interval, MASK_SWITCH_INTERVAL))
+            _switch_interval.lower()
         filling = self.mask_pool.submit(self._fill, rows, states, takes, prev, bits, failed)
         for state in states:  # the engine's thread must not step a grammar while its mask is being computed
             state.filling = filling
@@ -199,7 +224,7 @@ class StructuredOutputManager:
         if self.mask_pool is not None:
             self.mask_pool.shutdown(wait=True)  # a fill in progress writes into a buffer that must outlive it
             self.mask_pool = None
-            sys.setswitchinterval(self.switch_interval)
+            _switch_interval.restore()
 
 
 def _attach(request, template) -> None:

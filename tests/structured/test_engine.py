@@ -223,25 +223,33 @@ def test_logit_masks_leave_the_pending_token_to_the_mask_thread(llm):
     assert state.num_consumed == 1 and state.matcher.consume_token(b)
 
 
-def test_the_mask_thread_gets_the_gil_within_a_millisecond(llm):
-    """While the mask thread runs, the process hands the GIL over every 1 ms at most (5 ms by default, most of a
-    step); the manager's shutdown gives the process its own interval back, and a later request lowers it again."""
+def test_the_mask_thread_gets_the_gil_within_a_millisecond(llm, hermes_dir):
+    """While a mask thread runs, the process hands the GIL over every 1 ms at most (5 ms by default, most of a
+    step). The interval is the process's: with two engines it stays low until both have shut down their mask
+    threads, then the process's own comes back; a later request lowers it again."""
     import sys
 
-    manager = llm.engine.structured
-    manager.shutdown()
-    original = sys.getswitchinterval()  # other engines of this process may have lowered it
+    from nanoserve import LLM
+
+    other = LLM(model=str(hermes_dir), num_kv_blocks=64, seed=0, async_scheduling=True)
+    engines = [llm.engine.structured, other.engine.structured]
+    llm.engine.structured.shutdown()
+    original = sys.getswitchinterval()  # engines of other tests may have lowered it
     sys.setswitchinterval(0.005)
     params = constrained(SCHEMAS["flags"], temperature=0, max_tokens=8)
     try:
-        llm.generate(PROMPTS[:1], params, use_tqdm=False)
-        assert sys.getswitchinterval() <= 0.001
-        manager.shutdown()
+        for engine in (llm, other):
+            engine.generate(PROMPTS[:1], params, use_tqdm=False)
+            assert sys.getswitchinterval() <= 0.001
+        engines[0].shutdown()
+        assert sys.getswitchinterval() <= 0.001  # the other's mask thread still runs
+        engines[1].shutdown()
         assert sys.getswitchinterval() == 0.005
         llm.generate(PROMPTS[:1], params, use_tqdm=False)
         assert sys.getswitchinterval() <= 0.001
     finally:
-        manager.shutdown()
+        other.shutdown()
+        llm.engine.structured.shutdown()
         sys.setswitchinterval(original)
 
 
