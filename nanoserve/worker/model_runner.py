@@ -180,6 +180,10 @@ class ModelRunner:
         # Only now, with this step's inputs built, does the previous step's deferred sampling wait for its masks.
         if prev is not None:
             prev.settle()
+        if self.workers is not None:
+            # Before the mask thread is handed a step: it waits for the previous step's samples, which a lost rank
+            # may never let the device finish, and the manager's shutdown waits for it.
+            self.workers.check()
         seqs = [s for e in batch.scheduled for s in e.sample_seqs]
         # Structured output's token masks: a thread steps the grammars over the previous step's tokens (once its
         # sampling, just queued, is done) and fills the masks, while this thread queues the forward pass and goes on
@@ -190,7 +194,6 @@ class ModelRunner:
         if self.workers is None:
             plp_logits, logits = self.execute(step, prev_tokens)
         else:
-            self.workers.check()
             try:
                 step.send(self.tp)
                 plp_logits, logits = self.execute(step, prev_tokens)
