@@ -50,7 +50,6 @@ class SchedulerOutput:
         return sum(1 for s in self.scheduled if s.num_new_tokens == 1)
 
 
-
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.block_manager = block_manager

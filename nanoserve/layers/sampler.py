@@ -212,7 +212,6 @@ class Sampler:
 
     def _apply_bitmask(self, logits: torch.Tensor, masks: TokenBitmask) -> None:
         """-inf on every token the constrained rows' grammars do not allow (ids past the bitmask included)."""
-        masks.wait()
         bits = masks.bits.to(self.device, non_blocking=True)
         # Unpacked one byte at a time: [rows, words * 4, 8] booleans, one per token, in token order.
         allowed = ((bits.view(torch.uint8)[:, :, None] & self.bit_values) != 0).view(bits.shape[0], -1)
