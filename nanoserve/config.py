@@ -21,6 +21,35 @@ def bundled_model_dir() -> str:
 
 
 @dataclass
+class MoEConfig:
+    """A mixture-of-experts model's routed experts (Qwen2-MoE, Qwen3-MoE, Mixtral), read from config.json."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # one expert's
+    norm_topk_prob: bool  # renormalize the top-k routing weights to sum to one
+    sparse_layers: list[bool]  # per layer: routed experts (True) or the dense MLP
+    shared_expert_intermediate_size: int  # Qwen2-MoE's gated shared expert beside the routed ones; 0: none
+
+    @classmethod
+    def from_raw(cls, raw: dict) -> "MoEConfig | None":
+        num_experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
+        if not num_experts:
+            return None
+        mixtral = raw.get("model_type") == "mixtral"
+        # Qwen's MoE layers: every decoder_sparse_step-th layer not listed in mlp_only_layers; Mixtral's: all.
+        step, dense = raw.get("decoder_sparse_step", 1) or 1, set(raw.get("mlp_only_layers") or [])
+        return cls(
+            num_experts=num_experts,
+            top_k=raw["num_experts_per_tok"],
+            intermediate_size=raw["intermediate_size"] if mixtral else raw["moe_intermediate_size"],
+            norm_topk_prob=True if mixtral else bool(raw.get("norm_topk_prob", False)),
+            sparse_layers=[i not in dense and (i + 1) % step == 0 for i in range(raw["num_hidden_layers"])],
+            shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size") or 0,
+        )
+
+
+@dataclass
 class ModelConfig:
     """The architecture fields nanoserve needs, read from a Hugging Face config.json."""
 
@@ -43,6 +72,22 @@ class ModelConfig:
     sliding_window: int | None
     eos_token_ids: list[int]
     raw: dict = field(repr=False)
+    moe: MoEConfig | None = None
+
+    @property
+    def dense_layers(self) -> int:
+        return self.num_hidden_layers - sum(self.moe.sparse_layers if self.moe else [])
+
+    @property
+    def active_intermediate_size(self) -> float:
+        """MLP width a token runs through, averaged over the layers: the routed experts it picks and any shared
+        expert in MoE layers (what its FLOPs and a batch-1 step's expert bytes scale with)."""
+        if self.moe is None:
+            return self.intermediate_size
+        moe = self.moe
+        sparse = moe.top_k * moe.intermediate_size + moe.shared_expert_intermediate_size
+        return (sparse * (self.num_hidden_layers - self.dense_layers)
+                + self.intermediate_size * self.dense_layers) / self.num_hidden_layers
 
     @classmethod
     def from_dir(cls, model_dir: str, generation_config: str = "auto") -> "ModelConfig":
@@ -61,8 +106,8 @@ class ModelConfig:
             raise ValueError(f"model: config.json in {model_dir!r} has no {missing[0]!r}")
         heads = raw["num_attention_heads"]
         model_type = raw.get("model_type", "")
-        # Qwen2 has q/k/v biases without saying so in config.json; the others say it (or have none).
-        attention_bias = raw.get("attention_bias", model_type == "qwen2")
+        # Qwen2 has q/k/v biases without saying so in config.json (Qwen2-MoE as qkv_bias); the others say it.
+        attention_bias = raw.get("attention_bias", raw.get("qkv_bias", model_type in ("qwen2", "qwen2_moe")))
         # Qwen2 keeps sliding_window set but switched off by use_sliding_window=false.
         sliding = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
         return cls(
@@ -85,6 +130,7 @@ class ModelConfig:
             sliding_window=sliding,
             eos_token_ids=_eos_ids(_generation_config_dir(generation_config, model_dir), raw),
             raw=raw,
+            moe=MoEConfig.from_raw(raw),
         )
 
 
@@ -156,6 +202,9 @@ class EngineArgs:
     nnodes: int = _arg(1, "tensor parallel: machines the ranks are spread over, tensor_parallel_size / nnodes each; "
                           "the others run `nanoserve worker` with the same engine flags")
     node_rank: int = _arg(0, "tensor parallel: this machine's place among nnodes (0: the one that runs the engine)")
+    enable_expert_parallel: bool = _arg(False, "mixture-of-experts models under tensor parallelism: each rank holds "
+                                               "whole experts (num_experts / tensor_parallel_size of them) instead "
+                                               "of a slice of every expert")
     seed: int = _arg(0, "seed of random weights (--load-format dummy) and of sampling without a seed")
     # The server only (AsyncEngine): run the engine in a process of its own, so that its host work
     # (scheduling, detokenizing, building outputs) does not share a GIL with the HTTP event loop.
@@ -225,6 +274,8 @@ class EngineConfig:
         if args.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format: must be 'auto' or 'dummy', got {args.load_format!r}")
         _check_tensor_parallel(args, model)
+        if args.enable_expert_parallel and model.moe is None:
+            raise ValueError(f"enable_expert_parallel: {model.architecture} has no experts")
         if args.fused_rope_decode not in ("auto", "on", "off"):
             raise ValueError(f"fused_rope_decode: must be auto, on or off, got {args.fused_rope_decode!r}")
         if not isinstance(args.pdl, bool):
@@ -292,9 +343,16 @@ def _check_tensor_parallel(args: EngineArgs, model: ModelConfig) -> None:
     if tp == 1:
         return
     kv = model.num_key_value_heads
-    uneven = [f"{name} {n}" for name, n in (("num_attention_heads", model.num_attention_heads),
-                                            ("intermediate_size", model.intermediate_size),
-                                            ("vocab_size", model.vocab_size)) if n % tp]
+    shares = [("num_attention_heads", model.num_attention_heads), ("vocab_size", model.vocab_size)]
+    if model.dense_layers:
+        shares.append(("intermediate_size", model.intermediate_size))
+    if model.moe is not None:
+        # Expert parallel: whole experts per rank; else every expert sliced like a dense MLP.
+        shares.append(("num_experts", model.moe.num_experts) if args.enable_expert_parallel
+                      else ("moe_intermediate_size", model.moe.intermediate_size))
+        if model.moe.shared_expert_intermediate_size:
+            shares.append(("shared_expert_intermediate_size", model.moe.shared_expert_intermediate_size))
+    uneven = [f"{name} {n}" for name, n in shares if n % tp]
     if kv % tp and tp % kv:
         uneven.append(f"num_key_value_heads {kv} (nor does {tp} divide by it)")
     if uneven:

@@ -79,12 +79,15 @@ def load_whole(param: nn.Parameter, loaded, shard: str | None = None) -> None:
 class RowParallelLinear(Linear):
     """y = x W^T + b with W's input columns split over the ranks: each rank multiplies its share of x (the
     output of its heads, or of its share of the intermediate size) and one all-reduce sums the partial outputs.
-    Rank 0 alone holds the bias (the others zeros), so that the sum adds it once."""
+    Rank 0 alone holds the bias (the others zeros), so that the sum adds it once. With reduce_results=False the
+    partial output is returned, for a caller that sums it with others before one all-reduce (an MoE block's shared
+    expert)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallelGroup | None = None) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallelGroup | None = None,
+                 reduce_results: bool = True) -> None:
         tp = tp or TensorParallelGroup()
         super().__init__(in_features // tp.size, out_features, bias=bias)
-        self.tp = tp
+        self.tp, self.reduce_results = tp, reduce_results
         self.weight.weight_loader = self.load_columns
         if bias:
             self.bias.weight_loader = self.load_bias
@@ -103,12 +106,15 @@ class RowParallelLinear(Linear):
             param.data.zero_()
 
     def forward(self, x: torch.Tensor, plan: KernelPlan) -> torch.Tensor:
-        return self.tp.all_reduce(super().forward(x, plan))
+        return self._reduce(super().forward(x, plan))
 
     def forward_silu_mul(self, x: torch.Tensor, act: SiluAndMul, plan: KernelPlan) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward_silu_mul(x, act, plan)
-        return self.tp.all_reduce(super().forward_silu_mul(x, act, plan))
+        return self._reduce(super().forward_silu_mul(x, act, plan))
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(x) if self.reduce_results else x
 
 
 class FusedLinear(Linear):
@@ -127,6 +133,10 @@ class FusedLinear(Linear):
         self.weight.weight_loader = self.load_shard
         if bias:
             self.bias.weight_loader = self.load_shard
+
+    def expected_shards(self) -> dict[str, list[str]]:
+        """The checkpoint tensors each parameter is loaded from (the loader reports the ones missing)."""
+        return {pname: list(self.shard_offsets) for pname, _ in self.named_parameters(recurse=False)}
 
     def load_shard(self, param: nn.Parameter, loaded, shard: str) -> None:
         offset, size = self.shard_offsets[shard]

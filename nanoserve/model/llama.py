@@ -1,5 +1,7 @@
 """The Llama family: Llama 2/3, Mistral and Qwen2 (q/k/v bias); Qwen3 adds q/k norms (qwen3.py)."""
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -25,7 +27,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # Llama puts the bias on o_proj too when attention_bias is set; Qwen2 biases only q/k/v.
-        o_bias = config.attention_bias and config.raw.get("model_type") != "qwen2"
+        o_bias = config.attention_bias and config.raw.get("model_type") not in ("qwen2", "qwen2_moe")
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, o_bias, tp)
         self.rotary = rotary
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -73,25 +75,38 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallelGroup) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup, intermediate_size: int | None = None,
+                 reduce_results: bool = True) -> None:
+        """intermediate_size: config's unless given (an MoE block's shared expert); reduce_results=False leaves the
+        all-reduce of down_proj's partial output to the caller."""
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act: only 'silu' is supported, got {config.hidden_act!r}")
         if config.raw.get("mlp_bias"):
             raise ValueError("mlp_bias: MLP biases are not supported")
-        self.gate_up_proj = GateUpLinear(config.hidden_size, config.intermediate_size, tp)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, False, tp)
+        intermediate_size = intermediate_size or config.intermediate_size
+        self.gate_up_proj = GateUpLinear(config.hidden_size, intermediate_size, tp)
+        self.down_proj = RowParallelLinear(intermediate_size, config.hidden_size, False, tp, reduce_results)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor, plan: KernelPlan) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x, plan)), plan)
 
+    def forward_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
+                     plan: KernelPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """self(norm(x + residual)) and the next residual, the norm run by gate_up_proj and SiLU-and-mul by
+        down_proj where the plan fuses them (LlamaDecoderLayer.fused_forward)."""
+        gate_up, residual = self.gate_up_proj.forward_norm(x, residual, norm, plan)
+        return self.down_proj.forward_silu_mul(gate_up, self.act, plan), residual
+
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, qk_norm: bool, tp: TensorParallelGroup) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, qk_norm: bool, tp: TensorParallelGroup,
+                 mlp: nn.Module) -> None:
+        """mlp: LlamaMLP, or an MoE block (layers/moe.py) with the same forward and forward_norm."""
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary, qk_norm, tp)
-        self.mlp = LlamaMLP(config, tp)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -120,20 +135,20 @@ class LlamaDecoderLayer(nn.Module):
         where the plan's rules take that weight (Linear.forward_norm, forward_silu_mul; layers/step_plan.py), else
         the op, then the GEMM. At batch 1 a launch costs 2-3 us while a whole Qwen3-0.6B layer streams its weights
         in about 7 us."""
-        plan, attn, mlp = meta.plan, self.self_attn, self.mlp
+        plan, attn = meta.plan, self.self_attn
         qkv, residual = attn.qkv_proj.forward_norm(x, residual, self.input_layernorm, plan)
         x = attn.attend(positions, qkv, meta)
-        gate_up, residual = mlp.gate_up_proj.forward_norm(x, residual, self.post_attention_layernorm, plan)
-        return mlp.down_proj.forward_silu_mul(gate_up, mlp.act, plan), residual
+        return self.mlp.forward_norm(x, residual, self.post_attention_layernorm, plan)
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, max_model_len: int, qk_norm: bool, tp: TensorParallelGroup) -> None:
+    def __init__(self, config: ModelConfig, max_model_len: int, qk_norm: bool, tp: TensorParallelGroup,
+                 make_mlp: Callable[[int], nn.Module]) -> None:
         super().__init__()
         rotary = RotaryEmbedding(config.head_dim, max_model_len, config.rope_theta, config.rope_scaling)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, qk_norm, tp)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, qk_norm, tp, make_mlp(i))
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
@@ -155,10 +170,21 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_model_len: int, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         tp = tp or TensorParallelGroup()
-        self.model = LlamaModel(config, max_model_len, self.qk_norm, tp)
+        self.model = LlamaModel(config, max_model_len, self.qk_norm, tp,
+                                lambda layer: self.make_mlp(config, layer, tp))
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_mlp(self, config: ModelConfig, layer: int, tp: TensorParallelGroup) -> nn.Module:
+        return LlamaMLP(config, tp)
+
+    def map_checkpoint_name(self, ckpt_name: str) -> tuple[str, str | None]:
+        """The parameter a checkpoint tensor loads into, and its shard in a fused parameter (None: all of it)."""
+        for part, (fused, shard) in self.packed_modules.items():
+            if f".{part}." in ckpt_name:
+                return ckpt_name.replace(f".{part}.", f".{fused}."), shard
+        return ckpt_name, None
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)

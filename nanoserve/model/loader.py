@@ -37,7 +37,8 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup | None = None) -> n
     torch.set_default_dtype(config.dtype)
     try:
         with torch.device(config.device):
-            model = cls(config.model, config.max_model_len, tp)
+            extra = {"expert_parallel": config.args.enable_expert_parallel} if config.model.moe else {}
+            model = cls(config.model, config.max_model_len, tp, **extra)
     finally:
         torch.set_default_dtype(torch.float32)
     if config.args.load_format == "dummy":
@@ -79,6 +80,8 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
 
 def _checkpoint_shapes(module: nn.Module, param: nn.Parameter) -> list[tuple[str | None, tuple[int, ...]]]:
     """(shard, shape) of each checkpoint tensor that `param` takes a share of."""
+    if hasattr(module, "checkpoint_shapes"):  # stacked experts (layers/moe.py)
+        return module.checkpoint_shapes(param)
     if hasattr(module, "shards"):  # column-parallel, fused: each shard's whole tensor
         return [(shard, (total, *param.shape[1:])) for shard, (_, _, total) in module.shards.items()]
     if hasattr(module, "vocab_size"):  # vocab-parallel
@@ -98,7 +101,7 @@ def _load_weights(model: nn.Module, files: list[Path]) -> None:
             for ckpt_name in f.keys():
                 if "rotary_emb.inv_freq" in ckpt_name or (tied and ckpt_name == "lm_head.weight"):
                     continue
-                name, shard = _map_name(model, ckpt_name)
+                name, shard = model.map_checkpoint_name(ckpt_name)
                 if name not in params:
                     raise ValueError(f"model: checkpoint tensor {ckpt_name!r} matches no parameter")
                 # A slice reads from the file only the rows or columns its loader indexes: this rank's share.
@@ -110,19 +113,12 @@ def _load_weights(model: nn.Module, files: list[Path]) -> None:
                 loaded.add(name if shard is None else f"{name}:{shard}")
     missing, fused = [], set()
     for name, module in model.named_modules():
-        for pname, _ in module.named_parameters(recurse=False) if hasattr(module, "shard_offsets") else ():
+        for pname, shards in module.expected_shards().items() if hasattr(module, "expected_shards") else ():
             fused.add(f"{name}.{pname}")
-            missing += [f"{name}.{pname} ({shard})" for shard in module.shard_offsets
-                        if f"{name}.{pname}:{shard}" not in loaded]
+            missing += [f"{name}.{pname} ({shard})" for shard in shards if f"{name}.{pname}:{shard}" not in loaded]
     for name in params:
         if name not in fused and name not in loaded and not (tied and name == "lm_head.weight"):
             missing.append(name)
     if missing:
         raise ValueError(f"model: checkpoint lacks {len(missing)} tensors, e.g. {', '.join(missing[:5])}")
 
-
-def _map_name(model: nn.Module, ckpt_name: str) -> tuple[str, str | None]:
-    for part, (fused, shard) in model.packed_modules.items():
-        if f".{part}." in ckpt_name:
-            return ckpt_name.replace(f".{part}.", f".{fused}."), shard
-    return ckpt_name, None

@@ -14,6 +14,9 @@ MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("nanoserve.model.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("nanoserve.model.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("nanoserve.model.qwen3", "Qwen3ForCausalLM"),
+    "Qwen2MoeForCausalLM": ("nanoserve.model.moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("nanoserve.model.moe", "Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ("nanoserve.model.moe", "MixtralForCausalLM"),
 }
 
 

@@ -50,7 +50,7 @@ def prefix_load_pays(config: EngineConfig) -> bool:
     m = config.model
     q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
     params = m.num_hidden_layers * (2 * m.hidden_size * q + 2 * m.hidden_size * kv + 3 * m.hidden_size
-                                    * m.intermediate_size)
+                                    * m.active_intermediate_size)
     kv_bytes = bytes_per_block(config) * config.args.tensor_parallel_size / config.args.block_size
     return 2 * params / kv_bytes >= _LOAD_MIN_FLOPS_PER_BYTE
 

@@ -1,0 +1,121 @@
+"""Mixture-of-experts layers: the router, the routed experts as stacked weights, and the sparse MLP block that
+replaces a dense MLP (Qwen2-MoE, Qwen3-MoE, Mixtral).
+
+Under tensor parallelism a block costs one all-reduce, as a dense MLP does. By default every rank holds a 1/N slice
+of every expert's intermediate size (w13's rows, w2's columns), so each rank's output is a partial sum; with expert
+parallelism (`enable_expert_parallel`) every rank holds num_experts / N whole experts and computes only the
+(token, expert) pairs routed to them, so each rank's output is again a partial sum. The router is replicated: every
+rank routes every token identically.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoserve.distributed.group import TensorParallelGroup
+from nanoserve.kernels.moe_reference import fused_moe_ref
+from nanoserve.layers.norm import RMSNorm
+from nanoserve.layers.step_plan import KernelPlan
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax routing (Qwen, Mixtral): the top_k experts of each token by probability, and their weights (fp32),
+    rescaled to sum to one if `renormalize`. Returns (topk_weights [T, k] fp32, topk_ids [T, k] int64)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class FusedMoE(nn.Module):
+    """The routed experts of one layer: w13 [E, 2I, H] (each expert's gate rows, then its up rows) and w2 [E, H, I],
+    this rank's experts and share of I. x [T, H] -> this rank's partial sum over the top-k experts [T, H]; the
+    caller all-reduces it.
+
+    Checkpoints hold one tensor per expert and projection; the loader names them by shard 'gate:<e>', 'up:<e>',
+    'down:<e>' (e: the expert's index in the model), and tensors of experts another rank holds are skipped unread.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TensorParallelGroup,
+                 expert_parallel: bool) -> None:
+        super().__init__()
+        self.tp, self.num_experts, self.hidden_size = tp, num_experts, hidden_size
+        self.intermediate_size = intermediate_size  # the model's, whole
+        if expert_parallel:
+            self.expert_start, local_experts = tp.shard(num_experts)
+            self.inter_start, local_inter = 0, intermediate_size
+        else:
+            self.expert_start, local_experts = 0, num_experts
+            self.inter_start, local_inter = tp.shard(intermediate_size)
+        self.w13 = nn.Parameter(torch.empty(local_experts, 2 * local_inter, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(local_experts, hidden_size, local_inter), requires_grad=False)
+        self.w13.weight_loader = self.w2.weight_loader = self.load_expert
+
+    @property
+    def local_experts(self) -> range:
+        return range(self.expert_start, self.expert_start + self.w13.shape[0])
+
+    def expected_shards(self) -> dict[str, list[str]]:
+        """The checkpoint tensors each parameter is loaded from (the loader reports the ones missing)."""
+        return {"w13": [f"{p}:{e}" for e in self.local_experts for p in ("gate", "up")],
+                "w2": [f"down:{e}" for e in self.local_experts]}
+
+    def checkpoint_shapes(self, param: nn.Parameter) -> list[tuple[str, tuple[int, ...]]]:
+        """(shard, shape of the whole checkpoint tensor) of each tensor `param` takes a share of (random weights)."""
+        h, i = self.hidden_size, self.intermediate_size
+        if param is self.w13:
+            return [(f"{p}:{e}", (i, h)) for e in self.local_experts for p in ("gate", "up")]
+        return [(f"down:{e}", (h, i)) for e in self.local_experts]
+
+    def load_expert(self, param: nn.Parameter, loaded, shard: str) -> None:
+        proj, expert = shard.split(":")
+        e = int(expert) - self.expert_start
+        if not 0 <= e < param.shape[0]:
+            return  # another rank's expert
+        h, i, local_i = self.hidden_size, self.intermediate_size, self.w2.shape[2]
+        expected = (h, i) if proj == "down" else (i, h)
+        if tuple(loaded.get_shape()) != expected:
+            raise ValueError(f"has shape {tuple(loaded.get_shape())}, expected {expected}")
+        start = self.inter_start
+        if proj == "down":
+            param.data[e].copy_(loaded[:, start:start + local_i])
+        else:
+            rows = slice(0, local_i) if proj == "gate" else slice(local_i, 2 * local_i)
+            param.data[e, rows].copy_(loaded[start:start + local_i])
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from nanoserve.kernels.fused_moe import fused_moe
+
+            return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, expert_start=self.expert_start)
+        return fused_moe_ref(x, self.w13, self.w2, topk_weights, topk_ids, expert_start=self.expert_start)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router, routed experts and (Qwen2-MoE) a shared expert scaled by a sigmoid gate: the MLP of an MoE layer.
+    `shared_expert` is a dense MLP module built without its own all-reduce, so the block reduces once."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 renormalize: bool, tp: TensorParallelGroup, expert_parallel: bool,
+                 shared_expert: nn.Module | None = None) -> None:
+        super().__init__()
+        self.top_k, self.renormalize, self.tp = top_k, renormalize, tp
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router, replicated on every rank
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, tp, expert_parallel)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert is not None else None
+
+    def forward(self, x: torch.Tensor, plan: KernelPlan) -> torch.Tensor:
+        topk_weights, topk_ids = route(F.linear(x, self.gate.weight), self.top_k, self.renormalize)
+        out = self.experts(x, topk_weights, topk_ids)
+        if self.shared_expert is not None:
+            # The gate is per token and the same on every rank, so it scales each rank's partial sum alike.
+            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x, plan)
+        return self.tp.all_reduce(out)
+
+    def forward_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
+                     plan: KernelPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """self(norm(x + residual)) and the next residual: the decoder layer's fused path, unfused here."""
+        x, residual = norm(x, residual)
+        return self(x, plan), residual

@@ -1,0 +1,126 @@
+"""Mixture-of-experts models split over two gloo ranks on the CPU: every expert sliced (tensor parallel) or whole
+experts per rank (expert parallel) generate what one rank does, through chunked prefill, prefix hits, preemption
+and seeded n > 1 sampling; each rank's loader reads only its experts' share of the checkpoint."""
+
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import nanoserve.model.loader as loader_module
+from nanoserve import LLM, EngineArgs, SamplingParams
+from nanoserve.distributed.group import TensorParallelGroup
+from nanoserve.model.loader import load_model
+
+VOCAB = 384
+# Chunked prefill (32-token steps) and 10 blocks of 16: one long sequence fits, several don't (preemption).
+SMALL_ENGINE = dict(max_num_batched_tokens=32, num_kv_blocks=10, block_size=16)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_per_rank():
+    """Two ranks on 2 cores: one torch thread each (here and, through the environment, in the spawned rank)."""
+    threads, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    yield
+    torch.set_num_threads(threads)
+    if env is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = env
+
+
+def random_ids(n: int, seed: int) -> list[int]:
+    return torch.randint(2, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def prompts() -> list[list[int]]:
+    system = random_ids(48, seed=1)  # three blocks shared by the first three prompts
+    return [system + random_ids(n, seed=10 + n) for n in (5, 21, 2)] + [random_ids(n, seed=100 + n)
+                                                                         for n in (3, 60)]
+
+
+def generate(llm: LLM) -> tuple[list, int, int]:
+    """(token ids of a greedy run and a seeded n=2 run, preemptions, prefix-hit tokens)."""
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    seeded = SamplingParams(n=2, temperature=0.9, seed=3, max_tokens=8, ignore_eos=True)
+    outs = llm.generate(prompts(), greedy, use_tqdm=False) + llm.generate(prompts()[:3], seeded, use_tqdm=False)
+    engine = llm.engine
+    return ([[c.token_ids for c in o.outputs] for o in outs], engine.scheduler.num_preemptions,
+            engine.block_manager.prefix_hits)
+
+
+@pytest.mark.parametrize("arch, expert_parallel", [("qwen3_moe", False), ("qwen3_moe", True),
+                                                   ("qwen2_moe", True), ("mixtral", False)])
+def test_two_ranks_equal_one(checkpoints, arch, expert_parallel):
+    d = str(checkpoints[arch])
+    want, _, _ = generate(LLM(d, **SMALL_ENGINE))
+    llm = LLM(d, tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **SMALL_ENGINE)
+    try:
+        experts = llm.engine.runner.model.model.layers[0].mlp.experts
+        num_experts, inter = (4, 64) if arch == "mixtral" else (8, 32)
+        if expert_parallel:  # rank 0: the first half of the experts, whole
+            assert (experts.expert_start, experts.w13.shape[0], experts.w2.shape[2]) == (0, num_experts // 2, inter)
+        else:  # every expert, half of its intermediate size
+            assert (experts.w13.shape[0], experts.w2.shape[2]) == (num_experts, inter // 2)
+        got, preempted, hits = generate(llm)
+        assert preempted > 0 and hits > 0
+        assert got == want
+    finally:
+        llm.shutdown()
+
+
+class RecordingFile:
+    """safe_open's file, recording which tensors were read through a slice."""
+
+    def __init__(self, inner, read: set) -> None:
+        self.inner, self.read = inner, read
+
+    def __enter__(self):
+        self.inner.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.inner.__exit__(*exc)
+
+    def keys(self):
+        return self.inner.keys()
+
+    def get_slice(self, name: str):
+        inner, read = self.inner.get_slice(name), self.read
+
+        class Slice:
+            def get_shape(self):
+                return inner.get_shape()
+
+            def __getitem__(self, index):
+                read.add(name)
+                return inner[index]
+
+        return Slice()
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_rank_reads_only_its_experts(checkpoints, monkeypatch, expert_parallel):
+    d = checkpoints["qwen3_moe"]
+    read: set = set()
+    real = loader_module.safe_open
+    monkeypatch.setattr(loader_module, "safe_open", lambda *a, **kw: RecordingFile(real(*a, **kw), read))
+    config = EngineArgs(model=str(d), tensor_parallel_size=2, enable_expert_parallel=expert_parallel).create_config()
+    model = load_model(config, TensorParallelGroup(rank=1, size=2))
+    experts = model.model.layers[0].mlp.experts
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        names = [n for n in f.keys() if ".experts." in n]
+        p = "model.layers.0.mlp.experts."
+        gate, up, down = (f.get_tensor(f"{p}5.{proj}.weight") for proj in ("gate_proj", "up_proj", "down_proj"))
+    read_experts = {int(n.split(".experts.")[1].split(".")[0]) for n in names if n in read}
+    if expert_parallel:
+        assert read_experts == {4, 5, 6, 7}  # rank 1 of 2 holds experts 4-7 and reads no other
+        assert torch.equal(experts.w13[1], torch.cat([gate, up]))
+        assert torch.equal(experts.w2[1], down)
+    else:
+        assert read_experts == set(range(8))
+        assert torch.equal(experts.w13[5], torch.cat([gate[16:], up[16:]]))  # the second half of I = 32
+        assert torch.equal(experts.w2[5], down[:, 16:])
