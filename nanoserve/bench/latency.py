@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
               "cuda_graphs": engine.runner.graphs is not None, "tensor_parallel_size": cfg.args.tensor_parallel_size}
     if bw is not None:
         avg_context = ns.input_len + ns.output_len / 2
-        step_bytes = roofline.model_bytes(engine.runner.model) + (
+        step_bytes = roofline.weight_bytes(engine.runner.model).read_by(ns.batch_size) + (
             ns.batch_size * avg_context * roofline.kv_bytes_per_token(cfg))
         # Copy bandwidth counts read + write; a decode step mostly reads, so compare like with like.
         result |= {"bandwidth_tb_s": round(bw / 1e12, 2), "mbu": round(step_bytes / step_s / bw, 3),

@@ -1,11 +1,16 @@
 """The hardware ceilings, measured in the same run, and the bounds they put on decoding.
 
 Every decode step reads all weights once plus the KV of every live sequence, so a step can be no
-faster than those bytes over the measured bandwidth; prompt tokens cost 2 FLOPs per parameter.
+faster than those bytes over the measured bandwidth; prompt tokens cost 2 FLOPs per parameter. A mixture-of-experts
+step reads only the experts its tokens chose, and a token runs through its top-k experts only (WeightBytes).
 """
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from nanoserve.layers.moe import FusedMoE
 
 
 def _time_ms(fn, iters: int = 20) -> float:
@@ -35,18 +40,49 @@ def measure_matmul(device: torch.device, n: int = 8192) -> float:
     return 2 * n**3 / (_time_ms(lambda: a @ b) / 1e3)
 
 
-def model_bytes(model: torch.nn.Module) -> int:
-    """Bytes a decode step reads: every parameter once (a tied embedding counted once)."""
-    seen, total = set(), 0
+@dataclass
+class WeightBytes:
+    """The weights a decode step reads: every dense parameter once (a tied embedding counted once), and of a
+    mixture-of-experts model's routed experts only those the step's tokens chose."""
+
+    dense: int
+    experts: int = 0  # all routed experts' bytes on this rank
+    expert_params: int = 0
+    num_experts: int = 1  # the model's, per layer
+    top_k: int = 1
+
+    def read_by(self, tokens: int) -> float:
+        """Bytes a step of `tokens` tokens reads. With uniform routing (random weights route near uniformly, the
+        worst case for bytes) an expert is chosen by none of B tokens with probability (1 - k/E)^B, so a step
+        touches E(1 - (1 - k/E)^B) experts of a layer on average."""
+        touched = 1 - (1 - self.top_k / self.num_experts) ** tokens
+        return self.dense + self.experts * touched
+
+    def active_params(self, dense_params: int) -> float:
+        """Parameters a token runs through: the dense ones and its top_k experts (2 FLOPs each)."""
+        return dense_params + self.expert_params * self.top_k / self.num_experts
+
+
+def weight_bytes(model: torch.nn.Module) -> WeightBytes:
+    experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    expert_ptrs = {p.data_ptr() for m in experts for p in m.parameters()}
+    seen, dense = set(), 0
     for p in model.parameters():
-        if p.data_ptr() not in seen:
+        if p.data_ptr() not in seen and p.data_ptr() not in expert_ptrs:
             seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
+            dense += p.numel() * p.element_size()
+    if not experts:
+        return WeightBytes(dense)
+    return WeightBytes(dense, sum(p.numel() * p.element_size() for m in experts for p in m.parameters()),
+                       sum(p.numel() for m in experts for p in m.parameters()), experts[0].num_experts,
+                       experts[0].top_k)
 
 
-def model_params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+def model_params(model: torch.nn.Module) -> float:
+    """Parameters one token runs through (a mixture of experts: its top_k experts, not all)."""
+    weights = weight_bytes(model)
+    dense = sum(p.numel() for p in model.parameters()) - weights.expert_params
+    return weights.active_params(dense)
 
 
 def kv_bytes_per_token(config) -> int:
@@ -57,15 +93,16 @@ def kv_bytes_per_token(config) -> int:
     return 2 * m.num_hidden_layers * config.num_kv_heads_per_rank * m.head_dim * elem
 
 
-def decode_bound_seconds(prompt_lens, output_lens, weight_bytes: int, kv_per_token: int,
+def decode_bound_seconds(prompt_lens, output_lens, weights: WeightBytes, kv_per_token: int,
                          bandwidth: float) -> float:
-    """All requests decoding together: step t reads the weights and the KV of those still running."""
+    """All requests decoding together: step t reads the weights its tokens need and the KV of those still
+    running."""
     prompt_lens, output_lens = np.asarray(prompt_lens), np.asarray(output_lens)
     steps = int(output_lens.max())
     total = 0.0
     for t in range(steps):
         live = output_lens > t
-        total += weight_bytes + kv_per_token * float((prompt_lens[live] + t).sum())
+        total += weights.read_by(int(live.sum())) + kv_per_token * float((prompt_lens[live] + t).sum())
     return total / bandwidth
 
 

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
               "num_kv_blocks": llm.engine.runner.num_kv_blocks, "preemptions": llm.engine.scheduler.num_preemptions}
     if bw is not None:
         model = llm.engine.runner.model
-        bound = roofline.decode_bound_seconds([len(p) for p in prompts], out_lens, roofline.model_bytes(model),
+        bound = roofline.decode_bound_seconds([len(p) for p in prompts], out_lens, roofline.weight_bytes(model),
                                               roofline.kv_bytes_per_token(cfg), bw)
         bound += roofline.prefill_bound_seconds(n_in, roofline.model_params(model), flops)
         del model  # it holds the KV pool through its attention layers

@@ -38,9 +38,9 @@ class FusedMoE(nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TensorParallelGroup,
-                 expert_parallel: bool) -> None:
+                 expert_parallel: bool, top_k: int) -> None:
         super().__init__()
-        self.tp, self.num_experts, self.hidden_size = tp, num_experts, hidden_size
+        self.tp, self.num_experts, self.hidden_size, self.top_k = tp, num_experts, hidden_size, top_k
         self.intermediate_size = intermediate_size  # the model's, whole
         if expert_parallel:
             self.expert_start, local_experts = tp.shard(num_experts)
@@ -102,7 +102,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k, self.renormalize, self.tp = top_k, renormalize, tp
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router, replicated on every rank
-        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, tp, expert_parallel)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, tp, expert_parallel, top_k)
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert is not None else None
 
