@@ -60,13 +60,14 @@ def install_error_handlers(app: FastAPI) -> None:
             offset = first.get("loc", (None, None))[-1]
             return APIError(400, f"the request body is not valid JSON: {reason} at character {offset}").response()
         content_type = request.headers.get("content-type")
-        if tuple(first.get("loc", ())) == ("body",) and not _is_json(content_type):
+        whole_body = tuple(first.get("loc", ())) == ("body",)  # not one field of it
+        if whole_body and not _is_json(content_type):
             # FastAPI parses a body as JSON only under a JSON content type (curl -d sends a form's); the bytes
             # then fail as "Input should be a valid dictionary", which does not say what to change.
             got = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
             return APIError(400, f"the request body must be JSON, sent with Content-Type: application/json "
                                  f"(got {got})").response()
-        if tuple(first.get("loc", ())) == ("body",) and first.get("type") == "missing":
+        if whole_body and first.get("type") == "missing":
             return APIError(400, "the request body is empty: send a JSON object").response()
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         # Union members add their type name to the path ("prompt.str"); the field is what matters.

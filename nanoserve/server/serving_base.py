@@ -161,7 +161,7 @@ class ServingBase:
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
             bad = sorted({t for t in ids if not 0 <= t < vocab})
             if bad:
-                raise APIError(400, f"{name}: {name_ids(bad)} outside the vocabulary [0, {vocab})", name)
+                raise APIError(400, f"{name}: {_name_ids(bad)} outside the vocabulary [0, {vocab})", name)
         return params
 
     def start(self, prefix: str, prompts: list[list[int]], params: SamplingParams, model: str,
@@ -237,8 +237,9 @@ class ServingBase:
         await send({"type": "http.response.body", "body": (last + SSE_DONE).encode(), "more_body": False})
 
 
-def name_ids(ids: list[int], most: int = 20) -> str:
-    """"token ids 500, 900 are" for a message that names every offending id (the first `most` of a long list)."""
+def _name_ids(ids: list[int], most: int = 20) -> str:
+    """The start of a message that names every offending id: 'token ids 500, 900 are' (the first `most` of a long
+    list, and how many more)."""
     shown = ", ".join(map(str, ids[:most])) + (f" and {len(ids) - most} more" if len(ids) > most else "")
     return f"token id {shown} is" if len(ids) == 1 else f"token ids {shown} are"
 
