@@ -79,8 +79,9 @@ class SamplingParams:
             # Sample i draws from seed + i (LLMEngine._new_sequence): the last one must fit too.
             _check(self.seed + self.n - 1 <= INT64_MAX, "seed", f"must be <= {INT64_MAX} - (n - 1) with n={self.n}",
                    self.seed)
-        for token, bias in (self.logit_bias or {}).items():
-            _check(_is_int(token) and 0 <= token <= TOKEN_ID_MAX, "logit_bias", "keys must be token ids", token)
+        bad_keys = [t for t in self.logit_bias or {} if not (_is_int(t) and 0 <= t <= TOKEN_ID_MAX)]
+        _check(not bad_keys, "logit_bias", "keys must be token ids", bad_keys)  # every one, fixed in one go
+        for bias in (self.logit_bias or {}).values():
             _float("logit_bias", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS,
                    f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
 

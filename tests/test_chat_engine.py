@@ -1,5 +1,7 @@
 """The nanochat-style Engine on the bundled model: the calculator tool loop, samples, seeds, shared KV."""
 
+import json
+
 import pytest
 import torch
 
@@ -195,3 +197,40 @@ def test_forced_tokens_come_in_an_output_of_their_own(llm, tokens, tool_loop):
     at, forced = _expected_call(llm, tokens, [t for ids, _ in deltas for t in ids])
     assert (forced, [0] * len(forced)) in deltas  # the forced tokens alone, masked
     assert all(set(masks) in ({0}, {1}) for _, masks in deltas)  # never mixed with sampled ones
+
+
+def _call(name: str, arguments, call_id: str = "c1") -> dict:
+    return {"role": "assistant", "content": None,
+            "tool_calls": [{"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]}
+
+
+def test_calculator_calls_render_as_the_model_was_trained(llm):
+    # The bundled model learnt this exact text (scripts/train_tiny_model.py): a template change must keep it.
+    messages = [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 12*34?"},
+        _call("calculator", {"expression": "12*34"}), {"role": "tool", "tool_call_id": "c1", "content": "408"},
+        {"role": "assistant", "content": "12*34 = 408."}, {"role": "user", "content": "And 2+2?"},
+        {**_call("calculator", "2+2", "c2"), "content": "Let me see"},
+        {"role": "tool", "tool_call_id": "c2", "content": "4"}]
+    assert llm.tokenizer.decode(llm.apply_chat_template(messages)) == (
+        "<|bos|><|user_start|>Be brief.\n\nWhat is 12*34?<|user_end|><|assistant_start|><|python_start|>12*34"
+        "<|python_end|><|output_start|>408<|output_end|>12*34 = 408.<|assistant_end|><|user_start|>And 2+2?"
+        "<|user_end|><|assistant_start|>Let me see<|python_start|>2+2<|python_end|><|output_start|>4<|output_end|>")
+
+
+@pytest.mark.parametrize("arguments", [{"city": "Paris"}, "not json", 5, None])
+def test_any_tool_call_renders_with_json_arguments(llm, arguments):
+    messages = [{"role": "user", "content": "Weather?"}, _call("get_weather", arguments),
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    text = llm.tokenizer.decode(llm.apply_chat_template(messages))
+    call = json.dumps({"name": "get_weather", "arguments": arguments})
+    assert f"<|python_start|>{call}<|python_end|><|output_start|>sunny<|output_end|>" in text
+
+
+def test_a_template_that_cannot_render_is_a_value_error_naming_messages(llm, monkeypatch):
+    monkeypatch.setattr(llm.tokenizer, "chat_template", "{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(ValueError, match=r"^messages: .*roles must alternate"):
+        llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)
+    monkeypatch.setattr(llm.tokenizer, "chat_template", "{{ messages[0]['tool_calls'][0]['function'] }}")
+    with pytest.raises(ValueError, match=r"^messages: .*tool_calls"):
+        llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)

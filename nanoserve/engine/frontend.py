@@ -56,6 +56,11 @@ class EngineFrontend:
                                            tools=tools, **own)
         except jinja2.TemplateSyntaxError as exc:
             raise ValueError(f"chat_template: line {exc.lineno}: {exc.message}") from None
+        except jinja2.TemplateError as exc:
+            # A template that parses but cannot render this conversation (a field it expects is missing, or its
+            # own raise_exception refuses the roles' order): the request's messages are at fault, not the engine.
+            raise ValueError(f"messages: the chat template cannot render this conversation: "
+                             f"{exc.message or type(exc).__name__}") from None
         return tok.encode(text, add_special_tokens=False)
 
     def validate_prompt(self, prompt_ids: list[int]) -> None:

@@ -59,6 +59,16 @@ def install_error_handlers(app: FastAPI) -> None:
             reason = first.get("ctx", {}).get("error", "")
             offset = first.get("loc", (None, None))[-1]
             return APIError(400, f"the request body is not valid JSON: {reason} at character {offset}").response()
+        content_type = request.headers.get("content-type")
+        whole_body = tuple(first.get("loc", ())) == ("body",)  # not one field of it
+        if whole_body and not _is_json(content_type):
+            # FastAPI parses a body as JSON only under a JSON content type (curl -d sends a form's); the bytes
+            # then fail as "Input should be a valid dictionary", which does not say what to change.
+            got = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
+            return APIError(400, f"the request body must be JSON, sent with Content-Type: application/json "
+                                 f"(got {got})").response()
+        if whole_body and first.get("type") == "missing":
+            return APIError(400, "the request body is empty: send a JSON object").response()
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         # Union members add their type name to the path ("prompt.str"); the field is what matters.
         param = ".".join(p for p in loc if not _looks_like_type(p)) or None
@@ -75,6 +85,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+
+
+def _is_json(content_type: str | None) -> bool:
+    media = (content_type or "").split(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
 def _looks_like_type(part: str) -> bool:

@@ -142,9 +142,9 @@ class SamplingFields(BaseModel):
 def _token_id_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
     if not bias:
         return None
-    bad = next((key for key in bias if not key.isascii() or not key.isdigit()), None)
-    if bad is not None:
-        raise ValueError(f"logit_bias: keys must be token ids (non-negative integers), got {bad!r}")
+    bad = [key for key in bias if not key.isascii() or not key.isdigit()]
+    if bad:
+        raise ValueError(f"logit_bias: keys must be token ids (non-negative integers), got {', '.join(map(repr, bad))}")
     return {int(key): value for key, value in bias.items()}
 
 

@@ -133,11 +133,14 @@ class ServingBase:
                                 f"{limit}); retry later", code="too_many_waiting_requests")
 
     def check_prompt(self, prompt_ids: list[int], max_tokens: int | None, param: str = "prompt") -> None:
+        limit = self.engine.max_model_len
+        if len(prompt_ids) >= limit:  # here, not left to validate_prompt, to carry OpenAI's code for it
+            raise APIError(400, f"{param}: {len(prompt_ids)} tokens leave no room to generate in the model's context "
+                                f"of {limit} tokens", param, "context_length_exceeded")
         try:
             self.engine.engine.validate_prompt(prompt_ids)
         except ValueError as exc:
             raise APIError(400, str(exc).replace("prompt:", f"{param}:", 1), param) from None
-        limit = self.engine.max_model_len
         if max_tokens is not None and len(prompt_ids) + max_tokens > limit:
             raise APIError(400, f"max_tokens: the prompt has {len(prompt_ids)} tokens and max_tokens is "
                                 f"{max_tokens}, {len(prompt_ids) + max_tokens} in all, over the model's "
@@ -155,11 +158,10 @@ class ServingBase:
             raise APIError(400, f"n: at most {config.args.max_num_seqs} (the server's max_num_seqs), "
                                 f"got {params.n}", "n")
         vocab = config.model.vocab_size
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise APIError(400, f"stop_token_ids: ids must be in [0, {vocab})", "stop_token_ids")
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise APIError(400, f"logit_bias: token id {max(params.logit_bias)} is outside the vocabulary "
-                                f"[0, {vocab})", "logit_bias")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+            bad = sorted({t for t in ids if not 0 <= t < vocab})
+            if bad:
+                raise APIError(400, f"{name}: {_name_ids(bad)} outside the vocabulary [0, {vocab})", name)
         return params
 
     def start(self, prefix: str, prompts: list[list[int]], params: SamplingParams, model: str,
@@ -233,6 +235,13 @@ class ServingBase:
             logger.exception("stream failed")
             last += sse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"))
         await send({"type": "http.response.body", "body": (last + SSE_DONE).encode(), "more_body": False})
+
+
+def _name_ids(ids: list[int], most: int = 20) -> str:
+    """The start of a message that names every offending id: 'token ids 500, 900 are' (the first `most` of a long
+    list, and how many more)."""
+    shown = ", ".join(map(str, ids[:most])) + (f" and {len(ids) - most} more" if len(ids) > most else "")
+    return f"token id {shown} is" if len(ids) == 1 else f"token ids {shown} are"
 
 
 def _log_request(gen: Generation, num_aborted: int) -> None:

@@ -51,3 +51,24 @@ def test_streamed_tool_output_is_marked(bundled, skip_special_tokens, forced_tex
     if not skip_special_tokens:  # the call comes before the forced output, in sampled chunks
         text = "".join(d.get("content", "") for d in deltas)
         assert text.index("<|python_end|>") < text.index(forced_text)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+@pytest.mark.parametrize("tools", [None, [WEATHER]])
+def test_history_with_another_tools_call_renders(bundled, tools):
+    # The bundled template once read every call as the calculator's: a 500 on chat and on /tokenize.
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    extra = {"tools": tools} if tools else {}
+    out = bundled.client().chat.completions.create(model="nanoserve-tiny", messages=messages, max_tokens=4,
+                                                   temperature=0, **extra)
+    assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    r = httpx.post(bundled.url + "/tokenize", json={"messages": messages}, timeout=60)
+    assert r.status_code == 200, r.text
+    text = httpx.post(bundled.url + "/detokenize", json={"tokens": r.json()["tokens"]}, timeout=60).json()["prompt"]
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in text

@@ -60,6 +60,24 @@ def test_no_chat_template_is_400(async_engine, monkeypatch):
     assert err["param"] == "messages" and "chat template" in err["message"]
 
 
+@pytest.mark.parametrize("template,says", [
+    ("{{ raise_exception('roles must alternate') }}", "roles must alternate"),  # the template's own refusal
+    ("{{ messages[0]['tool_calls'][0] }}", "tool_calls")])  # a field the template expects is missing
+def test_a_template_that_cannot_render_the_messages_is_400(async_engine, monkeypatch, template, says):
+    monkeypatch.setattr(async_engine.engine.tokenizer, "chat_template", template)
+    messages = [{"role": "user", "content": "hi"}]
+
+    async def main():
+        async with _client(async_engine) as http:
+            return [await http.post(path, json={"messages": messages}) for path in ("/v1/chat/completions",
+                                                                                     "/tokenize")]
+
+    for r in asyncio.run(main()):
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "messages" and err["type"] == "invalid_request_error" and says in err["message"]
+
+
 def test_engine_failure_reaches_every_client(async_engine, monkeypatch):
     real_step = async_engine.engine.step
     steps = []

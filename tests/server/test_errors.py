@@ -81,7 +81,38 @@ def test_context_overflow_states_both_numbers(strict):
     with pytest.raises(openai.BadRequestError):
         openai.OpenAI(base_url=strict.url + "/v1", api_key=KEY, max_retries=0).completions.create(
             model="tiny-llama", prompt=prompt, max_tokens=500)
-    _error(_post(strict, "/v1/completions", {"prompt": list(range(2, 600))}), 400, "prompt")
+    assert err["code"] == "context_length_exceeded"
+    err = _error(_post(strict, "/v1/completions", {"prompt": list(range(2, 600))}), 400, "prompt")
+    assert err["code"] == "context_length_exceeded" and "598" in err["message"] and "512" in err["message"]
+    long_chat = {"messages": [{"role": "user", "content": "x" * 600}]}
+    assert _error(_post(strict, "/v1/chat/completions", long_chat), 400, "messages")["code"] == \
+        "context_length_exceeded"
+
+
+@pytest.mark.parametrize("field, value", [("stop_token_ids", [5000, 3, 7000]),
+                                          ("logit_bias", {"5000": 1, "3": 1, "7000": 1})])
+def test_out_of_vocabulary_ids_are_all_named(strict, field, value):
+    err = _error(_post(strict, "/v1/completions", {"prompt": "Hi", field: value}), 400, field)
+    assert "5000, 7000" in err["message"] and "384" in err["message"], err
+
+
+def test_bad_logit_bias_keys_are_all_named(strict):
+    err = _error(_post(strict, "/v1/completions", {"prompt": "Hi", "logit_bias": {"a": 1, "3": 1, "-2": 1}}), 400,
+                 "logit_bias")
+    assert "'a', '-2'" in err["message"], err
+    too_big = {str(2**40): 1, "3": 1, str(2**41): 1}  # digits, but past any token id: SamplingParams' check
+    err = _error(_post(strict, "/v1/completions", {"prompt": "Hi", "logit_bias": too_big}), 400, "logit_bias")
+    assert f"{2**40}, {2**41}" in err["message"], err
+
+
+@pytest.mark.parametrize("headers", [{}, {"content-type": "text/plain"},
+                                     {"content-type": "application/x-www-form-urlencoded"}])  # curl -d's
+def test_a_body_that_is_not_sent_as_json_says_so(strict, headers):
+    r = httpx.post(strict.url + "/v1/completions", content=b'{"prompt": "Hi"}', headers={**AUTH, **headers})
+    err = _error(r, 400)
+    assert "must be JSON" in err["message"] and "Content-Type: application/json" in err["message"], err
+    r = httpx.post(strict.url + "/v1/completions", headers={**AUTH, "content-type": "application/json"})
+    assert "body is empty" in _error(r, 400)["message"]
 
 
 def test_unknown_model_is_404(strict):
