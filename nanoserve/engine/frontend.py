@@ -17,6 +17,18 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.block_manager import token_bytes
 
 
+def check_token_ids(name: str, ids, vocab: int, most: int = 20) -> None:
+    """ValueError naming the field and every id of `ids` outside the vocabulary [0, vocab) (the first `most` of a
+    long list, and how many more): one message for prompts, stop_token_ids and logit_bias, here and in the server."""
+    bad = sorted({t for t in ids if not isinstance(t, int) or not 0 <= t < vocab},
+                 key=lambda t: (0, t, "") if isinstance(t, int) else (1, 0, repr(t)))
+    if not bad:
+        return
+    shown = ", ".join(map(repr, bad[:most])) + (f" and {len(bad) - most} more" if len(bad) > most else "")
+    ids_are = f"token id {shown} is" if len(bad) == 1 else f"token ids {shown} are"
+    raise ValueError(f"{name}: {ids_are} outside the vocabulary [0, {vocab})")
+
+
 def load_tokenizer(path: str):
     if not (Path(path) / "tokenizer.json").is_file() and not (Path(path) / "tokenizer.model").is_file():
         return None
@@ -75,9 +87,7 @@ class EngineFrontend:
         except (struct.error, TypeError):
             ids = None
         if ids is None or ids.min() < 0 or ids.max() >= vocab:
-            bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt: token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+            check_token_ids("prompt", prompt_ids, vocab)
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(prompt_ids)} tokens leave no room to generate in the context "
                              f"of {self.max_model_len} tokens")

@@ -9,7 +9,7 @@ import torch
 from nanoserve.config import EngineArgs, EngineConfig
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
-from nanoserve.engine.frontend import EngineFrontend, load_tokenizer
+from nanoserve.engine.frontend import EngineFrontend, check_token_ids, load_tokenizer
 from nanoserve.engine.request import Request, SeqStatus, Sequence
 from nanoserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from nanoserve.layers.sampler import SamplerOutput
@@ -70,10 +70,8 @@ class LLMEngine(EngineFrontend):
         if params.n > self.config.args.max_num_seqs:
             raise ValueError(f"n: {params.n} samples exceed max_num_seqs={self.config.args.max_num_seqs}")
         vocab = self.config.model.vocab_size
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids: ids must be in [0, {vocab})")
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise ValueError(f"logit_bias: token ids must be in [0, {vocab}), got {max(params.logit_bias)}")
+        check_token_ids("stop_token_ids", params.stop_token_ids, vocab)
+        check_token_ids("logit_bias", params.logit_bias or (), vocab)
         room = self.max_model_len - len(prompt_ids)
         request = Request(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params,
                           max_tokens=min(params.max_tokens or room, room), priority=priority)

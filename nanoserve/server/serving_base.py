@@ -19,6 +19,7 @@ from typing import Protocol
 
 from starlette.types import Send
 
+from nanoserve.engine.frontend import check_token_ids
 from nanoserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from nanoserve.runtime.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestGroup
 from nanoserve.sampling_params import SamplingParams
@@ -158,10 +159,11 @@ class ServingBase:
             raise APIError(400, f"n: at most {config.args.max_num_seqs} (the server's max_num_seqs), "
                                 f"got {params.n}", "n")
         vocab = config.model.vocab_size
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
-            bad = sorted({t for t in ids if not 0 <= t < vocab})
-            if bad:
-                raise APIError(400, f"{name}: {_name_ids(bad)} outside the vocabulary [0, {vocab})", name)
+        try:
+            check_token_ids("stop_token_ids", params.stop_token_ids, vocab)
+            check_token_ids("logit_bias", params.logit_bias or (), vocab)
+        except ValueError as exc:
+            raise bad_request(exc) from None
         return params
 
     def start(self, prefix: str, prompts: list[list[int]], params: SamplingParams, model: str,
@@ -235,13 +237,6 @@ class ServingBase:
             logger.exception("stream failed")
             last += sse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"))
         await send({"type": "http.response.body", "body": (last + SSE_DONE).encode(), "more_body": False})
-
-
-def _name_ids(ids: list[int], most: int = 20) -> str:
-    """The start of a message that names every offending id: 'token ids 500, 900 are' (the first `most` of a long
-    list, and how many more)."""
-    shown = ", ".join(map(str, ids[:most])) + (f" and {len(ids) - most} more" if len(ids) > most else "")
-    return f"token id {shown} is" if len(ids) == 1 else f"token ids {shown} are"
 
 
 def _log_request(gen: Generation, num_aborted: int) -> None:

@@ -148,6 +148,18 @@ def test_bad_prompts_name_the_field(llama_dir):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_every_out_of_vocabulary_id_is_named(llama_dir):
+    """Prompts, stop_token_ids and logit_bias name all their bad ids, through LLM as through the server."""
+    llm = LLM(str(llama_dir), num_kv_blocks=64)
+    cases = [([[5, 400, 6, -3, 999]], SamplingParams(), r"prompt: token ids -3, 400, 999 are outside"),
+             ([[5, 6]], SamplingParams(stop_token_ids=[2, 384, 7, 500]), r"stop_token_ids: token ids 384, 500 are"),
+             ([[5, 6]], SamplingParams(logit_bias={1000: 1.0, 3: 1.0, 384: -1.0}), r"logit_bias: token ids 384, 1000")]
+    for prompts, params, match in cases:
+        with pytest.raises(ValueError, match=match):
+            llm.generate(prompts, params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_bad_engine_args_name_the_field(llama_dir, tmp_path):
     with pytest.raises(ValueError, match="^block_size"):
         LLM(str(llama_dir), block_size=12)
