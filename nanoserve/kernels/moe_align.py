@@ -61,7 +61,8 @@ def _write_layout(counts, cursor_ptr, block_expert_ptr, rows_used_ptr, max_block
     padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
     ends = tl.cumsum(padded, 0)
     total = tl.sum(padded, 0)
-    tl.store(cursor_ptr + tl.arange(0, E_PAD), ends - padded)
+    # Written by atomics, as the scatter's atomics then read it: in one program, no store may linger unseen by them.
+    tl.atomic_xchg(cursor_ptr + tl.arange(0, E_PAD), ends - padded)
     tl.store(rows_used_ptr, total)
     for b0 in range(0, max_blocks, BLOCKS_AT_ONCE):
         blocks = b0 + tl.arange(0, BLOCKS_AT_ONCE)

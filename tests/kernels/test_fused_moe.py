@@ -81,6 +81,16 @@ def test_expert_parallel(device, gen, num_tokens):
     assert out[1].abs().sum() > 0
 
 
+def test_sum_skips_rows_of_other_ranks_pairs(device, gen):
+    """The down GEMM never writes the rows of pairs routed to other ranks: the sum must not read them (NaN here)."""
+    ids, _ = _routing(9, 3, 12, gen, device)
+    y = torch.randn(27, HIDDEN, generator=gen).to(device)
+    local = ((ids >= 4) & (ids < 8)).reshape(-1)
+    y[~local] = float("nan")
+    want = torch.where(local[:, None], y, 0).view(9, 3, HIDDEN).sum(1)
+    torch.testing.assert_close(fm.moe_sum(y, ids, 4, 4), want, **MOE_TOL[torch.float32])
+
+
 def test_expert_no_token_chose_is_never_read(device, gen):
     """Expert 2's weights are NaN and no token picks it: a kernel that read them would return NaN."""
     w13, w2, b13, b2 = _weights(8, torch.float32, device, gen, bias=True)
@@ -171,3 +181,26 @@ def test_packaged_tables_parse():
         e, h, i = (int(part.split("=")[1]) for part in path.name.split(",")[:3])
         device = path.stem.split("device=")[1]
         assert fm.config_file(e, h, i, device) == path
+
+
+def test_tuner_search_space():
+    """scripts/tune_fused_moe.py: decode sizes try only 16-row blocks, large M only wide ones, and every candidate
+    fits in shared memory with tiles tl.dot takes (>= 16)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "scripts" / "tune_fused_moe.py"
+    spec = importlib.util.spec_from_file_location("tune_fused_moe", path)
+    tuner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tuner)
+    qwen = tuner.Shape(**tuner.PRESETS["qwen3-30b-a3b"], ep_size=1)
+    assert all(tuner.block_m_candidates(m, qwen) == [16] for m in (1, 8, 128))
+    assert tuner.block_m_candidates(8192, qwen) == [64, 128]
+    for m in tuner.TOKENS:
+        for bm in tuner.block_m_candidates(m, qwen):
+            for n, k, tiles in ((qwen.inter, qwen.hidden, 2), (qwen.hidden, qwen.inter, 1)):
+                cfgs = tuner.gemm_candidates(bm, n, k, tiles)
+                assert cfgs and len(set(cfgs)) == len(cfgs)
+                for c in cfgs:
+                    assert min(c.block_n, c.block_k) >= 16
+                    assert c.num_stages * (bm * c.block_k + tiles * c.block_n * c.block_k) * 2 <= tuner.SHARED_MEMORY
