@@ -126,14 +126,15 @@ def _compile_jobs(shape: Shape, jobs: list[tuple[int, str, GemmConfig]]) -> int:
                 fm.moe_gate_up(x, w13, b13, align, shape.top_k, shape.activation, cfg)
             else:
                 fm.moe_down(h, w2, b2, topk_weights, align, cfg)
+            torch.cuda.synchronize()
         except Exception:  # out of resources: the timing run skips it too
             failures += 1
-    torch.cuda.synchronize()
     return failures
 
 
-def precompile(shape: Shape, tokens: list[int]) -> float:
-    """Compiles every candidate of every M in parallel processes; returns the seconds it took."""
+def precompile(shape: Shape, tokens: list[int]) -> tuple[float, int]:
+    """Compiles every candidate of every M in parallel processes; returns the seconds it took and the candidates
+    that failed to compile or launch. Should the workers fail, the timing runs compile what they need."""
     start = time.perf_counter()
     jobs = sorted({(bm, gemm, cfg) for m in tokens for bm in block_m_candidates(m, shape)
                    for gemm, cfgs in (("gate_up", gemm_candidates(bm, shape.inter, shape.hidden, 2)),
@@ -141,9 +142,14 @@ def precompile(shape: Shape, tokens: list[int]) -> float:
                    for cfg in cfgs}, key=str)
     workers = max(1, min(16, os.cpu_count() or 1, len(jobs)))
     chunks = [jobs[i::workers] for i in range(workers)]
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        list(tqdm(pool.map(_compile_jobs, [shape] * workers, chunks), total=workers, desc=f"compiling {len(jobs)}"))
-    return time.perf_counter() - start
+    try:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            failures = sum(tqdm(pool.map(_compile_jobs, [shape] * workers, chunks), total=workers,
+                                desc=f"compiling {len(jobs)} kernels"))
+    except Exception as e:
+        print(f"parallel compilation failed ({e!r}); compiling as the timing goes")
+        failures = -1
+    return time.perf_counter() - start, failures
 
 
 def time_us(calls: list[Callable[[], object]]) -> float:
@@ -253,7 +259,7 @@ def main() -> None:
     start = time.perf_counter()
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
-    compile_s = precompile(shape, tokens) if on_gpu else 0.0
+    compile_s, compile_failures = precompile(shape, tokens) if on_gpu else (0.0, 0)
     weights = _weights(shape, shape.num_experts, device)
     total = sum(len(gemm_candidates(bm, shape.inter, shape.hidden, 2)) +
                 len(gemm_candidates(bm, shape.hidden, shape.inter, 1))
@@ -274,7 +280,7 @@ def main() -> None:
                    "us": {str(m): r["us"] for m, r in results.items()}}, f, indent=1)
         f.write("\n")
     print(json.dumps({"file": path, **meta, "seconds": round(time.perf_counter() - start, 1),
-                      "compile_seconds": round(compile_s, 1),
+                      "compile_seconds": round(compile_s, 1), "compile_failures": compile_failures,
                       "us": {m: r["us"] for m, r in results.items()},
                       "default_us": {m: r["default_us"] for m, r in results.items()},
                       "block_m": {m: r["config"].block_m for m, r in results.items()}}))

@@ -79,18 +79,22 @@ def _tuned_table(path: Path) -> tuple[tuple[int, MoeConfig], ...] | None:
     return tuple((int(m), MoeConfig.from_json(c)) for m, c in table.items())
 
 
-def default_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int) -> MoeConfig:
+def default_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int,
+                   elem_size: int = 2) -> MoeConfig:
     """The rule for shapes and devices without a measured table (a guess, not measured): 16-row blocks while an
     expert averages at most 16 rows (decode: the GEMMs stream weights, so narrow tiles give more programs), 64-row
-    blocks with wider tiles and grouped ordering beyond that (prefill: compute bound, operands reused from L2)."""
+    blocks with wider tiles and grouped ordering beyond that (prefill: compute bound, operands reused from L2).
+    4-byte dtypes get half the pipeline stages, so that their tiles fit in shared memory."""
     def fit(block: int, size: int) -> int:  # no wider than the dimension (small models, the CPU tests)
         return min(block, max(16, triton.next_power_of_2(size)))
 
     if num_tokens * top_k <= 16 * num_experts:
-        return MoeConfig(16, GemmConfig(fit(32, inter), fit(128, hidden), 1, 4, 4),
-                         GemmConfig(fit(64, hidden), fit(128, inter), 1, 4, 4))
-    return MoeConfig(64, GemmConfig(fit(128, inter), fit(64, hidden), 8, 4, 3),
-                     GemmConfig(fit(128, hidden), fit(64, inter), 8, 4, 3))
+        stages = 4 if elem_size <= 2 else 2
+        return MoeConfig(16, GemmConfig(fit(32, inter), fit(128, hidden), 1, 4, stages),
+                         GemmConfig(fit(64, hidden), fit(128, inter), 1, 4, stages))
+    stages = 3 if elem_size <= 2 else 2
+    return MoeConfig(64, GemmConfig(fit(128, inter), fit(64, hidden), 8, 8, stages),
+                     GemmConfig(fit(128, hidden), fit(64, inter), 8, 4, stages))
 
 
 def nearest_config(table: tuple[tuple[int, MoeConfig], ...], num_tokens: int) -> MoeConfig:
@@ -107,7 +111,7 @@ def get_config(num_tokens: int, w13: torch.Tensor, top_k: int) -> MoeConfig:
         table = _tuned_table(config_file(num_experts, hidden, two_inter // 2, _device_name(index)))
         if table:
             return nearest_config(table, num_tokens)
-    return default_config(num_tokens, num_experts, hidden, two_inter // 2, top_k)
+    return default_config(num_tokens, num_experts, hidden, two_inter // 2, top_k, w13.element_size())
 
 
 @triton.jit

@@ -58,6 +58,21 @@ def test_fused_moe_gpt_oss_biases_and_expert_parallel(num_tokens):
     torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, weights, ids, **kw), **BF16_TOL)
 
 
+@pytest.mark.parametrize("num_tokens", [3, 600])
+def test_fused_moe_fp32(num_tokens):
+    """fp32 (the GPU engine tests' dtype) through both default tile rules: the tiles must fit in shared memory."""
+    from nanoserve.kernels.fused_moe import fused_moe
+    from nanoserve.kernels.moe_reference import fused_moe_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    w13, w2, b13, b2 = (t.float() for t in _weights(8, 1024, 512, gen, bias=True))
+    x = torch.randn(num_tokens, 1024, generator=gen, device="cuda")
+    weights, ids = _routing(num_tokens, 8, 2, gen)
+    out = fused_moe(x, w13, w2, weights, ids, w13_bias=b13, w2_bias=b2)
+    want = fused_moe_ref(x, w13, w2, weights, ids, w13_bias=b13, w2_bias=b2)
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+
+
 def test_align_many_pairs():
     """The launches for many pairs (64k) put every local pair in exactly one row of its expert's blocks."""
     from nanoserve.kernels.moe_align import moe_align_block_size, moe_align_block_size_ref
