@@ -1,0 +1,353 @@
+"""The experts of a mixture-of-experts layer on the GPU: fused_moe, with the semantics of kernels/moe_reference.py.
+
+Four steps, none of which syncs with the host, on buffers whose sizes follow from the shapes alone (so a decode step
+captured in a CUDA graph replays for any routing):
+1. kernels/moe_align.py sorts the (token, expert) pairs by local expert into blocks of BLOCK_M rows;
+2. one grouped-GEMM launch for gate/up: each program multiplies one block's gathered token rows by matching gate and
+   up tiles of the block's expert and writes act(gate + bias, up + bias) into a [T * top_k, I] intermediate;
+3. one grouped-GEMM launch for down: (h @ w2[e].T + bias) * routing weight into [T, top_k, H];
+4. the sum over top_k, skipping the pairs of other ranks' experts (their rows are never written).
+Only blocks of experts that some token chose exist, so a decode step reads only those experts' weights. The grids are
+sized for the most blocks any routing can need; programs past the rows used return at once.
+
+Tile sizes come from a table measured by scripts/tune_fused_moe.py (fused_moe_configs/, one file per shape and
+device), else from the default rule in default_config.
+"""
+
+import functools
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoserve.kernels.moe_align import MoeAlignment, moe_align_block_size
+from nanoserve.kernels.moe_reference import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+from nanoserve.kernels.pdl import use_pdl, wait_for_prior_grids
+
+CONFIG_DIR = Path(__file__).with_name("fused_moe_configs")
+ACTIVATIONS = ("silu", "swigluoai")
+# Kernels read module globals only as constexprs.
+_OAI_ALPHA = tl.constexpr(SWIGLU_OAI_ALPHA)
+_OAI_LIMIT = tl.constexpr(SWIGLU_OAI_LIMIT)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile sizes and launch options of one grouped GEMM (N: output columns, K: the reduction)."""
+
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """block_m is shared by both GEMMs: it is the alignment's block size."""
+
+    block_m: int
+    gate_up: GemmConfig
+    down: GemmConfig
+
+    def to_json(self) -> dict:
+        return {"block_m": self.block_m, "gate_up": asdict(self.gate_up), "down": asdict(self.down)}
+
+    @staticmethod
+    def from_json(d: dict) -> "MoeConfig":
+        return MoeConfig(d["block_m"], GemmConfig(**d["gate_up"]), GemmConfig(**d["down"]))
+
+
+def config_file(num_experts: int, hidden: int, inter: int, device_name: str) -> Path:
+    """Where the measured table for this shape and device lives (written by scripts/tune_fused_moe.py)."""
+    return CONFIG_DIR / f"E={num_experts},H={hidden},I={inter},device={device_name.replace(' ', '_')}.json"
+
+
+@functools.lru_cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+@functools.lru_cache
+def _tuned_table(path: Path) -> tuple[tuple[int, MoeConfig], ...] | None:
+    if not path.is_file():
+        return None
+    table = json.loads(path.read_text())["configs"]
+    return tuple((int(m), MoeConfig.from_json(c)) for m, c in table.items())
+
+
+def default_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int,
+                   elem_size: int = 2) -> MoeConfig:
+    """The rule for shapes and devices without a measured table (a guess, not measured): 16-row blocks while an
+    expert averages at most 16 rows (decode: the GEMMs stream weights, so narrow tiles give more programs), 64-row
+    blocks with wider tiles and grouped ordering beyond that (prefill: compute bound, operands reused from L2).
+    4-byte dtypes get half the pipeline stages, so that their tiles fit in shared memory."""
+    def fit(block: int, size: int) -> int:  # no wider than the dimension (small models, the CPU tests)
+        return min(block, max(16, triton.next_power_of_2(size)))
+
+    if num_tokens * top_k <= 16 * num_experts:
+        stages = 4 if elem_size <= 2 else 2
+        return MoeConfig(16, GemmConfig(fit(32, inter), fit(128, hidden), 1, 4, stages),
+                         GemmConfig(fit(64, hidden), fit(128, inter), 1, 4, stages))
+    stages = 3 if elem_size <= 2 else 2
+    return MoeConfig(64, GemmConfig(fit(128, inter), fit(64, hidden), 8, 8, stages),
+                     GemmConfig(fit(128, hidden), fit(64, inter), 8, 4, stages))
+
+
+def nearest_config(table: tuple[tuple[int, MoeConfig], ...], num_tokens: int) -> MoeConfig:
+    """The config of the tuned token count nearest num_tokens (the lower one on a tie)."""
+    return min(table, key=lambda mc: (abs(mc[0] - num_tokens), mc[0]))[1]
+
+
+def get_config(num_tokens: int, w13: torch.Tensor, top_k: int) -> MoeConfig:
+    """The measured config for the tuned M nearest num_tokens, where a table matches the shape and device (2-byte
+    dtypes on CUDA; fp32 tiles would need twice the shared memory they were tuned with); else default_config."""
+    num_experts, two_inter, hidden = w13.shape
+    if w13.is_cuda and w13.element_size() == 2:
+        index = w13.device.index if w13.device.index is not None else torch.cuda.current_device()
+        table = _tuned_table(config_file(num_experts, hidden, two_inter // 2, _device_name(index)))
+        if table:
+            return nearest_config(table, num_tokens)
+    return default_config(num_tokens, num_experts, hidden, two_inter // 2, top_k, w13.element_size())
+
+
+@triton.jit
+def _block_tile(num_blocks, n, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's (block, column tile), in groups of GROUP_M blocks that walk the column tiles together
+    (neighbouring programs share weight tiles of an expert through L2)."""
+    num_pid_n = tl.cdiv(n, BLOCK_N)
+    pid = tl.program_id(0)
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    group_size = tl.minimum(num_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_size
+    pid_n = (pid % in_group) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def _block_pairs(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
+    """The pairs in this block's rows, which of them are real (not padding), and a valid pair in each row (padding
+    rows compute on pair 0's row instead of predicating every load; the store drops them)."""
+    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    real = pair < num_pairs
+    return pair, real, tl.where(real, pair, 0)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+def _gate_up_kernel(x_ptr, w_ptr, b_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, rows_used_ptr, num_pairs,
+                    num_blocks, top_k, N, K, stride_xt, stride_we, stride_wn, stride_be, stride_op,
+                    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """out[pair, n] = act(x[token] @ w[e, n].T + b[e, n], x[token] @ w[e, N + n].T + b[e, N + n]) for N = I."""
+    wait_for_prior_grids(USE_PDL)
+    pid_m, pid_n = _block_tile(num_blocks, N, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(rows_used_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    pair, real, row_pair = _block_pairs(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + (row_pair // top_k).to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
+    # Tail columns read the last weight row again rather than being masked; the store drops them.
+    w_rows = tl.minimum(offs_n, N - 1)
+    gate_ptrs = w_ptr + expert * stride_we + w_rows[None, :] * stride_wn + offs_k[:, None]
+    up_ptrs = gate_ptrs + N * stride_wn
+    gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+            w_gate = tl.load(gate_ptrs)
+            w_up = tl.load(up_ptrs)
+        else:
+            k_ok = k0 + offs_k < K
+            x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+            w_gate = tl.load(gate_ptrs, mask=k_ok[:, None], other=0.0)
+            w_up = tl.load(up_ptrs, mask=k_ok[:, None], other=0.0)
+        gate = tl.dot(x, w_gate, gate, input_precision=DOT_PRECISION)
+        up = tl.dot(x, w_up, up, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    if HAS_BIAS:
+        b_ptrs = b_ptr + expert * stride_be + w_rows
+        gate += tl.load(b_ptrs).to(tl.float32)[None, :]
+        up += tl.load(b_ptrs + N).to(tl.float32)[None, :]
+    if ACTIVATION == "silu":
+        h = gate * tl.sigmoid(gate) * up
+    else:  # swigluoai, as moe_reference.moe_activation
+        gate = tl.minimum(gate, _OAI_LIMIT)
+        up = tl.minimum(tl.maximum(up, -_OAI_LIMIT), _OAI_LIMIT)
+        h = (up + 1) * gate * tl.sigmoid(gate * _OAI_ALPHA)
+    out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_op + offs_n[None, :]
+    tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=real[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+def _down_kernel(h_ptr, w_ptr, b_ptr, topk_w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, rows_used_ptr,
+                 num_pairs, num_blocks, N, K, stride_hp, stride_we, stride_wn, stride_be, stride_op,
+                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """out[pair, n] = (h[pair] @ w[e, n].T + b[e, n]) * topk_weight[pair], for N = H and K = I."""
+    wait_for_prior_grids(USE_PDL)
+    pid_m, pid_n = _block_tile(num_blocks, N, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(rows_used_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    pair, real, row_pair = _block_pairs(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    h_ptrs = h_ptr + row_pair.to(tl.int64)[:, None] * stride_hp + offs_k[None, :]
+    w_rows = tl.minimum(offs_n, N - 1)
+    w_ptrs = w_ptr + expert * stride_we + w_rows[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            h = tl.load(h_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = k0 + offs_k < K
+            h = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        acc = tl.dot(h, w, acc, input_precision=DOT_PRECISION)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + expert * stride_be + w_rows).to(tl.float32)[None, :]
+    acc *= tl.load(topk_w_ptr + row_pair).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_op + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=real[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _sum_kernel(y_ptr, ids_ptr, out_ptr, H, top_k, expert_start, num_experts, BLOCK_H: tl.constexpr,
+                USE_PDL: tl.constexpr):
+    """out[t] = sum over j of y[t, j] in fp32, over this rank's experts only: rows of pairs routed elsewhere were
+    never written (and may hold anything)."""
+    wait_for_prior_grids(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    in_row = offs < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in range(top_k):
+        e = tl.load(ids_ptr + t * top_k + j).to(tl.int32) - expert_start
+        # The row's length as the mask's bound, 0 for other ranks' pairs (one comparison, and the interpreter
+        # mishandles a vector mask and-ed with a scalar one).
+        row_len = tl.where((e >= 0) & (e < num_experts), H, 0)
+        acc += tl.load(y_ptr + (t * top_k + j) * H + offs, mask=offs < row_len, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=in_row)
+
+
+def _dot_precision(t: torch.Tensor) -> str:
+    return "ieee" if t.dtype == torch.float32 else "tf32"  # tf32 would lose fp32's bits; unused for 16-bit
+
+
+def moe_gate_up(x: torch.Tensor, w13: torch.Tensor, w13_bias: torch.Tensor | None, align: MoeAlignment, top_k: int,
+                activation: str, cfg: GemmConfig) -> torch.Tensor:
+    """Step 2: act(gate, up) of every pair, [T * top_k, I] indexed by pair (rows of other ranks' pairs unwritten)."""
+    inter, hidden = w13.shape[1] // 2, w13.shape[2]
+    out = torch.empty(align.num_pairs, inter, dtype=x.dtype, device=x.device)
+    num_blocks = align.block_expert.numel()
+    pdl = use_pdl(x)
+    grid = (num_blocks * triton.cdiv(inter, cfg.block_n),)
+    _gate_up_kernel[grid](
+        x, w13, w13_bias if w13_bias is not None else w13, out, align.sorted_ids, align.block_expert,
+        align.rows_used, align.num_pairs, num_blocks, top_k, inter, hidden, x.stride(0), w13.stride(0),
+        w13.stride(1), w13_bias.stride(0) if w13_bias is not None else 0, out.stride(0), ACTIVATION=activation,
+        HAS_BIAS=w13_bias is not None, EVEN_K=hidden % cfg.block_k == 0, DOT_PRECISION=_dot_precision(x),
+        USE_PDL=pdl, BLOCK_M=align.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
+    return out
+
+
+def moe_down(h: torch.Tensor, w2: torch.Tensor, w2_bias: torch.Tensor | None, topk_weights: torch.Tensor,
+             align: MoeAlignment, cfg: GemmConfig) -> torch.Tensor:
+    """Step 3: each pair's expert output times its routing weight, [T * top_k, H] indexed by pair."""
+    hidden, inter = w2.shape[1], w2.shape[2]
+    out = torch.empty(align.num_pairs, hidden, dtype=h.dtype, device=h.device)
+    num_blocks = align.block_expert.numel()
+    pdl = use_pdl(h)
+    grid = (num_blocks * triton.cdiv(hidden, cfg.block_n),)
+    _down_kernel[grid](
+        h, w2, w2_bias if w2_bias is not None else w2, topk_weights.reshape(-1), out, align.sorted_ids,
+        align.block_expert, align.rows_used, align.num_pairs, num_blocks, hidden, inter, h.stride(0), w2.stride(0),
+        w2.stride(1), w2_bias.stride(0) if w2_bias is not None else 0, out.stride(0), HAS_BIAS=w2_bias is not None,
+        EVEN_K=inter % cfg.block_k == 0, DOT_PRECISION=_dot_precision(h), USE_PDL=pdl, BLOCK_M=align.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, launch_pdl=pdl)
+    return out
+
+
+def moe_sum(y: torch.Tensor, topk_ids: torch.Tensor, expert_start: int, num_experts: int) -> torch.Tensor:
+    """Step 4: y [T * top_k, H] -> [T, H], summing each token's pairs of experts [expert_start, + num_experts)."""
+    num_tokens, top_k = topk_ids.shape
+    hidden = y.shape[1]
+    out = torch.empty(num_tokens, hidden, dtype=y.dtype, device=y.device)
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    pdl = use_pdl(y)
+    _sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](y, topk_ids.reshape(-1), out, hidden, top_k, expert_start,
+                                                            num_experts, BLOCK_H=block_h, USE_PDL=pdl, num_warps=4,
+                                                            launch_pdl=pdl)
+    return out
+
+
+def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+           topk_ids: torch.Tensor, w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None,
+           activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: {activation!r} is not supported")
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be [T, H] with a contiguous last dim, got shape {tuple(x.shape)}")
+    num_tokens, hidden = x.shape
+    if w13.dim() != 3 or w13.shape[2] != hidden or w13.shape[1] % 2 or w13.stride(2) != 1:
+        raise ValueError(f"w13 must be [E, 2I, {hidden}] with a contiguous last dim, got {tuple(w13.shape)}")
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    if w2.shape != (num_experts, hidden, inter) or w2.stride(2) != 1:
+        raise ValueError(f"w2 must be [{num_experts}, {hidden}, {inter}] with a contiguous last dim, "
+                         f"got {tuple(w2.shape)}")
+    if w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(f"w13 ({w13.dtype}) and w2 ({w2.dtype}) must have x's dtype {x.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32 or int64 [{num_tokens}, top_k], got {topk_ids.dtype} "
+                         f"{tuple(topk_ids.shape)}")
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_weights must be {tuple(topk_ids.shape)} as topk_ids, got {tuple(topk_weights.shape)}")
+    for name, bias, shape in (("w13_bias", w13_bias, (num_experts, 2 * inter)), ("w2_bias", w2_bias,
+                                                                                  (num_experts, hidden))):
+        if bias is not None and (bias.shape != shape or bias.stride(1) != 1):
+            raise ValueError(f"{name} must be {shape} with a contiguous last dim, got {tuple(bias.shape)}")
+
+
+def fused_moe_with_config(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                          topk_ids: torch.Tensor, config: MoeConfig, *, expert_start: int = 0,
+                          w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                          activation: str = "silu") -> torch.Tensor:
+    """fused_moe with the tile sizes given (scripts/tune_fused_moe.py times candidates through it)."""
+    _check(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation)
+    if x.shape[0] == 0:
+        return torch.empty_like(x)
+    num_experts = w13.shape[0]
+    align = moe_align_block_size(topk_ids, num_experts, config.block_m, expert_start)
+    h = moe_gate_up(x, w13, w13_bias, align, topk_ids.shape[1], activation, config.gate_up)
+    y = moe_down(h, w2, w2_bias, topk_weights, align, config.down)
+    return moe_sum(y, topk_ids, expert_start, num_experts)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, *, expert_start: int = 0, w13_bias: torch.Tensor | None = None,
+              w2_bias: torch.Tensor | None = None, activation: str = "silu") -> torch.Tensor:
+    """sum over j of topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for each token t: x [T, H] -> [T, H], as
+    moe_reference.fused_moe_ref, in Triton (fp32 accumulation; the intermediate rounded to x's dtype).
+
+    Tile sizes: the measured table fused_moe_configs/E=..,H=..,I=..,device=<name>.json (scripts/tune_fused_moe.py)
+    for this shape and GPU at the tuned token count nearest T, for 16-bit dtypes; otherwise default_config's rule.
+    Kernels launch with PDL where the device supports it (kernels/pdl.py).
+    """
+    config = get_config(x.shape[0], w13, topk_ids.shape[-1])
+    return fused_moe_with_config(x, w13, w2, topk_weights, topk_ids, config, expert_start=expert_start,
+                                 w13_bias=w13_bias, w2_bias=w2_bias, activation=activation)
