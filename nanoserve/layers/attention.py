@@ -7,7 +7,7 @@ the cache, so a cached prefix, an earlier prefill chunk and the new tokens are a
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -16,8 +16,13 @@ from torch import nn
 from nanoserve.kernels.prefill.split_scratch import SplitScratch
 from nanoserve.layers.step_plan import EAGER, KernelPlan
 
-if TYPE_CHECKING:
-    from nanoserve.worker.kv_ring import LongContextAttention
+
+class LongContext(Protocol):
+    """What attention calls for the step's sequences in long-context mode (worker/kv_ring.py's
+    LongContextAttention), after the batch's attention has written their rows from their window alone."""
+
+    def attend(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+               scale: float) -> None: ...
 
 
 @dataclass
@@ -46,9 +51,9 @@ class AttentionMetadata:
     decode_order: torch.Tensor | None = None
     # The step's kernel choices (layers/step_plan.py), which the layers read; the default is the plain path.
     plan: KernelPlan = EAGER
-    # Sequences in long-context mode (worker/kv_ring.py's LongContextAttention): the fields above show them their
-    # window only, and attend() then redoes their rows over every key. None: no such sequence (always in graphs).
-    long_context: "LongContextAttention | None" = None
+    # Sequences in long-context mode: the fields above show them their window only, and attend() then redoes their
+    # rows over every key. None: no such sequence (always in graphs).
+    long_context: LongContext | None = None
 
 
 class TorchBackend:
