@@ -19,6 +19,7 @@ from nanoserve.structured.backend import GrammarCompiler
 from nanoserve.structured.manager import StructuredOutputManager
 from nanoserve.worker.kv_cache import prefix_load_pays
 from nanoserve.worker.model_runner import LaunchedStep, ModelRunner
+from nanoserve.worker.tp_worker import TensorParallelWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,9 @@ class LLMEngine(EngineFrontend):
                            "and chat needs --tokenizer DIR", config.tokenizer_dir)
         if not config.model.eos_token_ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             config.model.eos_token_ids = [self.tokenizer.eos_token_id]
-        self.runner = ModelRunner(config)
+        # Under tensor parallelism this process is rank 0: it starts the node's other ranks, which the runner drives.
+        workers = TensorParallelWorkers.start(config) if config.args.tensor_parallel_size > 1 else None
+        self.runner = ModelRunner(config, workers=workers)
         # A sequence longer than the GPU pool runs in long-context mode, its older blocks in the CPU pool.
         config.fit_kv_pool(self.runner.num_kv_blocks + self.runner.num_cpu_blocks)
         logger.info("%s", config.summary(self.runner.num_kv_blocks))
