@@ -10,7 +10,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.distributed.group import TensorParallelGroup
 from nanoserve.kernels.prefill import PrefillPlanner
 from nanoserve.layers.attention import Attention, AttentionMetadata, TritonBackend, backend_for
-from nanoserve.layers.sampler import SampledTokens, Sampler, SamplerOutput, TokenBitmask
+from nanoserve.layers.sampler import AllowedTokens, SampledTokens, Sampler, SamplerOutput
 from nanoserve.layers.step_plan import KernelPlanner
 from nanoserve.model.loader import load_model
 from nanoserve.worker.batch import ScheduledBatch
@@ -178,7 +178,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, prev: LaunchedStep | None = None,
-               logit_masks: Callable[[list, LaunchedStep | None], TokenBitmask | None] | None = None) -> LaunchedStep:
+               logit_masks: Callable[[list, LaunchedStep | None], AllowedTokens | None] | None = None) -> LaunchedStep:
         """Queue one step's forward pass and sampling on the device without waiting for them. Requests
         that asked for prompt_logprobs get them now, as {request_id: [(target id, logprob, rank,
         top ids, top logprobs), ...]} (that path reads back to the host)."""
