@@ -46,10 +46,11 @@ from nanoserve.runtime.async_engine import AsyncEngine
 from nanoserve.runtime.channels import Ready
 from nanoserve.runtime.engine_core_process import EngineCoreProcess
 from nanoserve.runtime.process_client import ChannelEngineClient
-from nanoserve.server.app import build_app, event_loop_factory, freeze_startup_objects, uvicorn_config
 from nanoserve.server.gate import GateState
 from nanoserve.server.http_limits import HEADER_TIMEOUT_S, MAX_HEADER_BYTES
+from nanoserve.server.routes import build_app
 from nanoserve.server.shutdown import serve_with_drain
+from nanoserve.server.uvicorn_setup import event_loop_factory, freeze_startup_objects, uvicorn_config
 
 logger = logging.getLogger(__name__)
 
