@@ -18,7 +18,7 @@ import nanoserve
 from nanoserve import LLM, EngineArgs, SamplingParams, cli
 from nanoserve.chat_engine import ToolLoop
 from nanoserve.config import bundled_model_dir
-from nanoserve.engine.frontend import EngineFrontend, load_tokenizer
+from nanoserve.engine.frontend import EngineFrontend, engine_config, load_tokenizer
 from nanoserve.engine.llm_engine import LLMEngine
 
 REPO = Path(__file__).resolve().parents[1]
@@ -252,7 +252,7 @@ def test_gpt2_config_is_refused_by_name(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(GPT2_CONFIG))
     with pytest.raises(ValueError, match="^model: architecture 'GPT2LMHeadModel' is not supported; "
                                          "supported: LlamaForCausalLM, "):
-        EngineArgs(model=str(tmp_path)).create_config()
+        engine_config(EngineArgs(model=str(tmp_path)))
 
 
 def test_gpt2_config_on_the_command_line(tmp_path, capsys):

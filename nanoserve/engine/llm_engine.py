@@ -9,7 +9,7 @@ import torch
 from nanoserve.config import EngineArgs, EngineConfig
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
-from nanoserve.engine.frontend import EngineFrontend, load_tokenizer
+from nanoserve.engine.frontend import EngineFrontend, engine_config, load_tokenizer
 from nanoserve.engine.request import Request, SeqStatus, Sequence
 from nanoserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from nanoserve.layers.sampler import SamplerOutput
@@ -61,7 +61,7 @@ class LLMEngine(EngineFrontend):
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
-        return cls(args.create_config())
+        return cls(engine_config(args))
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,

@@ -41,7 +41,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
 from nanoserve.config import EngineArgs
-from nanoserve.engine.frontend import load_tokenizer
+from nanoserve.engine.frontend import engine_config, load_tokenizer
 from nanoserve.runtime.async_engine import AsyncEngine
 from nanoserve.runtime.channels import Ready
 from nanoserve.runtime.engine_core_process import EngineCoreProcess
@@ -77,7 +77,7 @@ class ServerOptions:
 def run_api_servers(engine_args: EngineArgs, host: str, port: int, count: int, options: ServerOptions) -> int:
     """Serve with `count` API server processes until SIGTERM / SIGINT; returns the exit status."""
     engine_args = replace(engine_args, engine_process=True)  # implied, whatever was asked
-    engine_args.create_config()  # bad arguments fail here, before any process starts
+    engine_config(engine_args)  # bad arguments fail here, before any process starts
     return _Supervisor(count, options).run(engine_args, host, port)
 
 
