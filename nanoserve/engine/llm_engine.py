@@ -1,5 +1,6 @@
 """LLMEngine: add requests, step the scheduler and the model, and hand back outputs."""
 
+import atexit
 import logging
 import time
 from collections.abc import Callable
@@ -38,6 +39,11 @@ class LLMEngine(EngineFrontend):
         # Under tensor parallelism this process is rank 0: it starts the node's other ranks, which the runner drives.
         workers = TensorParallelWorkers.start(config) if config.args.tensor_parallel_size > 1 else None
         self.runner = ModelRunner(config, workers=workers)
+        if workers is not None:
+            # Stopped before the interpreter exits, whoever forgets to shut the engine down (nanoserve generate, a
+            # script's LLM): otherwise multiprocessing's own exit hook, registered earlier and so run after this
+            # one, kills the ranks and rank 0's watcher reports a lost rank after a run that went well.
+            atexit.register(self.shutdown)
         # A sequence longer than the GPU pool runs in long-context mode, its older blocks in the CPU pool.
         config.fit_kv_pool(self.runner.num_kv_blocks + self.runner.num_cpu_blocks)
         logger.info("%s", config.summary(self.runner.num_kv_blocks))
@@ -123,6 +129,7 @@ class LLMEngine(EngineFrontend):
 
     def shutdown(self) -> None:
         """Stop what the engine started beside itself (tensor-parallel workers); idempotent."""
+        atexit.unregister(self.shutdown)
         self.runner.shutdown()
         self.structured.shutdown()
 
