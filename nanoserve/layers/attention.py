@@ -6,6 +6,7 @@ values are first written into the paged cache (slot_mapping); attention then rea
 the cache, so a cached prefix, an earlier prefill chunk and the new tokens are all treated alike.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoserve.kernels.chunk_attention import chunk_attention_ref
 from nanoserve.kernels.prefill.split_scratch import SplitScratch
 from nanoserve.layers.step_plan import EAGER, KernelPlan
 
@@ -22,7 +24,7 @@ class LongContext(Protocol):
     LongContextAttention), after the batch's attention has written their rows from their window alone."""
 
     def attend(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-               scale: float) -> None: ...
+               scale: float, chunk_attention: Callable) -> None: ...
 
 
 @dataclass
@@ -59,6 +61,8 @@ class AttentionMetadata:
 class TorchBackend:
     """Plain PyTorch: correct everywhere, used on the CPU."""
 
+    chunk_attention = staticmethod(chunk_attention_ref)  # long-context mode's pieces (kernels/chunk_attention.py)
+
     @staticmethod
     def store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:
@@ -92,6 +96,12 @@ class TorchBackend:
 
 class TritonBackend:
     """The Triton kernels: decodes through flash-decoding, prefill chunks through the varlen kernel."""
+
+    @staticmethod
+    def chunk_attention(*args, **kwargs) -> None:
+        from nanoserve.kernels.chunk_attention import chunk_attention
+
+        chunk_attention(*args, **kwargs)
 
     @staticmethod
     def store(k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -143,5 +153,6 @@ class Attention(nn.Module):
         """q [T, Hq, D] over the cache, which already holds this step's keys and values -> [T, Hq, D]."""
         out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)
         if meta.long_context is not None:
-            meta.long_context.attend(self.layer_index, q, self.k_cache, self.v_cache, out, self.scale)
+            meta.long_context.attend(self.layer_index, q, self.k_cache, self.v_cache, out, self.scale,
+                                     self.backend.chunk_attention)
         return out
