@@ -50,7 +50,7 @@ from nanoserve.server.gate import GateState
 from nanoserve.server.http_limits import HEADER_TIMEOUT_S, MAX_HEADER_BYTES
 from nanoserve.server.routes import build_app
 from nanoserve.server.shutdown import serve_with_drain
-from nanoserve.server.uvicorn_setup import event_loop_factory, freeze_startup_objects, uvicorn_config
+from nanoserve.server.uvicorn_setup import event_loop_factory, startup_objects_frozen, uvicorn_config
 
 logger = logging.getLogger(__name__)
 
@@ -282,8 +282,7 @@ def run_api_server(index: int, sock: socket.socket, channel: Connection, control
         config = uvicorn_config(app, options.uvicorn_log_level, options.max_header_bytes, options.header_timeout)
         control.send("ready")
         control.recv()  # "serve": every API server is ready, and the socket listens
-        freeze_startup_objects()
-        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        with startup_objects_frozen(), asyncio.Runner(loop_factory=event_loop_factory()) as runner:
             runner.run(serve_with_drain(config, gate, async_engine, options.drain_timeout, sockets=[sock],
                                         control=control))
     finally:

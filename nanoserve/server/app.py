@@ -20,7 +20,7 @@ from nanoserve.server.gate import GateState
 from nanoserve.server.http_limits import HEADER_TIMEOUT_S, MAX_HEADER_BYTES, limited_http_protocol
 from nanoserve.server.routes import build_app, model_names
 from nanoserve.server.shutdown import serve_with_drain
-from nanoserve.server.uvicorn_setup import event_loop_factory, freeze_startup_objects, uvicorn_config
+from nanoserve.server.uvicorn_setup import event_loop_factory, startup_objects_frozen, uvicorn_config
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +59,11 @@ def run_server(engine_args: EngineArgs, host: str, port: int, api_key: str | Non
     logger.info("serving %s (max_model_len %d%s) on http://%s:%d", ", ".join(map(repr, names)),
                 async_engine.max_model_len,
                 ", engine in its own process" if async_engine.engine.config.args.engine_process else "", host, port)
-    freeze_startup_objects()
     # With tensor parallelism a lost rank kills the engine: a server that exits (non-zero) is one an orchestrator
     # restarts, where one left answering 503 would wait for a person.
     tp = engine_args.tensor_parallel_size > 1
     try:
-        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        with startup_objects_frozen(), asyncio.Runner(loop_factory=event_loop_factory()) as runner:
             return runner.run(serve_with_drain(config, gate, async_engine, drain_timeout, exit_when_engine_dies=tp))
     finally:
         async_engine.shutdown()
