@@ -139,6 +139,23 @@ def test_readme_names_only_paths_in_the_repo():
     assert "../" not in commands and "shared/" not in commands
 
 
+def test_docs_name_only_scripts_in_the_repo():
+    """A script the docs cite is in scripts/, or cited at the commit that had it (`scripts/x.py` at 32a2823)."""
+    for doc in (REPO / "docs").glob("*.md"):
+        for path, commit in re.findall(r"`[^`]*?(scripts/[\w./-]+)[^`]*`( at [0-9a-f]{7,})?", doc.read_text()):
+            assert commit or (REPO / path).exists(), f"{doc.name}: {path}"
+
+
+def test_readme_completion_example_prints_what_it_shows(bundled):
+    """The README's completion on the bundled chat model: a prompt it completes sensibly ("Hello" gave "HHHH..."),
+    and the text its comment shows."""
+    readme = (REPO / "README.md").read_text()
+    prompt, shown = re.search(r'llm\.generate\(\["([^"]+)"\].*\nprint\(out\[0\]\.outputs\[0\]\.text\) +# (.+)\n',
+                              readme).groups()
+    out = bundled.generate([prompt], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert out[0].outputs[0].text.strip() == shown.strip()
+
+
 # -- 2. vLLM's flags ------------------------------------------------------------------------------------
 
 def test_serve_passes_the_server_flags_on(served):
