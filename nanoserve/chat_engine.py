@@ -34,16 +34,13 @@ import itertools
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.request import Sequence
 from nanoserve.outputs import CompletionOutput, RequestOutput, ToolCompletionOutput
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.tools.calculator import calculator
-
-if TYPE_CHECKING:  # llm.py imports this module for LLM.chat's tool loop
-    from nanoserve.llm import LLM
 
 # What the text shows in place of a tool token (ToolTokens' field names); the others show as nothing.
 # A later version gives tool calls OpenAI's `tool_calls` shape in the chat API; until then the text
@@ -198,10 +195,17 @@ class ToolLoop:
         return dataclasses.replace(out, outputs=completions)
 
 
+class HasEngine(Protocol):
+    """What Engine reads of an LLM (llm.py sits above this module: LLM.chat runs the tool loop)."""
+
+    @property
+    def engine(self) -> LLMEngine: ...
+
+
 class Engine:
     """nanochat's Engine on an LLM: generate() yields token columns, generate_batch() whole samples."""
 
-    def __init__(self, llm: "LLM") -> None:
+    def __init__(self, llm: HasEngine) -> None:
         self.engine = llm.engine
         # A per-instance prefix names this Engine's requests, so its tool loop leaves others' alone.
         self._prefix = f"engine-{uuid.uuid4().hex[:8]}-"

@@ -7,8 +7,6 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.model.registry import check_architecture
-
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # The other names vLLM's --dtype takes.
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
@@ -93,14 +91,7 @@ class ModelConfig:
     def from_dir(cls, model_dir: str, generation_config: str = "auto") -> "ModelConfig":
         """config.json of `model_dir`, with the eos ids of the generation_config.json that
         `generation_config` (EngineArgs') names."""
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise ValueError(f"model: no config.json in {model_dir!r}")
-        raw = json.loads(path.read_text())
-        archs = raw.get("architectures") or []
-        if not archs:
-            raise ValueError(f"model: config.json in {model_dir!r} names no 'architectures'")
-        check_architecture(archs[0])
+        raw = read_config_json(model_dir)
         missing = [key for key in _REQUIRED_KEYS if key not in raw]
         if missing:
             raise ValueError(f"model: config.json in {model_dir!r} has no {missing[0]!r}")
@@ -111,7 +102,7 @@ class ModelConfig:
         # Qwen2 keeps sliding_window set but switched off by use_sliding_window=false.
         sliding = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
         return cls(
-            architecture=archs[0],
+            architecture=raw["architectures"][0],
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
@@ -132,6 +123,20 @@ class ModelConfig:
             raw=raw,
             moe=MoEConfig.from_raw(raw),
         )
+
+
+def read_config_json(model_dir: str) -> dict:
+    """config.json of `model_dir`, which must name its architecture (whether nanoserve runs it is model/'s to say:
+    engine/frontend.py's engine_config asks before this module reads the rest)."""
+    if not os.path.isdir(model_dir):
+        raise ValueError(f"model: {model_dir!r} is not a directory (no model hub is used; give a local path)")
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"model: no config.json in {model_dir!r}")
+    raw = json.loads(path.read_text())
+    if not raw.get("architectures"):
+        raise ValueError(f"model: config.json in {model_dir!r} names no 'architectures'")
+    return raw
 
 
 def _rope_scaling_from_parameters(raw: dict) -> dict | None:
@@ -256,8 +261,6 @@ class EngineConfig:
     @classmethod
     def from_args(cls, args: EngineArgs) -> "EngineConfig":
         model_dir = args.model or bundled_model_dir()
-        if not os.path.isdir(model_dir):
-            raise ValueError(f"model: {model_dir!r} is not a directory (no model hub is used; give a local path)")
         model = ModelConfig.from_dir(model_dir, args.generation_config)
         _check_positive(args, "block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
                         "nnodes")

@@ -18,7 +18,7 @@ import nanoserve
 from nanoserve import LLM, EngineArgs, SamplingParams, cli
 from nanoserve.chat_engine import ToolLoop
 from nanoserve.config import bundled_model_dir
-from nanoserve.engine.frontend import EngineFrontend, load_tokenizer
+from nanoserve.engine.frontend import EngineFrontend, engine_config, load_tokenizer
 from nanoserve.engine.llm_engine import LLMEngine
 
 REPO = Path(__file__).resolve().parents[1]
@@ -139,6 +139,23 @@ def test_readme_names_only_paths_in_the_repo():
     assert "../" not in commands and "shared/" not in commands
 
 
+def test_docs_name_only_scripts_in_the_repo():
+    """A script the docs cite is in scripts/, or cited at the commit that had it (`scripts/x.py` at 32a2823)."""
+    for doc in (REPO / "docs").glob("*.md"):
+        for path, commit in re.findall(r"`[^`]*?(scripts/[\w./-]+)[^`]*`( at [0-9a-f]{7,})?", doc.read_text()):
+            assert commit or (REPO / path).exists(), f"{doc.name}: {path}"
+
+
+def test_readme_completion_example_prints_what_it_shows(bundled):
+    """The README's completion on the bundled chat model: a prompt it completes sensibly ("Hello" gave "HHHH..."),
+    and the text its comment shows."""
+    readme = (REPO / "README.md").read_text()
+    prompt, shown = re.search(r'llm\.generate\(\["([^"]+)"\].*\nprint\(out\[0\]\.outputs\[0\]\.text\) +# (.+)\n',
+                              readme).groups()
+    out = bundled.generate([prompt], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert out[0].outputs[0].text.strip() == shown.strip()
+
+
 # -- 2. vLLM's flags ------------------------------------------------------------------------------------
 
 def test_serve_passes_the_server_flags_on(served):
@@ -252,7 +269,7 @@ def test_gpt2_config_is_refused_by_name(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(GPT2_CONFIG))
     with pytest.raises(ValueError, match="^model: architecture 'GPT2LMHeadModel' is not supported; "
                                          "supported: LlamaForCausalLM, "):
-        EngineArgs(model=str(tmp_path)).create_config()
+        engine_config(EngineArgs(model=str(tmp_path)))
 
 
 def test_gpt2_config_on_the_command_line(tmp_path, capsys):

@@ -13,8 +13,17 @@ from pathlib import Path
 import jinja2
 import numpy as np
 
-from nanoserve.config import EngineConfig
+from nanoserve.config import EngineArgs, EngineConfig, bundled_model_dir, read_config_json
 from nanoserve.engine.block_manager import token_bytes
+from nanoserve.model.registry import check_architecture
+
+
+def engine_config(args: EngineArgs) -> EngineConfig:
+    """args.create_config() for an engine to run: a checkpoint whose architecture no model of nanoserve runs is
+    refused first, by name, rather than for a config.json key its family names otherwise. Here, not in config.py:
+    the registry is model/'s, above config.py."""
+    check_architecture(read_config_json(args.model or bundled_model_dir())["architectures"][0])
+    return args.create_config()
 
 
 def check_token_ids(name: str, ids, vocab: int, most: int = 20) -> None:

@@ -1,5 +1,6 @@
 """LLMEngine: add requests, step the scheduler and the model, and hand back outputs."""
 
+import atexit
 import logging
 import time
 from collections.abc import Callable
@@ -9,7 +10,7 @@ import torch
 from nanoserve.config import EngineArgs, EngineConfig
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
-from nanoserve.engine.frontend import EngineFrontend, check_token_ids, load_tokenizer
+from nanoserve.engine.frontend import EngineFrontend, check_token_ids, engine_config, load_tokenizer
 from nanoserve.engine.request import Request, SeqStatus, Sequence
 from nanoserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from nanoserve.layers.sampler import SamplerOutput
@@ -19,6 +20,7 @@ from nanoserve.structured.backend import GrammarCompiler
 from nanoserve.structured.manager import StructuredOutputManager
 from nanoserve.worker.kv_cache import prefix_load_pays
 from nanoserve.worker.model_runner import LaunchedStep, ModelRunner
+from nanoserve.worker.tp_worker import TensorParallelWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +36,14 @@ class LLMEngine(EngineFrontend):
                            "and chat needs --tokenizer DIR", config.tokenizer_dir)
         if not config.model.eos_token_ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             config.model.eos_token_ids = [self.tokenizer.eos_token_id]
-        self.runner = ModelRunner(config)
+        # Under tensor parallelism this process is rank 0: it starts the node's other ranks, which the runner drives.
+        workers = TensorParallelWorkers.start(config) if config.args.tensor_parallel_size > 1 else None
+        self.runner = ModelRunner(config, workers=workers)
+        if workers is not None:
+            # Stopped before the interpreter exits, whoever forgets to shut the engine down (nanoserve generate, a
+            # script's LLM): otherwise multiprocessing's own exit hook, registered earlier and so run after this
+            # one, kills the ranks and rank 0's watcher reports a lost rank after a run that went well.
+            atexit.register(self.shutdown)
         # A sequence longer than the GPU pool runs in long-context mode, its older blocks in the CPU pool.
         config.fit_kv_pool(self.runner.num_kv_blocks + self.runner.num_cpu_blocks)
         logger.info("%s", config.summary(self.runner.num_kv_blocks))
@@ -58,7 +67,7 @@ class LLMEngine(EngineFrontend):
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
-        return cls(args.create_config())
+        return cls(engine_config(args))
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -118,6 +127,7 @@ class LLMEngine(EngineFrontend):
 
     def shutdown(self) -> None:
         """Stop what the engine started beside itself (tensor-parallel workers); idempotent."""
+        atexit.unregister(self.shutdown)
         self.runner.shutdown()
         self.structured.shutdown()
 

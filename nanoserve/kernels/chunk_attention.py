@@ -10,8 +10,6 @@ block side by side works as well as the pool) and listed by `block_ids`; key j s
 query i at q_pos0 + i, which sees keys up to its own position.
 """
 
-import os
-
 import torch
 
 try:
@@ -114,9 +112,6 @@ def chunk_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Ten
     """q [M, Hq, D] over keys 0..num_keys-1 of k/v_blocks[block_ids] ([blocks, block_size, Hkv, D], the last two
     dims contiguous; k and v with the same strides), into fp32 out [M, Hq, D] and lse [M, Hq] (contiguous): replaced,
     or with accumulate merged with what they hold."""
-    if q.device.type != "cuda" and not _interpreting():
-        chunk_attention_ref(q, k_blocks, v_blocks, block_ids, num_keys, key_pos0, q_pos0, scale, out, lse, accumulate)
-        return
     assert k_blocks.stride() == v_blocks.stride() and k_blocks.stride(3) == 1 and q.stride(2) == 1
     assert out.is_contiguous() and lse.is_contiguous() and out.dtype == lse.dtype == torch.float32
     rows, heads, head_dim = q.shape
@@ -134,7 +129,3 @@ def chunk_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Ten
         group, heads, ACCUMULATE=accumulate,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HEAD_DIM=head_dim, BLOCK_SIZE=k_blocks.shape[1],
         BLOCK_M=block_m, BLOCK_N=64, num_warps=warps, num_stages=stages)
-
-
-def _interpreting() -> bool:
-    return triton is not None and os.environ.get("TRITON_INTERPRET") == "1"

@@ -2,7 +2,7 @@
 
 At batch 1 a Qwen3-0.6B layer spends ~32 us on an H100 against ~10 us of weights streamed: decode is bound by
 launches, and qkv_rope_store (q/k norm, rotary, new K/V into the cache) is one of a layer's six. Here every
-(sequence, kv head, split) program of flash-decoding (decode_attention.py, whose pieces it shares) reads its
+(sequence, kv head, split) program of flash-decoding (decode_attention.py; its pieces in decode_split.py) reads its
 group's raw query heads from the qkv row and normalizes and rotates them itself (redundant across splits, a
 few hundred FLOPs each), and likewise the new token's k (normed, rotated) and v for its kv head. The program
 whose split holds the new token's position, seq_len - 1, stores them into the cache at the token's slot
@@ -29,15 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.decode_attention import (
-    LOG2E,
-    attend_split,
-    decode_attention_ref,
-    launch_reduce,
-    load_kv_tile,
-    plan_split_launch,
-    split_range,
-)
+from nanoserve.kernels.decode_attention import LOG2E, decode_attention_ref
+from nanoserve.kernels.decode_launch import launch_reduce, plan_split_launch
+from nanoserve.kernels.decode_split import attend_split, load_kv_tile, split_range
 from nanoserve.kernels.pdl import wait_for_prior_grids
 from nanoserve.kernels.qkv_rope_store import qkv_rope_store_ref
 

@@ -6,18 +6,25 @@ values are first written into the paged cache (slot_mapping); attention then rea
 the cache, so a cached prefix, an earlier prefill chunk and the new tokens are all treated alike.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoserve.kernels.chunk_attention import chunk_attention_ref
 from nanoserve.kernels.prefill.split_scratch import SplitScratch
 from nanoserve.layers.step_plan import EAGER, KernelPlan
 
-if TYPE_CHECKING:
-    from nanoserve.worker.kv_ring import LongContextAttention
+
+class LongContext(Protocol):
+    """What attention calls for the step's sequences in long-context mode (worker/kv_ring.py's
+    LongContextAttention), after the batch's attention has written their rows from their window alone."""
+
+    def attend(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+               scale: float, chunk_attention: Callable) -> None: ...
 
 
 @dataclass
@@ -46,13 +53,15 @@ class AttentionMetadata:
     decode_order: torch.Tensor | None = None
     # The step's kernel choices (layers/step_plan.py), which the layers read; the default is the plain path.
     plan: KernelPlan = EAGER
-    # Sequences in long-context mode (worker/kv_ring.py's LongContextAttention): the fields above show them their
-    # window only, and attend() then redoes their rows over every key. None: no such sequence (always in graphs).
-    long_context: "LongContextAttention | None" = None
+    # Sequences in long-context mode: the fields above show them their window only, and attend() then redoes their
+    # rows over every key. None: no such sequence (always in graphs).
+    long_context: LongContext | None = None
 
 
 class TorchBackend:
     """Plain PyTorch: correct everywhere, used on the CPU."""
+
+    chunk_attention = staticmethod(chunk_attention_ref)  # long-context mode's pieces (kernels/chunk_attention.py)
 
     @staticmethod
     def store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -87,6 +96,12 @@ class TorchBackend:
 
 class TritonBackend:
     """The Triton kernels: decodes through flash-decoding, prefill chunks through the varlen kernel."""
+
+    @staticmethod
+    def chunk_attention(*args, **kwargs) -> None:
+        from nanoserve.kernels.chunk_attention import chunk_attention
+
+        chunk_attention(*args, **kwargs)
 
     @staticmethod
     def store(k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -138,5 +153,6 @@ class Attention(nn.Module):
         """q [T, Hq, D] over the cache, which already holds this step's keys and values -> [T, Hq, D]."""
         out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)
         if meta.long_context is not None:
-            meta.long_context.attend(self.layer_index, q, self.k_cache, self.v_cache, out, self.scale)
+            meta.long_context.attend(self.layer_index, q, self.k_cache, self.v_cache, out, self.scale,
+                                     self.backend.chunk_attention)
         return out

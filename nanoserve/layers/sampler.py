@@ -9,9 +9,10 @@ form of the same draw), which reads the logits once instead of about nine times.
 A row is anything with SamplingRow's fields: the engine passes its own sequences (engine/request.py), which
 the per-row loop reads in place, with no per-row copy.
 
-Structured output: the rows a grammar constrains come with a TokenBitmask (computed on the host while the device
-runs the forward pass, nanoserve/structured/), applied last before the draw, after logit_bias and penalties, so
-that top-k / top-p / min-p choose among allowed tokens only; greedy rows take the best allowed token.
+Structured output: the rows a grammar constrains come with a bitmask of allowed tokens (AllowedTokens, computed
+on the host while the device runs the forward pass, nanoserve/structured/), applied last before the draw, after
+logit_bias and penalties, so that top-k / top-p / min-p choose among allowed tokens only; greedy rows take the best
+allowed token.
 """
 
 from collections.abc import Callable, Sequence
@@ -39,19 +40,15 @@ class SamplingRow(Protocol):
     def num_output_tokens(self) -> int: ...  # min_tokens: generated so far, any still in flight included
 
 
-@dataclass
-class TokenBitmask:
-    """The tokens each constrained row may take: bit t % 32 of word t // 32 set allows token t."""
+class AllowedTokens(Protocol):
+    """The tokens each constrained row may take (structured/manager.py's TokenBitmask): bit t % 32 of word t // 32
+    set allows token t."""
 
     rows: list[int]  # the rows of the batch it constrains, in order
     bits: torch.Tensor  # [len(rows), words] int32 on the host (pinned when bound for a GPU)
-    failed: dict[int, Exception] = field(default_factory=dict)  # row -> why its grammar could not give a mask
-    ready: Callable[[], None] | None = None  # waits until `bits` is filled, when another thread fills it
+    failed: dict[int, Exception]  # row -> why its grammar could not give a mask
 
-    def wait(self) -> None:
-        if self.ready is not None:
-            self.ready()
-            self.ready = None
+    def wait(self) -> None: ...  # until `bits` is filled, when another thread fills it
 
 
 @dataclass
@@ -108,11 +105,11 @@ class Sampler:
         self.bit_values = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=device)
 
     def __call__(self, logits: torch.Tensor, seqs: Sequence[SamplingRow],
-                 masks: TokenBitmask | None = None) -> SamplerOutput:
+                 masks: AllowedTokens | None = None) -> SamplerOutput:
         return self.sample(logits, seqs, masks).result()
 
     def sample(self, logits: torch.Tensor, seqs: Sequence[SamplingRow],
-               masks: TokenBitmask | None = None) -> SampledTokens:
+               masks: AllowedTokens | None = None) -> SampledTokens:
         """Sample one token per row, without reading anything back to the host. Per-row work that raises
         (a sequence's own generator, its penalties, its grammar) marks that row failed instead of failing the
         batch. `masks`: the allowed tokens of the rows a grammar constrains."""
@@ -170,7 +167,7 @@ class Sampler:
         return out
 
     def _sample_fused(self, logits: torch.Tensor, seqs: Sequence[SamplingRow], params: list,
-                      masks: TokenBitmask | None) -> SampledTokens:
+                      masks: AllowedTokens | None) -> SampledTokens:
         from nanoserve.kernels.sampling import gumbel_max_sample
 
         raw_logprobs = None
@@ -210,7 +207,7 @@ class Sampler:
             index = (to_device(rows, torch.int64, self.device), to_device(cols, torch.int64, self.device))
             logits.index_put_(index, to_device(biases, torch.float32, self.device), accumulate=True)
 
-    def _apply_bitmask(self, logits: torch.Tensor, masks: TokenBitmask) -> None:
+    def _apply_bitmask(self, logits: torch.Tensor, masks: AllowedTokens) -> None:
         """-inf on every token the constrained rows' grammars do not allow (ids past the bitmask included)."""
         bits = masks.bits.to(self.device, non_blocking=True)
         # Unpacked one byte at a time: [rows, words * 4, 8] booleans, one per token, in token order.

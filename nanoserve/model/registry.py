@@ -1,7 +1,7 @@
 """Which class runs which `architectures` entry of config.json.
 
-Classes are named, not imported, here: config.py checks a checkpoint's architecture before it reads
-the rest of config.json, and the model modules import config.py.
+Classes are named, not imported, here: the engine checks a checkpoint's architecture (engine/frontend.py's
+engine_config) before config.py reads the rest of config.json, with no model module loaded yet.
 """
 
 import importlib

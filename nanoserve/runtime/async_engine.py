@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, TypeVar
 
 from nanoserve.config import EngineArgs, resolve_engine_process
-from nanoserve.engine.frontend import EngineFrontend
+from nanoserve.engine.frontend import EngineFrontend, engine_config
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.runtime.engine_core import EngineStats, Watch
 from nanoserve.runtime.process_client import ProcessEngineClient
@@ -70,7 +70,7 @@ class AsyncEngine:
         args = dataclasses.replace(args, engine_process=resolve_engine_process(args))
         if args.engine_process:
             return cls(ProcessEngineClient(args))
-        return cls(LLMEngine(args.create_config()))
+        return cls(LLMEngine(engine_config(args)))
 
     # -- state ----------------------------------------------------------------------------------
     @property

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
 from nanoserve.config import EngineArgs
-from nanoserve.engine.frontend import EngineFrontend, load_tokenizer
+from nanoserve.engine.frontend import EngineFrontend, engine_config, load_tokenizer
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.outputs import RequestOutput
 from nanoserve.runtime.channels import Failed, Ready, Step
@@ -198,7 +198,7 @@ class ChannelEngineClient:
 class ProcessEngineClient(ChannelEngineClient):
     def __init__(self, args: EngineArgs, stop_timeout: float = 10.0) -> None:
         """Start the engine core process and wait until its model is loaded; raises what loading raised."""
-        config = args.create_config()  # bad arguments fail here, before a process is started
+        config = engine_config(args)  # bad arguments fail here, before a process is started
         self.core_process = EngineCoreProcess.spawn(args)
         self.process = self.core_process.process
         try:

@@ -41,15 +41,16 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
 from nanoserve.config import EngineArgs
-from nanoserve.engine.frontend import load_tokenizer
+from nanoserve.engine.frontend import engine_config, load_tokenizer
 from nanoserve.runtime.async_engine import AsyncEngine
 from nanoserve.runtime.channels import Ready
 from nanoserve.runtime.engine_core_process import EngineCoreProcess
 from nanoserve.runtime.process_client import ChannelEngineClient
-from nanoserve.server.app import build_app, event_loop_factory, freeze_startup_objects, uvicorn_config
 from nanoserve.server.gate import GateState
 from nanoserve.server.http_limits import HEADER_TIMEOUT_S, MAX_HEADER_BYTES
+from nanoserve.server.routes import build_app
 from nanoserve.server.shutdown import serve_with_drain
+from nanoserve.server.uvicorn_setup import event_loop_factory, startup_objects_frozen, uvicorn_config
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class ServerOptions:
 def run_api_servers(engine_args: EngineArgs, host: str, port: int, count: int, options: ServerOptions) -> int:
     """Serve with `count` API server processes until SIGTERM / SIGINT; returns the exit status."""
     engine_args = replace(engine_args, engine_process=True)  # implied, whatever was asked
-    engine_args.create_config()  # bad arguments fail here, before any process starts
+    engine_config(engine_args)  # bad arguments fail here, before any process starts
     return _Supervisor(count, options).run(engine_args, host, port)
 
 
@@ -281,8 +282,7 @@ def run_api_server(index: int, sock: socket.socket, channel: Connection, control
         config = uvicorn_config(app, options.uvicorn_log_level, options.max_header_bytes, options.header_timeout)
         control.send("ready")
         control.recv()  # "serve": every API server is ready, and the socket listens
-        freeze_startup_objects()
-        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        with startup_objects_frozen(), asyncio.Runner(loop_factory=event_loop_factory()) as runner:
             runner.run(serve_with_drain(config, gate, async_engine, options.drain_timeout, sockets=[sock],
                                         control=control))
     finally:

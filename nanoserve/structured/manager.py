@@ -21,11 +21,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from nanoserve.layers.sampler import TokenBitmask
 from nanoserve.structured.backend import GrammarCompiler, GrammarState
 
 logger = logging.getLogger(__name__)
@@ -35,6 +34,22 @@ logger = logging.getLogger(__name__)
 # 5 ms by default, which is most of a step. One call on an H100 (BENCHMARKS.md table 7): structured / plain 0.821 at
 # 5 ms, 0.906 at 1 ms, 0.884 at 0.5 ms, 0.838 at 0.2 ms (handing over too often costs too).
 MASK_SWITCH_INTERVAL = 0.001
+
+
+@dataclass
+class TokenBitmask:
+    """A step's masks, as the sampler reads them (layers/sampler.py's AllowedTokens): bit t % 32 of word t // 32 set
+    allows token t."""
+
+    rows: list[int]  # the rows of the batch it constrains, in order
+    bits: torch.Tensor  # [len(rows), words] int32 on the host (pinned when bound for a GPU)
+    failed: dict[int, Exception] = field(default_factory=dict)  # row -> why its grammar could not give a mask
+    ready: Callable[[], None] | None = None  # waits until `bits` is filled, when the mask thread fills it
+
+    def wait(self) -> None:
+        if self.ready is not None:
+            self.ready()
+            self.ready = None
 
 
 class _SwitchInterval:

@@ -17,9 +17,10 @@ prefill need not wait for PCIe; a decode's single query cannot hide it: all olde
 On the CPU (tests) the same pieces are read straight from the CPU pool.
 """
 
+from collections.abc import Callable
+
 import torch
 
-from nanoserve.kernels.chunk_attention import chunk_attention, chunk_attention_ref
 from nanoserve.utils import to_device
 from nanoserve.worker.kv_offload import KVOffloader, block_runs
 from nanoserve.worker.step_inputs import LongContextRow
@@ -99,10 +100,10 @@ class LongContextAttention:
             self.chunks.append([RingChunk(ids[i:i + step]) for i in range(0, len(ids), step)])
 
     def attend(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-               scale: float) -> None:
-        """Replace each long-context sequence's rows of `out` with attention over all of its keys."""
+               scale: float, attention: Callable) -> None:
+        """Replace each long-context sequence's rows of `out` with attention over all of its keys, each piece by
+        `attention` (the layer's backend's: kernels/chunk_attention.py's kernel, or its PyTorch reference)."""
         bs = self.block_size
-        attention = chunk_attention if q.device.type == "cuda" else chunk_attention_ref
         for row, window, chunks in zip(self.rows, self.windows, self.chunks, strict=True):
             rows = slice(row.first_row, row.first_row + row.num_rows)
             qs = q[rows]

@@ -2,6 +2,7 @@
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -9,7 +10,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.distributed.group import TensorParallelGroup
 from nanoserve.kernels.prefill import PrefillPlanner
 from nanoserve.layers.attention import Attention, AttentionMetadata, TritonBackend, backend_for
-from nanoserve.layers.sampler import SampledTokens, Sampler, SamplerOutput, TokenBitmask
+from nanoserve.layers.sampler import AllowedTokens, SampledTokens, Sampler, SamplerOutput
 from nanoserve.layers.step_plan import KernelPlanner
 from nanoserve.model.loader import load_model
 from nanoserve.worker.batch import ScheduledBatch
@@ -47,18 +48,29 @@ class LaunchedStep:
         return self.host.result()
 
 
+class OtherRanks(Protocol):
+    """What rank 0's runner uses of the ranks it drives: worker/tp_worker.py's TensorParallelWorkers, which the
+    engine starts and passes in (tp_worker.py runs a ModelRunner in every other rank: it imports this module)."""
+
+    config: EngineConfig  # rank 0's: its device
+    tp: TensorParallelGroup
+
+    def check(self) -> None: ...
+    def explain(self, exc: Exception) -> Exception: ...
+    def stop(self, release_graphs: Callable[[], None]) -> None: ...
+
+
 class ModelRunner:
     """Runs steps on one rank. Rank 0 (the engine's) packs each step, sends it to the other ranks under tensor
     parallelism, runs it and samples; the other ranks run what they receive (worker/tp_worker.py). Every rank
     makes the same collectives in the same order, from __init__ (profiling, graph capture) on."""
 
-    def __init__(self, config: EngineConfig, tp: TensorParallelGroup | None = None) -> None:
-        self.workers = None
-        if tp is None and config.args.tensor_parallel_size > 1:
-            from nanoserve.worker.tp_worker import TensorParallelWorkers
-
-            self.workers = TensorParallelWorkers.start(config)
-            config, tp = self.workers.config, self.workers.tp
+    def __init__(self, config: EngineConfig, tp: TensorParallelGroup | None = None,
+                 workers: "OtherRanks | None" = None) -> None:
+        """tp: this rank's group (a worker rank's); workers: rank 0's handle on the other ranks, already started."""
+        self.workers = workers
+        if workers is not None:
+            config, tp = workers.config, workers.tp
         self.tp = tp or TensorParallelGroup()
         self.config = config
         self.device = config.device
@@ -166,7 +178,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, prev: LaunchedStep | None = None,
-               logit_masks: Callable[[list, LaunchedStep | None], TokenBitmask | None] | None = None) -> LaunchedStep:
+               logit_masks: Callable[[list, LaunchedStep | None], AllowedTokens | None] | None = None) -> LaunchedStep:
         """Queue one step's forward pass and sampling on the device without waiting for them. Requests
         that asked for prompt_logprobs get them now, as {request_id: [(target id, logprob, rank,
         top ids, top logprobs), ...]} (that path reads back to the host)."""

@@ -29,6 +29,8 @@ import torch.distributed as dist
 
 from nanoserve.config import EngineConfig
 from nanoserve.distributed.group import TensorParallelGroup
+from nanoserve.worker.model_runner import ModelRunner
+from nanoserve.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +67,6 @@ def free_local_init_method() -> str:
 
 def run_worker(config: EngineConfig, rank: int, init_method: str) -> None:
     """A rank other than 0: build the model's shard, then run the steps rank 0 sends until it says stop."""
-    from nanoserve.worker.model_runner import ModelRunner
-    from nanoserve.worker.step_inputs import StepInputs
-
     parent = os.getppid()
     config, tp = init_rank(config, rank, init_method)
     _exit_with_parent(parent)
@@ -172,8 +171,6 @@ class TensorParallelWorkers:
         if self.stopped:
             return
         self.stopped = True
-        from nanoserve.worker.step_inputs import StepInputs
-
         # Every rank has the stop (gloo's send returns once the peer takes it), or some rank is gone.
         delivered = self.lost is None and all(p.is_alive() for p in self.processes)
         if delivered:

@@ -1,6 +1,8 @@
 """chunk_attention: a sequence's attention computed piece by piece (a causal window of recent keys, then chunks of
 older keys, in any order) and merged by log-sum-exp equals attention over all its keys at once."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -73,3 +75,35 @@ def test_no_visible_key_gives_zero_weight(gen, device):
     before = (out.clone(), lse.clone())
     chunk_attention(q, k, v, ids, 32, 100, 31, 0.125, out, lse, accumulate=True)
     torch.testing.assert_close((out, lse), before)
+
+
+def test_triton_alone_reads_triton_interpret():
+    """Kernel or PyTorch is the attention backend's choice (layers/attention.py's backend_for, set by the model
+    runner), compiled or interpreted Triton's own: no module of nanoserve reads TRITON_INTERPRET."""
+    package = Path(__file__).resolve().parents[2] / "nanoserve"
+    readers = [str(p.relative_to(package)) for p in package.rglob("*.py") if "TRITON_INTERPRET" in p.read_text()]
+    assert not readers
+
+
+@pytest.mark.parametrize("backend_name", ["TorchBackend", "TritonBackend"])
+def test_long_context_pieces_take_the_layers_backend(backend_name, monkeypatch):
+    """Long-context attention's pieces run what the layer's backend runs: the reference beside TorchBackend (even on
+    a GPU, for a reference run), the kernel beside TritonBackend."""
+    from nanoserve.kernels.chunk_attention import chunk_attention_ref
+    from nanoserve.layers import attention
+
+    backend = getattr(attention, backend_name)
+    monkeypatch.setattr(backend, "attend", staticmethod(lambda q, *args: torch.zeros_like(q)))
+    taken = []
+
+    class LongContext:
+        def attend(self, layer, q, k_cache, v_cache, out, scale, chunk_attention) -> None:
+            taken.append(chunk_attention)
+
+    layer = attention.Attention(2, 1, 64)
+    layer.backend = backend
+    meta = attention.AttentionMetadata(torch.zeros(1, dtype=torch.int64), torch.tensor([0, 1], dtype=torch.int32),
+                                       torch.tensor([1], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), 1,
+                                       1, long_context=LongContext())
+    layer.attend(torch.zeros(1, 2, 64), meta)
+    assert taken == [chunk_attention_ref if backend_name == "TorchBackend" else backend.chunk_attention]

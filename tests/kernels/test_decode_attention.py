@@ -116,7 +116,7 @@ def test_fused_decode_strided_views(make_paged_kv, gen, device, tol):
 
 
 def test_default_num_splits():
-    from nanoserve.kernels.decode_attention import default_num_splits
+    from nanoserve.kernels.decode_launch import default_num_splits
 
     # Qwen3-0.6B / Llama-3.1-8B (8 kv heads) in a graph sized for 40,960 keys: 16 splits at batch 1, two up to
     # 1,024 programs (batch 128), then one: the grid fills the GPU and the reduce launch is saved.

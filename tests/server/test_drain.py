@@ -13,8 +13,8 @@ from processes import pace_steps
 from nanoserve.config import EngineArgs
 from nanoserve.runtime.async_engine import AsyncEngine
 from nanoserve.server import shutdown
-from nanoserve.server.app import build_app
 from nanoserve.server.gate import GateMiddleware, GateState
+from nanoserve.server.routes import build_app
 
 
 def test_drain_waits_for_a_request_whose_body_is_still_arriving():

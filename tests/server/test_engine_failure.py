@@ -12,7 +12,7 @@ import pytest
 from nanoserve.config import EngineArgs
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.runtime.async_engine import AsyncEngine
-from nanoserve.server.app import build_app
+from nanoserve.server.routes import build_app
 
 
 @pytest.fixture(scope="module")

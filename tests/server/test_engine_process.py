@@ -22,7 +22,7 @@ from nanoserve.runtime.async_engine import AsyncEngine
 from nanoserve.runtime.process_client import ProcessEngineClient
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server import app
-from nanoserve.server.app import build_app
+from nanoserve.server.routes import build_app
 
 BODY = {"prompt": "Hi", "max_tokens": 400, "ignore_eos": True}
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "ignore_eos": True}

@@ -11,7 +11,7 @@ import pytest
 from nanoserve.config import EngineArgs
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.runtime.async_engine import AsyncEngine
-from nanoserve.server.app import build_app
+from nanoserve.server.routes import build_app
 
 HOSTILE = [
     ({"top_k": 2**63}, "top_k"),
