@@ -10,6 +10,9 @@ import typing
 from nanoserve.config import EngineArgs
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# EngineArgs fields only the server reads (they place and profile its engine process): generate, chat, worker and
+# the offline benchmarks build an engine in their own process and leave them out of their flags.
+SERVING_ONLY = ("engine_process", "profile_engine")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -21,10 +24,13 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         return super()._get_help_string(action)
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineArgs field, so the CLI, LLM(...) and EngineArgs share their names."""
+def add_engine_args(parser: argparse.ArgumentParser, serving: bool = True) -> None:
+    """One flag per EngineArgs field, so the CLI, LLM(...) and EngineArgs share their names; serving=False leaves
+    out those only a server reads (SERVING_ONLY)."""
     hints = typing.get_type_hints(EngineArgs)
     for f in dataclasses.fields(EngineArgs):
+        if not serving and f.name in SERVING_ONLY:
+            continue
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
         help_ = f.metadata["help"]
@@ -73,4 +79,5 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(**{name: getattr(ns, name) for name in EngineArgs.field_names()})
+    """EngineArgs of the flags parsed; a field the command has no flag for keeps its default."""
+    return EngineArgs(**{name: getattr(ns, name) for name in EngineArgs.field_names() if hasattr(ns, name)})

@@ -177,11 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     add_server_args(serve)
     gen = sub.add_parser("generate", help="one completion, streamed to stdout", formatter_class=HelpFormatter)
-    add_engine_args(gen)
+    add_engine_args(gen, serving=False)
     gen.add_argument("--prompt", required=True, help="the prompt's text")
     _sampling_args(gen)
     chat = sub.add_parser("chat", help="interactive terminal chat", formatter_class=HelpFormatter)
-    add_engine_args(chat)
+    add_engine_args(chat, serving=False)
     _sampling_args(chat)
     worker = sub.add_parser("worker", help="tensor-parallel ranks of another node (--node-rank 1 ..)",
                             formatter_class=HelpFormatter,
@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "node 0 runs (nanoserve serve ... --nnodes N --node-rank 0). Give the "
                                         "same model and engine flags as node 0, and this node's --node-rank.")
     worker.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="the same as --model")
-    add_engine_args(worker)
+    add_engine_args(worker, serving=False)
     bench = sub.add_parser("bench", help=f"{' | '.join(BENCHMARKS)} (flags: bench KIND --help)",
                            formatter_class=HelpFormatter)
     bench.add_argument("kind", choices=BENCHMARKS, help="the benchmark; `nanoserve bench KIND --help` lists its flags")
@@ -198,13 +198,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # A benchmark parses its own flags: everything after its name goes to it, --help included.
-    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHMARKS:
-        return cmd_bench(argv[1], argv[2:])
-    ns = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        # A benchmark parses its own flags: everything after its name goes to it, --help included.
+        if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHMARKS:
+            return cmd_bench(argv[1], argv[2:])
+        ns = build_parser().parse_args(argv)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return {"serve": cmd_serve, "generate": cmd_generate, "chat": cmd_chat, "worker": cmd_worker}[ns.command](ns)
+    # A bad flag or config (a model that is not a directory, a length that does not fit) is the user's to fix: one
+    # line naming the field, as argparse's own errors, not a traceback.
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

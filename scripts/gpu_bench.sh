@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU tests, then the benchmarks of DESIGN.md through the CLI (the figures of BENCHMARKS.md).
-# Usage, on the GPU machine from the repo root (with the model configs in shared/bench-configs or ../shared):
+# The GPU tests, then the benchmarks through the CLI (the figures of BENCHMARKS.md).
+# Usage, on the GPU machine from the repo root (the model configs are the repository's benchmarks/configs):
 #   NANOSERVE_COMMIT=<sha> bash scripts/gpu_bench.sh [steps...]
 # Steps: tests throughput latency-qwen latency-llama prefix serve-inf serve-16 multi-turn long-context structured
 # (default: the first seven, ~20 minutes). structured needs QWEN3_TOKENIZER (scripts/qwen3_tokenizer.py's output).
@@ -10,8 +10,7 @@
 set -u
 out=${OUT:-gpu-out}; mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # the tree runs uninstalled there
-cfg=shared/bench-configs
-[ -d "$cfg" ] || cfg=../shared/bench-configs
+cfg=benchmarks/configs
 steps=${*:-tests throughput latency-qwen latency-llama prefix serve-inf serve-16}
 TP=${TP:-2}
 # NVLink multicast stays off on the lent machines, in every process started from here.

@@ -3,6 +3,7 @@
 import argparse
 import gc
 import json
+import math
 import os
 import subprocess
 from pathlib import Path
@@ -11,14 +12,15 @@ import torch
 
 from nanoserve.args import HelpFormatter, add_engine_args, engine_args_from
 from nanoserve.bench import roofline
-from nanoserve.config import EngineArgs, resolve_device
+from nanoserve.config import EngineArgs, EngineConfig, resolve_device
 
 
 def parser(kind: str, description: str) -> argparse.ArgumentParser:
     """The flags of `nanoserve bench <kind>`: the engine's, and a baseline to compare with."""
     p = argparse.ArgumentParser(prog=f"nanoserve bench {kind}", description=description, formatter_class=HelpFormatter)
-    add_engine_args(p)
-    p.set_defaults(dtype="bfloat16")
+    # dtype stays auto, as serve resolves it (the checkpoint's on CUDA: bfloat16 for every config in
+    # benchmarks/configs; float32 on the CPU), and the JSON line reports the one that ran.
+    add_engine_args(p, serving=False)
     p.add_argument("--baseline", choices=["none", "hf"], default="none",
                    help="also run transformers (hf) on the same work, to compare")
     return p
@@ -26,7 +28,7 @@ def parser(kind: str, description: str) -> argparse.ArgumentParser:
 
 def engine_args(ns: argparse.Namespace) -> EngineArgs:
     args = engine_args_from(ns)
-    # The shared bench configs carry no weights: random ones of the right shapes then.
+    # benchmarks/configs carry no weights: random ones of the right shapes then.
     if args.model and args.load_format == "auto" and not any(Path(args.model).glob("*.safetensors")):
         args.load_format = "dummy"
     return args
@@ -68,5 +70,26 @@ def environment() -> dict:
     return {"device": device, "commit": commit, "torch": torch.__version__}
 
 
+def engine_facts(config: EngineConfig) -> dict:
+    """What the engine ran with that flags may not say: its dtype and context (lengths are fitted to it)."""
+    return {"dtype": str(config.dtype).removeprefix("torch."), "max_model_len": config.max_model_len}
+
+
+def json_line(result: dict, sort_keys: bool = False) -> str:
+    """One JSON object on one line, a NaN or infinity (a mean of nothing, a ratio over zero) written as null:
+    json.dumps would write NaN, which JSON does not have."""
+    return json.dumps(_finite(result), sort_keys=sort_keys, allow_nan=False)
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
 def emit(result: dict) -> None:
-    print(json.dumps(result | environment(), sort_keys=True), flush=True)
+    print(json_line(result | environment(), sort_keys=True), flush=True)

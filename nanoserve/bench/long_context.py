@@ -11,10 +11,16 @@ import time
 
 import numpy as np
 
-from nanoserve.bench.common import emit, engine_args, free_device_memory, parser
+from nanoserve.args import at_least_one
+from nanoserve.bench.common import emit, engine_args, engine_facts, free_device_memory, parser
+from nanoserve.bench.lengths import fit_lengths
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.worker.kv_cache import bytes_per_block
+
+# Llama-3.1-8B's 128k context against 8k tokens of GPU pool; on a model with a shorter context all three are scaled
+# down together, so that the prompts still outgrow the pool (bench/lengths.py).
+RECIPE = {"prompt_lens": [65536, 130816], "output_len": 256, "gpu_kv_tokens": 8192}
 
 
 def measure(llm: LLM, prompt: list[int], output_len: int) -> tuple[float, float]:
@@ -32,19 +38,29 @@ def measure(llm: LLM, prompt: list[int], output_len: int) -> tuple[float, float]
 
 def main(argv: list[str] | None = None) -> int:
     p = parser("long-context", __doc__)
-    p.add_argument("--prompt-lens", type=int, nargs="+", default=[65536, 130816], help="prompt lengths, one run each")
-    p.add_argument("--output-len", type=int, default=256, help="tokens generated after each prompt")
-    p.add_argument("--gpu-kv-tokens", type=int, default=8192, help="the GPU pool of the offload runs, in tokens")
+    p.add_argument("--prompt-lens", type=at_least_one, nargs="+", default=None,
+                   help="prompt lengths, one run each; None: 65536 130816, scaled down with --output-len and "
+                        "--gpu-kv-tokens where the model's context is shorter")
+    p.add_argument("--output-len", type=at_least_one, default=None,
+                   help="tokens generated after each prompt; None: 256, as --prompt-lens")
+    p.add_argument("--gpu-kv-tokens", type=at_least_one, default=None,
+                   help="the GPU pool of the offload runs, in tokens; None: 8192, as --prompt-lens")
     ns = p.parse_args(argv)
+    context = engine_args(ns).create_config().max_model_len  # the model's, or --max-model-len
+    # Decode tok/s counts the tokens after the first; the pool must hold at least a block.
+    fit_lengths(ns, RECIPE, lambda n: max(n["prompt_lens"]) + n["output_len"], context, "long-context",
+                floors={"output_len": 2, "gpu_kv_tokens": ns.block_size})
     longest = max(ns.prompt_lens) + ns.output_len
     ns.max_model_len = ns.max_model_len or longest
-    result = {"bench": "long-context", "output_len": ns.output_len, "gpu_kv_tokens": ns.gpu_kv_tokens}
+    result = {"bench": "long-context", "prompt_lens": ns.prompt_lens, "output_len": ns.output_len,
+              "gpu_kv_tokens": ns.gpu_kv_tokens}
     for offload in (True, False):
         args = engine_args(ns)
         if offload:
             args.num_kv_blocks = ns.gpu_kv_tokens // args.block_size
             args.kv_offload_gb = 1.1 * -(-longest // args.block_size) * bytes_per_block(args.create_config()) / 2**30
         llm = LLM(**vars(args))
+        result |= engine_facts(llm.engine.config)
         rng = np.random.default_rng(ns.seed)
         vocab = llm.engine.config.model.vocab_size
         # Warm-up on the path measured: in the offload run a prompt over the GPU pool takes long-context mode (its

@@ -17,10 +17,15 @@ import time
 
 import numpy as np
 
-from nanoserve.bench.common import emit, engine_args, free_device_memory, parser
+from nanoserve.args import at_least_one
+from nanoserve.bench.common import emit, engine_args, engine_facts, free_device_memory, parser
+from nanoserve.bench.lengths import fit_lengths
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.worker.kv_cache import bytes_per_block
+
+# On a model with a shorter context than the final histories the three are scaled down (bench/lengths.py).
+RECIPE = {"system_len": 1000, "question_len": 100, "answer_len": 200}
 
 
 def conversations(vocab: int, ns) -> tuple[list[int], list[list[list[int]]]]:
@@ -54,11 +59,21 @@ def main(argv: list[str] | None = None) -> int:
     p = parser("multi-turn", __doc__)
     p.add_argument("--num-conversations", type=int, default=200, help="conversations, taking turns")
     p.add_argument("--turns", type=int, default=8, help="turns of each conversation")
-    p.add_argument("--system-len", type=int, default=1000, help="tokens of the system prompt all conversations share")
-    p.add_argument("--question-len", type=int, default=100, help="tokens of each question")
-    p.add_argument("--answer-len", type=int, default=200, help="tokens of each answer (random ids)")
+    p.add_argument("--system-len", type=at_least_one, default=None,
+                   help="tokens of the system prompt all conversations share; None: 1000, scaled down with "
+                        "--question-len and --answer-len where the model's context is shorter than a final history")
+    p.add_argument("--question-len", type=at_least_one, default=None,
+                   help="tokens of each question; None: 100, as --system-len")
+    p.add_argument("--answer-len", type=at_least_one, default=None,
+                   help="tokens of each answer (random ids); None: 200, as --system-len")
     ns = p.parse_args(argv)
-    final = ns.system_len + ns.turns * (ns.question_len + 1 + ns.answer_len)
+    context = engine_args(ns).create_config().max_model_len  # the model's, or --max-model-len
+
+    def history(n: dict) -> int:  # the longest prompt: the last turn's, plus its one generated token
+        return n["system_len"] + ns.turns * (n["question_len"] + 1 + n["answer_len"])
+
+    fit_lengths(ns, RECIPE, history, context, "multi-turn")
+    final = history(vars(ns))
     blocks_all = ns.num_conversations * -(-final // ns.block_size)
     if ns.num_kv_blocks is None:
         ns.num_kv_blocks = max(blocks_all // 8, 2 * -(-final // ns.block_size))
@@ -73,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             offload_gb = min(32.0, 1.2 * blocks_all * bytes_per_block(args.create_config()) / (1 << 30))
         args.kv_offload_gb = offload_gb if tier else 0.0
         llm = LLM(**vars(args))
+        result |= engine_facts(llm.engine.config)
         system, turns = conversations(llm.engine.config.model.vocab_size, ns)
         llm.generate([list(range(1, 2 * ns.block_size))], SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up
         times, cached = run(llm, system, turns)

@@ -10,9 +10,14 @@ import time
 
 import numpy as np
 
-from nanoserve.bench.common import emit, engine_args, free_device_memory, parser
+from nanoserve.args import at_least_one
+from nanoserve.bench.common import emit, engine_args, engine_facts, free_device_memory, parser
+from nanoserve.bench.lengths import fit_lengths
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
+
+# On a model with a shorter context both are scaled down (bench/lengths.py).
+RECIPE = {"shared_len": 2000, "suffix_len": 100}
 
 
 def ttfts(llm: LLM, prompts: list[list[int]]) -> list[float]:
@@ -35,14 +40,20 @@ def prefix_prompts(vocab_size: int, shared_len: int, suffix_len: int, n: int, se
 def main(argv: list[str] | None = None) -> int:
     p = parser("prefix", __doc__)
     p.add_argument("--num-requests", type=int, default=200, help="requests timed, one at a time")
-    p.add_argument("--shared-len", type=int, default=2000, help="tokens of the prefix every prompt shares")
-    p.add_argument("--suffix-len", type=int, default=100, help="tokens of each prompt's own suffix")
+    p.add_argument("--shared-len", type=at_least_one, default=None,
+                   help="tokens of the prefix every prompt shares; None: 2000, scaled down with --suffix-len where "
+                        "the model's context is shorter than both")
+    p.add_argument("--suffix-len", type=at_least_one, default=None,
+                   help="tokens of each prompt's own suffix; None: 100, as --shared-len")
     ns = p.parse_args(argv)
-    result = {"bench": "prefix", "num_requests": ns.num_requests, "shared_len": ns.shared_len,
-              "suffix_len": ns.suffix_len}
+    result = {"bench": "prefix", "num_requests": ns.num_requests}
     for caching in (False, True):
         ns.enable_prefix_caching = caching
         llm = LLM(**vars(engine_args(ns)))
+        if not caching:  # each request generates one token
+            cfg = llm.engine.config
+            fit_lengths(ns, RECIPE, lambda n: n["shared_len"] + n["suffix_len"] + 1, cfg.max_model_len, "prefix")
+            result |= {"shared_len": ns.shared_len, "suffix_len": ns.suffix_len, **engine_facts(cfg)}
         prompts = prefix_prompts(llm.engine.config.model.vocab_size, ns.shared_len, ns.suffix_len,
                                  ns.num_requests + 1, ns.seed)
         times = ttfts(llm, prompts)[1:]  # the first request fills the cache (and warms up)

@@ -8,21 +8,19 @@ in ms; the last line printed is one JSON object.
     python -m nanoserve.bench.serve --base-url http://127.0.0.1:8000 --num-prompts 500 --request-rate 16
     python -m nanoserve.bench.serve --launch --num-prompts 50 --model DIR --load-format dummy
 
-With --launch, flags this benchmark does not know are passed to the server it starts: e.g. --engine-process
-(the engine in a process of its own: on an H100 at rate inf it served 158.7 req/s against 92.8 with the engine
-on the server's thread, d224d89).
+With --launch, flags this benchmark does not know are passed to the server it starts (`nanoserve serve`): e.g.
+--engine-process (the engine in a process of its own: on an H100 at rate inf it served 158.7 req/s against 92.8
+with the engine on the server's thread, d224d89). The lengths default to the recipe's (512 and 128), scaled down
+together on a model whose max_model_len (from /v1/models) is shorter than both.
 """
 
 import argparse
 import asyncio
+import collections
 import json
 import random
-import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -30,8 +28,12 @@ import numpy as np
 from aiohttp.http_exceptions import HttpProcessingError
 from tqdm import tqdm
 
-from nanoserve.args import HelpFormatter
-from nanoserve.bench.common import environment
+from nanoserve.args import HelpFormatter, at_least_one
+from nanoserve.bench.common import environment, json_line
+from nanoserve.bench.launch import LaunchedServer, LaunchError, launch
+from nanoserve.bench.lengths import fit_lengths
+
+RECIPE = {"input_len": 512, "output_len": 128}
 
 
 @dataclass
@@ -50,20 +52,30 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server to load (ignored with --launch)")
     p.add_argument("--api-key", default=None, help="the server's --api-key")
     p.add_argument("--num-prompts", type=int, default=500, help="requests sent")
-    p.add_argument("--input-len", type=int, default=512, help="prompt length in tokens")
-    p.add_argument("--output-len", type=int, default=128, help="max_tokens, with ignore_eos")
+    p.add_argument("--input-len", type=at_least_one, default=None,
+                   help="prompt length in tokens; None: 512, scaled down with --output-len where the model's "
+                        "context is shorter than both")
+    p.add_argument("--output-len", type=at_least_one, default=None,
+                   help="max_tokens, with ignore_eos; None: 128, as --input-len")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight; None: no cap")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="vocabulary of the random prompt ids; None: read from /v1/models")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the arrival times")
-    p.add_argument("--launch", action="store_true", help="start a server (python -m nanoserve.server.app) with "
-                                                         "the unknown flags, and stop it afterwards")
-    p.add_argument("--launch-timeout", type=float, default=900, help="seconds to wait for a launched server")
+    p.add_argument("--launch", action="store_true", help="start a server (nanoserve serve) with the unknown flags, "
+                                                         "and stop it afterwards")
+    # The launched server's address is this benchmark's to set (it loads that address), so these two are its own
+    # flags, not passed through: passed through, a second --port would win in the server and not here.
+    p.add_argument("--host", default="127.0.0.1", help="with --launch: the address the server listens on")
+    p.add_argument("--port", type=int, default=None, help="with --launch: the server's port; None: a free one")
+    p.add_argument("--launch-timeout", type=float, default=900,
+                   help="seconds to wait for a launched server to load (one that exits fails at once)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args, rest = p.parse_known_args(argv)
     if rest and not args.launch:
         p.error(f"unrecognized arguments: {' '.join(rest)} (server flags need --launch)")
+    if args.port is not None and not args.launch:
+        p.error("--port: only with --launch (--base-url names the server to load)")
     return args, rest
 
 
@@ -140,6 +152,9 @@ async def run_load(args: argparse.Namespace, base_url: str) -> tuple[dict, list[
         vocab = args.vocab_size or info.get("vocab_size")
         if vocab is None:
             raise SystemExit("the server does not report vocab_size; pass --vocab-size")
+        # A server that does not report its context gets the recipe's lengths as they are.
+        context = info.get("max_model_len") or sys.maxsize
+        fit_lengths(args, RECIPE, lambda n: n["input_len"] + n["output_len"], context, "serve")
         prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.seed)
         warm = await send_one(http, url, info["id"], prompts[0][:16], 4)  # first-request costs stay out of the figures
         if not warm.ok:
@@ -173,6 +188,7 @@ def summarize(args: argparse.Namespace, info: dict, results: list[RequestResult]
     summary = {
         "benchmark": "serve", "model": info["id"], "num_prompts": len(results), "completed": len(ok),
         "failed": len(results) - len(ok), "input_len": args.input_len, "output_len": args.output_len,
+        "max_model_len": info.get("max_model_len"),
         "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
         "max_concurrency": args.max_concurrency, "duration_s": round(duration, 3),
         "request_throughput": round(len(ok) / duration, 3), "output_throughput": round(out_tokens / duration, 2),
@@ -180,64 +196,46 @@ def summarize(args: argparse.Namespace, info: dict, results: list[RequestResult]
         "client_cpu_s": round(client_cpu, 3),
     }
     for name, values in (("ttft", [r.ttft for r in ok]), ("tpot", tpot), ("itl", [g for r in ok for g in r.itl])):
-        ms = np.asarray(values or [float("nan")]) * 1000
-        summary[f"mean_{name}_ms"] = round(float(ms.mean()), 3)
-        summary[f"p50_{name}_ms"] = round(float(np.percentile(ms, 50)), 3)
-        summary[f"p99_{name}_ms"] = round(float(np.percentile(ms, 99)), 3)
-    errors = sorted({r.error for r in results if not r.ok})
+        # No completed request, no figure: null in the JSON line, not NaN (which JSON does not have).
+        ms = np.asarray(values) * 1000
+        summary[f"mean_{name}_ms"] = round(float(ms.mean()), 3) if values else None
+        summary[f"p50_{name}_ms"] = round(float(np.percentile(ms, 50)), 3) if values else None
+        summary[f"p99_{name}_ms"] = round(float(np.percentile(ms, 99)), 3) if values else None
+    errors = collections.Counter(r.error for r in results if not r.ok)
     if errors:
-        summary["errors"] = errors[:5]
+        summary["errors"] = dict(errors.most_common(5))  # each error's text and how many requests it ended
     return summary | environment()  # the commit as the other benchmarks report it (NANOSERVE_COMMIT first)
-
-
-def launch_server(server_args: list[str], timeout: float) -> tuple[subprocess.Popen, str]:
-    """Start the server on a free port; returns the process and its URL once /health answers 200."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "nanoserve.server.app", "--host", "127.0.0.1", "--port", str(port), *server_args]
-    print("launching:", " ".join(cmd), file=sys.stderr)
-    proc = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr)  # stdout stays for the JSON line
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:  # refused while it starts, and urllib's HTTPError (a 503 while loading) alike
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"the server was not ready after {timeout:.0f} s")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; 0 when every request completed."""
-    return 0 if run(argv)["failed"] == 0 else 1
+    try:
+        return 0 if run(argv)["failed"] == 0 else 1
+    except LaunchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.status
 
 
 def run(argv: list[str] | None = None) -> dict:
     """Run the benchmark and return the summary that its last line prints."""
     args, server_args = parse_args(argv)
-    proc, base_url = launch_server(server_args, args.launch_timeout) if args.launch else (None, args.base_url)
+    server: LaunchedServer | None = None
+    if args.launch:
+        server = launch(args.host, args.port, server_args, args.launch_timeout)
     try:
-        info, results, duration, client_cpu = asyncio.run(run_load(args, base_url))
+        info, results, duration, client_cpu = asyncio.run(run_load(args, server.url if server else args.base_url))
     finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        if server is not None:
+            server.stop()
     summary = summarize(args, info, results, duration, client_cpu)
     print(f"{summary['completed']}/{summary['num_prompts']} requests in {summary['duration_s']} s: "
           f"{summary['request_throughput']} req/s, {summary['output_throughput']} output tok/s; "
           f"TTFT p50 {summary['p50_ttft_ms']} ms, TPOT p50 {summary['p50_tpot_ms']} ms, "
           f"ITL p50 {summary['p50_itl_ms']} ms", file=sys.stderr)
-    print(json.dumps(summary), flush=True)
+    if summary["failed"]:
+        reasons = "; ".join(f"{n} x {error}" for error, n in summary["errors"].items())
+        print(f"{summary['failed']} of {summary['num_prompts']} requests failed: {reasons}", file=sys.stderr)
+    print(json_line(summary), flush=True)
     return summary
 
 

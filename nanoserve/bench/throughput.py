@@ -16,12 +16,17 @@ import time
 
 import numpy as np
 
+from nanoserve.args import at_least_one
 from nanoserve.bench import roofline
-from nanoserve.bench.common import ceilings_at_start, emit, engine_args, free_device_memory, parser
+from nanoserve.bench.common import ceilings_at_start, emit, engine_args, engine_facts, free_device_memory, parser
+from nanoserve.bench.lengths import fit_lengths, flag
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.structured.manager import MaskStats
 from nanoserve.structured.params import StructuredOutputs
+
+# nano-vllm's recipe; on a model with a shorter context both ranges are scaled down (bench/lengths.py).
+RECIPE = {"input_len": [100, 1024], "output_len": [100, 1024]}
 
 
 def workload(num: int, lo_in: int, hi_in: int, lo_out: int, hi_out: int, vocab: int, seed: int):
@@ -35,10 +40,11 @@ def workload(num: int, lo_in: int, hi_in: int, lo_out: int, hi_out: int, vocab: 
 def main(argv: list[str] | None = None) -> int:
     p = parser("throughput", __doc__)
     p.add_argument("--num-prompts", type=int, default=256, help="requests, all submitted at once")
-    p.add_argument("--input-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"),
-                   help="prompt lengths, uniform in [MIN, MAX]")
-    p.add_argument("--output-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"),
-                   help="output lengths (eos ignored), uniform in [MIN, MAX]")
+    p.add_argument("--input-len", type=at_least_one, nargs=2, default=None, metavar=("MIN", "MAX"),
+                   help="prompt lengths, uniform in [MIN, MAX]; None: 100 1024, scaled down with --output-len "
+                        "where the model's context is shorter than both MAXes")
+    p.add_argument("--output-len", type=at_least_one, nargs=2, default=None, metavar=("MIN", "MAX"),
+                   help="output lengths (eos ignored), uniform in [MIN, MAX]; None: 100 1024, as --input-len")
     p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature")
     p.add_argument("--json-schema", default=None, metavar="FILE",
                    help="also run every request constrained by this JSON schema; None: unconstrained only")
@@ -51,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     bw, flops = ceilings_at_start(args, matmul=True)
     llm = LLM(**vars(args))
     cfg = llm.engine.config
+    fit_lengths(ns, RECIPE, lambda n: n["input_len"][1] + n["output_len"][1], cfg.max_model_len, "throughput")
+    for name in RECIPE:
+        low, high = getattr(ns, name)
+        if low > high:
+            raise ValueError(f"{flag(name)}: MIN {low} is over MAX {high}")
     prompts, out_lens = workload(ns.num_prompts, *ns.input_len, *ns.output_len, cfg.model.vocab_size, ns.seed)
     params = [SamplingParams(temperature=ns.temperature, ignore_eos=True, max_tokens=n, seed=None)
               for n in out_lens]
@@ -62,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     n_in = sum(len(p) for p in prompts)
     result = {"bench": "throughput", "model": cfg.model_dir, "num_prompts": len(prompts), "wall_s": round(wall, 2),
               "output_tok_s": round(n_out / wall, 1), "total_tok_s": round((n_out + n_in) / wall, 1),
-              "output_tokens": n_out, "prompt_tokens": n_in,
+              "output_tokens": n_out, "prompt_tokens": n_in, "input_len": ns.input_len,
+              "output_len": ns.output_len, **engine_facts(cfg),
               "tensor_parallel_size": cfg.args.tensor_parallel_size,
               # What the KV pool held: a pool that fits few sequences (a 70B shape on two cards) keeps the batch
               # small and the figure far under the bound, which assumes every request decodes together.

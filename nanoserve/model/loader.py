@@ -26,8 +26,8 @@ def checkpoint_files(model_dir: str) -> list[Path]:
         return [root / n for n in names]
     files = sorted(root.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"model: no *.safetensors files in {model_dir!r} (use load_format='dummy' "
-                         "for random weights)")
+        raise ValueError(f"model: no *.safetensors files in {model_dir!r} (use --load-format dummy, "
+                         "load_format='dummy' in Python, for random weights)")
     return files
 
 
