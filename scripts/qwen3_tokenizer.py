@@ -1,6 +1,6 @@
 """Build a Hugging Face tokenizer directory with Qwen3's real vocabulary, without reaching a model hub.
 
-Why: the benchmark configs (shared/bench-configs/qwen3-0.6b) hold only config.json, and structured output
+Why: the benchmark configs (benchmarks/configs/qwen3-0.6b) hold only config.json, and structured output
 (llguidance) needs the model's tokenizer; its mask cost depends on the real vocabulary, so a toy one would
 mislead. Qwen2/Qwen3 use the 151,643 byte-level BPE ranks of Qwen's `qwen.tiktoken` (shipped inside the
 `dashscope` wheel on PyPI) followed by their special tokens; the pre-tokenizer regex is Qwen2's.

@@ -20,8 +20,7 @@ for _name, _value in _NO_MULTICAST.items():
     os.environ.setdefault(_name, _value)
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = next((p for p in (ROOT / "shared" / "bench-configs", ROOT.parent / "shared" / "bench-configs")
-                if p.is_dir()), None)
+CONFIGS = ROOT / "benchmarks" / "configs"
 
 
 def prompts() -> list[list[int]]:
@@ -39,7 +38,6 @@ def generate(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)]
 
 
-@pytest.mark.skipif(CONFIGS is None, reason="needs shared/bench-configs")
 @pytest.mark.parametrize(("model", "dtype"), [("qwen3-0.6b", "float32"), ("qwen3-0.6b", "bfloat16"),
                                               ("llama-3.1-8b", "bfloat16")])
 def test_two_gpus_give_the_tokens_of_one(model, dtype, capsys):
