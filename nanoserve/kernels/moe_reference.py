@@ -15,6 +15,16 @@ SWIGLU_OAI_ALPHA = 1.702
 SWIGLU_OAI_LIMIT = 7.0
 
 
+def topk_softmax_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax routing (Qwen, Mixtral): each token's top_k experts by probability and their weights (fp32),
+    rescaled to sum to one if `renormalize`."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
 def moe_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     """[N, 2I] (gate | up) -> [N, I]."""
     gate, up = gate_up.chunk(2, dim=-1)

@@ -13,19 +13,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.distributed.group import TensorParallelGroup
-from nanoserve.kernels.moe_reference import fused_moe_ref
+from nanoserve.kernels.moe_reference import fused_moe_ref, topk_softmax_ref
+from nanoserve.layers.linear import Linear
 from nanoserve.layers.norm import RMSNorm
 from nanoserve.layers.step_plan import KernelPlan
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax routing (Qwen, Mixtral): the top_k experts of each token by probability, and their weights (fp32),
-    rescaled to sum to one if `renormalize`. Returns (topk_weights [T, k] fp32, topk_ids [T, k] int64)."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+    rescaled to sum to one if `renormalize`. Returns (topk_weights [T, k] fp32, topk_ids [T, k])."""
+    if logits.is_cuda:
+        from nanoserve.kernels.moe_routing import topk_softmax
+
+        return topk_softmax(logits, top_k, renormalize)
+    return topk_softmax_ref(logits, top_k, renormalize)
 
 
 class FusedMoE(nn.Module):
@@ -103,13 +104,13 @@ class SparseMoeBlock(nn.Module):
                  shared_expert: nn.Module | None = None) -> None:
         super().__init__()
         self.top_k, self.renormalize, self.tp = top_k, renormalize, tp
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router, replicated on every rank
+        self.gate = Linear(hidden_size, num_experts, bias=False)  # the router, replicated on every rank
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, tp, expert_parallel, top_k)
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert is not None else None
 
     def forward(self, x: torch.Tensor, plan: KernelPlan) -> torch.Tensor:
-        topk_weights, topk_ids = route(F.linear(x, self.gate.weight), self.top_k, self.renormalize)
+        topk_weights, topk_ids = route(self.gate(x, plan), self.top_k, self.renormalize)
         out = self.experts(x, topk_weights, topk_ids)
         if self.shared_expert is not None:
             # The gate is per token and the same on every rank, so it scales each rank's partial sum alike.
