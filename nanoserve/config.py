@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 
 from nanoserve.model.registry import check_architecture
+from nanoserve.quantization.detect import detect_quantization
+from nanoserve.quantization.scheme import FP8Scheme
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # The other names vLLM's --dtype takes.
@@ -227,6 +229,11 @@ class EngineArgs:
                                           "for steps that are all decodes: auto (up to 4 sequences of a model "
                                           "without q/k norms, 1 of a model with them, as measured), on (every such "
                                           "step) or off (none)")
+    quantization: str | None = _arg(None, "fp8: quantize an unquantized checkpoint's linear weights to FP8 while "
+                                          "loading (per-channel weight scales, dynamic per-token activations); "
+                                          "compressed-tensors or fp8: what a quantized checkpoint's "
+                                          "quantization_config says, which is read without this flag; None: as "
+                                          "the checkpoint is")
     pdl: bool = _arg(True, "CUDA: launch kernels with programmatic dependent launch on compute capability 9.0+ "
                            "(--no-pdl to measure what it gives or rule it out)")
 
@@ -252,6 +259,7 @@ class EngineConfig:
     # What set max_model_len, for the start-up summary: the model's limit, the user, or the KV pool.
     max_model_len_source: str = "the model's max_position_embeddings"
     chat_template: str | None = None  # the template's text (args.chat_template may name a file)
+    quantization: FP8Scheme | None = None  # what config.json's quantization_config and args.quantization ask for
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> "EngineConfig":
@@ -274,6 +282,9 @@ class EngineConfig:
         if args.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format: must be 'auto' or 'dummy', got {args.load_format!r}")
         _check_tensor_parallel(args, model)
+        quantization = detect_quantization(model.raw, args.quantization)
+        if quantization is not None:
+            quantization.check_model(model, args.tensor_parallel_size)
         if args.enable_expert_parallel and model.moe is None:
             raise ValueError(f"enable_expert_parallel: {model.architecture} has no experts")
         if args.fused_rope_decode not in ("auto", "on", "off"):
@@ -291,7 +302,7 @@ class EngineConfig:
         dtype = _resolve_dtype(args.dtype, model.torch_dtype, device)
         max_model_len, source = _resolve_max_model_len(args.max_model_len, model)
         return cls(args, model_dir, args.tokenizer or model_dir, model, dtype, device, max_model_len, source,
-                   _load_chat_template(args.chat_template))
+                   _load_chat_template(args.chat_template), quantization)
 
     @property
     def num_kv_heads_per_rank(self) -> int:
@@ -314,8 +325,9 @@ class EngineConfig:
         weights = "random weights" if self.args.load_format == "dummy" else "weights"
         dtype = str(self.dtype).removeprefix("torch.")
         block = self.args.block_size
-        return (f"loaded {self.model.architecture} {weights} from {self.model_dir} as {dtype} on {self.device}; "
-                f"KV cache {num_kv_blocks} blocks x {block} = {num_kv_blocks * block} tokens; "
+        quantized = f"; {self.quantization.describe()}" if self.quantization else ""
+        return (f"loaded {self.model.architecture} {weights} from {self.model_dir} as {dtype} on {self.device}"
+                f"{quantized}; KV cache {num_kv_blocks} blocks x {block} = {num_kv_blocks * block} tokens; "
                 f"max_model_len {self.max_model_len} ({self.max_model_len_source})")
 
 
