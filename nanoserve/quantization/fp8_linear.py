@@ -10,6 +10,10 @@ as one fp32 scale per output row, `weight_scale` [out] (a fused layer's shards k
 the rowwise-scaled GEMM takes them as they are); block scales as `weight_scale` [row blocks, column blocks]; a fused
 layer's input scales as their largest (q/k/v see the same input, so a calibration gives them the same scale).
 
+Under tensor parallelism a row-parallel layer's input is quantized per token over its rank's columns, as vLLM does
+(sharing each row's amax would cost an all-reduce a layer): the token scheme then differs slightly between TP
+sizes, while block groups lie within a rank's columns (scheme.check_model) and quantize alike at every size.
+
 The forward: on the CPU, fp8_math.fp8_linear_reference (fp32). On CUDA in bfloat16: per-token or static activations
 through kernels/fp8_quant.py and torch._scaled_mm with rowwise scales; block weights through
 kernels/fp8_block_gemm.py, which quantizes the activations' groups itself; weight-only, and shapes or dtypes that

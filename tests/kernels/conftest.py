@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     # Helpers before the kernels that call them: a kernel binds the jit helpers its module imported.
     for _name in ("pdl", "prefill.split", "prefill.tile", "kv_store", "prefill.attention", "decode_attention",
                   "decode_rope_attention", "qkv_rope_store", "gemv", "silu_mul_gemv", "sampling", "decode_order",
-                  "chunk_attention"):
+                  "chunk_attention", "fp8_quant", "fp8_block_gemm"):
         _module = sys.modules.get(f"nanoserve.kernels.{_name}")
         if _module is not None:
             importlib.reload(_module)
