@@ -11,7 +11,7 @@ Under the Triton interpreter (tests on the CPU) the FP8 operands are upcast to f
 which is exact: an FP8 x FP8 product and its fp32 sums are what the tensor cores compute too; and x is rounded to
 FP8's grid before its cast, whose rounding the interpreter gets wrong (kernels/fp8_quant.py).
 
-The reference (fp8_block_linear_reference) dequantizes in PyTorch; it is the scheme's definition, the CPU path's
+The reference (fp8_block_linear_ref) runs it in PyTorch; it is the scheme's definition, the CPU path's
 (nanoserve/quantization/fp8_math.py), in the kernel's order of sums per group.
 """
 
@@ -88,7 +88,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     return y
 
 
-def fp8_block_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_block_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                                block: tuple[int, int], bias: torch.Tensor | None = None) -> torch.Tensor:
     """fp8_block_linear in PyTorch (fp32): per group of block[1] columns, the quantized x times the fp8 weight,
     scaled by both scales, summed over the groups."""

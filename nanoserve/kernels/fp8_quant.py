@@ -2,7 +2,7 @@
 float8_e4m3fn, the scale being the row's own max|x| / 448 (dynamic per token) or one given number (static per
 tensor), and written out as [M, 1] fp32, the rowwise scale _scaled_mm takes. A program handles one row, in chunks of
 BLOCK columns: a first pass for the amax, a second to cast. The division is rounded to nearest, as PyTorch's, so the
-kernel gives its reference's bytes (quantize_rows_reference; nanoserve/quantization/fp8_math.py defines the scheme).
+kernel gives its reference's bytes (quantize_rows_ref; nanoserve/quantization/fp8_math.py defines the scheme).
 
 The Triton interpreter's cast to FP8 is not the GPU's (round to nearest even): it rounds ties away from zero, flushes
 subnormals, and loses the carry when rounding up crosses a power of two (30.9 became 16). Under it (ROUND_FIRST)
@@ -66,7 +66,7 @@ def quantize_rows(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[t
     return q, scales
 
 
-def quantize_rows_reference(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_ref(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_rows in PyTorch."""
     if scale is None:
         scales = x.float().abs().amax(dim=1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX

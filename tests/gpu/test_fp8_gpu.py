@@ -8,8 +8,8 @@ from checkpoints import write_checkpoint
 from fp8_checkpoints import Format, calibrate_input_scales, write_fp8_checkpoint
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.kernels.fp8_block_gemm import fp8_block_linear, fp8_block_linear_reference
-from nanoserve.kernels.fp8_quant import quantize_rows, quantize_rows_reference
+from nanoserve.kernels.fp8_block_gemm import fp8_block_linear, fp8_block_linear_ref
+from nanoserve.kernels.fp8_quant import quantize_rows, quantize_rows_ref
 from nanoserve.quantization import fp8_math
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -22,7 +22,7 @@ def test_quantize_rows_bytes(m, k, static):
     x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
     scale = torch.tensor([0.01], device="cuda") if static else None
     q, s = quantize_rows(x, scale)
-    want_q, want_s = quantize_rows_reference(x, scale)
+    want_q, want_s = quantize_rows_ref(x, scale)
     torch.testing.assert_close(s, want_s, atol=0, rtol=0)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
@@ -35,7 +35,7 @@ def test_block_gemm_bf16(m, n, k):
     q, scale = fp8_math.quantize_weight(w, "block", (128, 128))
     x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
     got = fp8_block_linear(x, q, scale, (128, 128))
-    want = fp8_block_linear_reference(x, q, scale, (128, 128))
+    want = fp8_block_linear_ref(x, q, scale, (128, 128))
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 

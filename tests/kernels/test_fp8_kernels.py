@@ -5,8 +5,8 @@ block-scaled GEMM to fp32 rounding, and that reference against the scheme's defi
 import pytest
 import torch
 
-from nanoserve.kernels.fp8_block_gemm import fp8_block_linear, fp8_block_linear_reference
-from nanoserve.kernels.fp8_quant import quantize_rows, quantize_rows_reference
+from nanoserve.kernels.fp8_block_gemm import fp8_block_linear, fp8_block_linear_ref
+from nanoserve.kernels.fp8_quant import quantize_rows, quantize_rows_ref
 from nanoserve.quantization import fp8_math
 
 
@@ -18,7 +18,7 @@ def test_quantize_rows(dtype, static, device, gen):
     x = x.to(device)
     scale = torch.tensor([0.05], device=device) if static else None
     q, s = quantize_rows(x, scale)
-    want_q, want_s = quantize_rows_reference(x, scale)
+    want_q, want_s = quantize_rows_ref(x, scale)
     assert q.dtype == torch.float8_e4m3fn and s.shape == (5, 1)
     torch.testing.assert_close(s, want_s, atol=0, rtol=0)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
@@ -38,7 +38,7 @@ def test_block_gemm(dtype, m, n, k, block, device, gen):
     bias = torch.randn(n, generator=gen).to(dtype)
     args = [t.to(device) for t in (x, q, scale)]
     got = fp8_block_linear(*args, block, bias.to(device))
-    want = fp8_block_linear_reference(*args, block, bias.to(device))
+    want = fp8_block_linear_ref(*args, block, bias.to(device))
     assert got.dtype == dtype
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(got.float(), want.float(), **tol)
