@@ -7,6 +7,9 @@ from pathlib import Path
 
 import torch
 
+from nanoserve.quantization.detect import detect_quantization
+from nanoserve.quantization.scheme import FP8Scheme
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # The other names vLLM's --dtype takes.
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
@@ -232,6 +235,11 @@ class EngineArgs:
                                           "for steps that are all decodes: auto (up to 4 sequences of a model "
                                           "without q/k norms, 1 of a model with them, as measured), on (every such "
                                           "step) or off (none)")
+    quantization: str | None = _arg(None, "fp8: quantize an unquantized checkpoint's linear weights to FP8 while "
+                                          "loading (per-channel weight scales, dynamic per-token activations); "
+                                          "compressed-tensors or fp8: what a quantized checkpoint's "
+                                          "quantization_config says, which is read without this flag; None: as "
+                                          "the checkpoint is")
     pdl: bool = _arg(True, "CUDA: launch kernels with programmatic dependent launch on compute capability 9.0+ "
                            "(--no-pdl to measure what it gives or rule it out)")
 
@@ -257,6 +265,7 @@ class EngineConfig:
     # What set max_model_len, for the start-up summary: the model's limit, the user, or the KV pool.
     max_model_len_source: str = "the model's max_position_embeddings"
     chat_template: str | None = None  # the template's text (args.chat_template may name a file)
+    quantization: FP8Scheme | None = None  # what config.json's quantization_config and args.quantization ask for
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> "EngineConfig":
@@ -277,6 +286,9 @@ class EngineConfig:
         if args.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format: must be 'auto' or 'dummy', got {args.load_format!r}")
         _check_tensor_parallel(args, model)
+        quantization = detect_quantization(model.raw, args.quantization)
+        if quantization is not None:
+            _check_quantization(quantization, model, args.tensor_parallel_size)
         if args.enable_expert_parallel and model.moe is None:
             raise ValueError(f"enable_expert_parallel: {model.architecture} has no experts")
         if args.fused_rope_decode not in ("auto", "on", "off"):
@@ -294,7 +306,7 @@ class EngineConfig:
         dtype = _resolve_dtype(args.dtype, model.torch_dtype, device)
         max_model_len, source = _resolve_max_model_len(args.max_model_len, model)
         return cls(args, model_dir, args.tokenizer or model_dir, model, dtype, device, max_model_len, source,
-                   _load_chat_template(args.chat_template))
+                   _load_chat_template(args.chat_template), quantization)
 
     @property
     def num_kv_heads_per_rank(self) -> int:
@@ -317,8 +329,9 @@ class EngineConfig:
         weights = "random weights" if self.args.load_format == "dummy" else "weights"
         dtype = str(self.dtype).removeprefix("torch.")
         block = self.args.block_size
-        return (f"loaded {self.model.architecture} {weights} from {self.model_dir} as {dtype} on {self.device}; "
-                f"KV cache {num_kv_blocks} blocks x {block} = {num_kv_blocks * block} tokens; "
+        quantized = f"; {self.quantization.describe()}" if self.quantization else ""
+        return (f"loaded {self.model.architecture} {weights} from {self.model_dir} as {dtype} on {self.device}"
+                f"{quantized}; KV cache {num_kv_blocks} blocks x {block} = {num_kv_blocks * block} tokens; "
                 f"max_model_len {self.max_model_len} ({self.max_model_len_source})")
 
 
@@ -360,6 +373,34 @@ def _check_tensor_parallel(args: EngineArgs, model: ModelConfig) -> None:
         uneven.append(f"num_key_value_heads {kv} (nor does {tp} divide by it)")
     if uneven:
         raise ValueError(f"tensor_parallel_size: {tp} does not divide the model's {', '.join(uneven)}")
+
+
+def _check_quantization(scheme: FP8Scheme, model: ModelConfig, tp_size: int) -> None:
+    """Refuse, naming the field, a model this scheme cannot split: stacked shards (q/k/v, gate/up) must each
+    be whole blocks of rows, and under tensor parallelism each rank's input columns of o_proj and down_proj
+    whole blocks of columns."""
+    if model.moe is not None:
+        raise ValueError(f"quantization: {model.architecture} is a mixture-of-experts model; quantized "
+                         "experts are not supported yet")
+    if scheme.block is None:
+        return
+    rows, cols = scheme.block
+    field = scheme.block_field
+    if any(size < 16 or size & (size - 1) for size in scheme.block):
+        # The block GEMM's tiles are one block of columns wide (kernels/fp8_block_gemm.py).
+        raise ValueError(f"{field}: must be powers of two >= 16, got {list(scheme.block)}")
+    heads = model.num_attention_heads * model.head_dim // tp_size
+    kv = max(1, model.num_key_value_heads // tp_size) * model.head_dim
+    ffn = model.intermediate_size // tp_size
+    uneven = [f"{what} {n}" for what, n in (("q_proj rows", heads), ("k_proj/v_proj rows", kv),
+                                            ("gate_proj/up_proj rows", ffn)) if n % rows]
+    if tp_size > 1:
+        uneven += [f"{what} {n}" for what, n in (("o_proj columns", heads), ("down_proj columns", ffn))
+                   if n % cols]
+    if uneven:
+        where = f" per rank at tensor_parallel_size {tp_size}" if tp_size > 1 else ""
+        raise ValueError(f"{field}: {list(scheme.block)} does not divide the "
+                         f"model's {', '.join(uneven)}{where}")
 
 
 def _check_profile_engine(args: EngineArgs) -> None:

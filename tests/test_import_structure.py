@@ -15,10 +15,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nanoserve"
 # Lowest first. A name is a top-level module or package of nanoserve ("__init__" is the package's own face).
 TIERS: list[tuple[str, ...]] = [
     # Plain modules and self-contained feature packages, under them all.
-    ("utils", "outputs", "sampling_params", "config", "args", "tools", "structured", "assets"),
+    ("utils", "outputs", "sampling_params", "config", "args", "tools", "structured", "assets",
+     "quantization.scheme", "quantization.detect"),  # a checkpoint's quantization_config, read with config.json
     ("kernels", "distributed"),
     ("layers",),
-    ("model",),
+    ("model", "quantization"),  # the quantized linear layers the loader puts in place
     ("worker",),
     ("engine",),
     ("runtime", "chat_engine"),
@@ -64,6 +65,8 @@ def import_graph() -> dict[str, set[str]]:
 def tier_of(module: str) -> int:
     parts = module.split(".")
     top = parts[1] if len(parts) > 1 else "__init__"
+    if ".".join(parts[1:3]) in TIER:  # a module placed apart from its package
+        return TIER[".".join(parts[1:3])]
     if top not in TIER:
         raise AssertionError(f"{module}: not in any tier of {__name__}.TIERS; place it (docs/architecture.md)")
     return TIER[top]

@@ -8,6 +8,8 @@ checkpoint tensor `loaded` (a safetensors slice: only what is indexed is read fr
 never builds the unfused module nor the whole tensor.
 """
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
@@ -15,6 +17,15 @@ from nanoserve.distributed.group import TensorParallelGroup
 from nanoserve.layers.activation import SiluAndMul
 from nanoserve.layers.norm import RMSNorm
 from nanoserve.layers.step_plan import KernelPlan
+
+
+class LinearMethod(Protocol):
+    """How a quantized Linear computes its output (nanoserve/quantization/ sets one on each layer it quantizes,
+    with the weight and scale parameters it needs); the layers here never import that package."""
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] -> [..., out_features] with the layer's bias added."""
+        ...
 
 
 class Linear(nn.Linear):
@@ -27,9 +38,16 @@ class Linear(nn.Linear):
     for the residual add + RMSNorm before qkv_proj and gate_up_proj, forward_silu_mul for SiLU-and-mul before
     down_proj (past the skinny GEMM's 64 MB, in kernels/silu_mul_gemv.py). Off that path they run as their own
     modules, exactly as without fusion.
+
+    A quantized layer (quant_method set) runs its method's GEMM instead, and the ops before it as their own
+    modules: the plan's kernels read unquantized weights.
     """
 
+    quant_method: LinearMethod | None = None
+
     def forward(self, x: torch.Tensor, plan: KernelPlan) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x)
         if plan.takes_skinny_gemm(self.weight):
             from nanoserve.kernels.gemv import skinny_linear
 
@@ -45,7 +63,7 @@ class Linear(nn.Linear):
                      plan: KernelPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """self(norm(x + residual)) and the next residual x + residual; without a residual (the first layer),
         self(norm(x)) and x."""
-        if plan.takes_fused_prologue(self.weight):
+        if self.quant_method is None and plan.takes_fused_prologue(self.weight):
             from nanoserve.kernels.gemv import skinny_norm_linear
 
             return skinny_norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias,
@@ -57,6 +75,9 @@ class Linear(nn.Linear):
 
     def forward_silu_mul(self, x: torch.Tensor, act: SiluAndMul, plan: KernelPlan) -> torch.Tensor:
         """self(act(x)) for x = [gate | up]: silu(gate) * up projected."""
+        if self.quant_method is not None:
+            # Linear's forward, not self's: a row-parallel layer reduces what this returns (forward_silu_mul).
+            return Linear.forward(self, act(x), plan)
         if plan.takes_fused_prologue(self.weight):
             from nanoserve.kernels.gemv import skinny_silu_mul_linear
 

@@ -13,6 +13,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.distributed.group import TensorParallelGroup
 from nanoserve.layers.linear import load_whole
 from nanoserve.model.registry import model_class
+from nanoserve.quantization.model import finish_model, prepare_model
 
 
 def checkpoint_files(model_dir: str) -> list[Path]:
@@ -41,10 +42,15 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup | None = None) -> n
             model = cls(config.model, config.max_model_len, tp, **extra)
     finally:
         torch.set_default_dtype(torch.float32)
-    if config.args.load_format == "dummy":
+    dummy = config.args.load_format == "dummy"
+    if config.quantization is not None:
+        prepare_model(model, config.quantization, dummy)
+    if dummy:
         _init_dummy(model, config.args.seed)
     else:
         _load_weights(model, checkpoint_files(config.model_dir))
+    if config.quantization is not None:
+        finish_model(model, config.quantization)
     return model.eval()
 
 
@@ -56,8 +62,10 @@ class _DummyTensor:
 
     def __init__(self, shape: tuple[int, ...], name: str, seed: int, device: torch.device, dtype: torch.dtype):
         gen = torch.Generator(device=device).manual_seed(seed ^ zlib.crc32(name.encode()))
-        # Small values keep activations finite through many layers, in bf16 too.
-        self.tensor = torch.empty(shape, device=device, dtype=dtype).uniform_(-0.02, 0.02, generator=gen)
+        # Small values keep activations finite through many layers, in bf16 too. fp8 (a quantized model's
+        # weights) has no uniform_: drawn in fp32 and cast.
+        draw = dtype if dtype.itemsize > 1 else torch.float32
+        self.tensor = torch.empty(shape, device=device, dtype=draw).uniform_(-0.02, 0.02, generator=gen).to(dtype)
 
     def get_shape(self) -> list[int]:
         return list(self.tensor.shape)
@@ -72,6 +80,9 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
             name = f"{module_name}.{pname}"
             if name.endswith("norm.weight"):
                 param.data.fill_(1.0)
+                continue
+            if hasattr(param, "dummy_value"):  # a quantized layer's scales (nanoserve/quantization/)
+                param.data.fill_(param.dummy_value)
                 continue
             loader = getattr(param, "weight_loader", load_whole)
             for shard, shape in _checkpoint_shapes(module, param):

@@ -1,0 +1,193 @@
+"""Fp8LinearMethod: one FP8 scheme's parameters on a layers.linear.Linear, their loaders, and its forward.
+
+Parameters, as the checkpoint names them beside each `weight` (which becomes float8_e4m3fn, keeping its loader):
+- the weight scales (scheme.scale_name): per tensor, one number per checkpoint tensor, so a fused layer (q/k/v,
+  gate/up) holds one per shard; per channel [rows, 1]; per block [row blocks, column blocks], a rank reading its
+  blocks of rows (stacked shards) or of columns (row-parallel layers);
+- input_scale (static activations): one number per checkpoint tensor.
+After loading, `process_weights` puts them in the form the forward runs: per-tensor and per-channel weight scales
+as one fp32 scale per output row, `weight_scale` [out] (a fused layer's shards keep their own scales exactly, and
+the rowwise-scaled GEMM takes them as they are); block scales as `weight_scale` [row blocks, column blocks]; a fused
+layer's input scales as their largest (q/k/v see the same input, so a calibration gives them the same scale).
+
+Under tensor parallelism a row-parallel layer's input is quantized per token over its rank's columns, as vLLM does
+(sharing each row's amax would cost an all-reduce a layer): the token scheme then differs slightly between TP
+sizes, while block groups lie within a rank's columns (scheme.check_model) and quantize alike at every size.
+
+The forward: on the CPU, fp8_math.fp8_linear_reference (fp32). On CUDA in bfloat16: per-token or static activations
+through kernels/fp8_quant.py and torch._scaled_mm with rowwise scales; block weights through
+kernels/fp8_block_gemm.py, which quantizes the activations' groups itself; weight-only, and shapes or dtypes that
+_scaled_mm does not take (it needs dimensions that divide by 16 and bf16 output with rowwise scales), dequantize and
+run PyTorch's GEMM.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from nanoserve.layers.linear import Linear, load_whole
+from nanoserve.quantization import fp8_math
+from nanoserve.quantization.fp8_math import FP8
+from nanoserve.quantization.scheme import FP8Scheme
+
+# --load-format dummy: every scale is 1, so the random fp8 weights are the weights (uniform in +-0.02, as an
+# unquantized dummy model's).
+DUMMY_SCALE = 1.0
+
+
+def _param(data: torch.Tensor, loader=None) -> nn.Parameter:
+    param = nn.Parameter(data, requires_grad=False)
+    if loader is not None:
+        param.weight_loader = loader
+    param.dummy_value = DUMMY_SCALE
+    return param
+
+
+def _read_scalar(loaded) -> torch.Tensor:
+    value = loaded[...]
+    if value.numel() != 1:
+        raise ValueError(f"has shape {tuple(value.shape)}, expected one number")
+    return value.reshape(())
+
+
+class Fp8LinearMethod:
+    """The layers.linear.LinearMethod of an FP8Scheme."""
+
+    def __init__(self, scheme: FP8Scheme) -> None:
+        self.scheme = scheme
+
+    # -- before loading -------------------------------------------------------------------------------------------
+    def create_weights(self, layer: Linear) -> None:
+        """The fp8 weight and the scale parameters a checkpoint of the scheme holds (or dummy weights fill)."""
+        s = self.scheme
+        loader = getattr(layer.weight, "weight_loader", load_whole)
+        layer.weight = nn.Parameter(torch.empty_like(layer.weight, dtype=FP8), requires_grad=False)
+        layer.weight.weight_loader = _fp8_only(loader)
+        fused = getattr(layer, "shard_offsets", None)
+        out_rows, in_cols = layer.weight.shape
+        device = layer.weight.device
+        if s.weights == "tensor":
+            scale = _param(torch.empty(len(fused) if fused else 1, device=device),
+                           self._scalar_per_shard(layer) if fused else _load_one)
+        elif s.weights == "channel":
+            scale = _param(torch.empty(out_rows, 1, device=device), layer.load_shard if fused else load_whole)
+        else:
+            rows, cols = s.block
+            scale = _param(torch.empty(-(-out_rows // rows), -(-in_cols // cols), device=device),
+                           self._block_rows(layer) if fused else self._block_columns(layer))
+        layer.register_parameter(s.scale_name, scale)
+        if s.activations == "tensor":
+            layer.input_scale = _param(torch.empty(len(fused) if fused else 1, device=device),
+                                       self._scalar_per_shard(layer) if fused else _load_one)
+
+    def _scalar_per_shard(self, layer: Linear):
+        index = {shard: i for i, shard in enumerate(layer.shard_offsets)}
+
+        def load(param: nn.Parameter, loaded, shard: str) -> None:
+            param.data[index[shard]] = _read_scalar(loaded)
+        return load
+
+    def _block_rows(self, layer: Linear):
+        """A stacked shard's blocks of rows (scheme.check_model made every shard whole blocks)."""
+        rows = self.scheme.block[0]
+
+        def load(param: nn.Parameter, loaded, shard: str) -> None:
+            offset, size = layer.shard_offsets[shard]
+            start, _, total = layer.shards[shard]
+            shape = tuple(loaded.get_shape())
+            if shape != (-(-total // rows), param.shape[1]):
+                raise ValueError(f"has shape {shape}, expected {(-(-total // rows), param.shape[1])}")
+            param.data[offset // rows:(offset + size) // rows].copy_(loaded[start // rows:(start + size) // rows])
+        return load
+
+    def _block_columns(self, layer: Linear):
+        """A row-parallel layer's blocks of columns (its rank's input columns, whole blocks under TP)."""
+        cols = self.scheme.block[1]
+        tp = getattr(layer, "tp", None)
+
+        def load(param: nn.Parameter, loaded, shard: str | None = None) -> None:
+            size = 1 if tp is None else tp.size
+            start = 0 if tp is None else tp.shard(layer.in_features * size)[0]
+            shape = tuple(loaded.get_shape())
+            want = (param.shape[0], -(-layer.in_features * size // cols))
+            if shape != want:
+                raise ValueError(f"has shape {shape}, expected {want}")
+            param.data.copy_(loaded[:, start // cols:start // cols + param.shape[1]])
+        return load
+
+    # -- after loading --------------------------------------------------------------------------------------------
+    def quantize_loaded(self, layer: Linear) -> None:
+        """An unquantized weight quantized per output channel (scheme "quantized at load"). A row-parallel layer's
+        rows are split over the ranks by columns: their largest magnitude is taken over all ranks, so that every
+        tensor-parallel size quantizes alike."""
+        w = layer.weight.data
+        amax = w.abs().amax(dim=1, keepdim=True).float()
+        tp = getattr(layer, "tp", None)
+        if tp is not None and tp.size > 1 and hasattr(layer, "load_columns"):
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp.group)
+        scale = fp8_math.dynamic_scale(amax)
+        layer.weight = nn.Parameter(fp8_math.quantize(w, scale), requires_grad=False)
+        layer.register_parameter(self.scheme.scale_name, _param(scale))
+
+    def process_weights(self, layer: Linear) -> None:
+        """The loaded parameters in the form the forward runs (module docstring), and the layer's quant_method."""
+        s = self.scheme
+        scale = getattr(layer, s.scale_name).data.float()
+        del layer._parameters[s.scale_name]
+        if s.weights != "block":
+            if scale.numel() == 1:
+                scale = scale.expand(layer.weight.shape[0])
+            elif s.weights == "tensor":  # one per stacked shard
+                sizes = torch.tensor([size for _, size in layer.shard_offsets.values()], device=scale.device)
+                scale = scale.repeat_interleave(sizes)
+            scale = scale.reshape(-1)
+        layer.weight_scale = nn.Parameter(scale.contiguous(), requires_grad=False)
+        if s.activations == "tensor":
+            layer.input_scale = nn.Parameter(layer.input_scale.data.float().amax().reshape(1), requires_grad=False)
+        layer.quant_method = self
+
+    # -- forward --------------------------------------------------------------------------------------------------
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        s = self.scheme
+        input_scale = layer.input_scale if s.activations == "tensor" else None
+        if x.is_cuda:
+            y = self._apply_cuda(layer, x.reshape(-1, x.shape[-1]), input_scale)
+            if y is not None:
+                return y.view(*x.shape[:-1], -1)
+        return fp8_math.fp8_linear_reference(x, layer.weight, layer.weight_scale, layer.bias, s.activations,
+                                             input_scale, s.block)
+
+    def _apply_cuda(self, layer: Linear, x: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor | None:
+        """The CUDA kernels' result, or None where they do not apply (the reference runs)."""
+        s = self.scheme
+        if s.activations == "group":
+            from nanoserve.kernels.fp8_block_gemm import fp8_block_linear
+
+            return fp8_block_linear(x, layer.weight, layer.weight_scale, s.block, layer.bias)
+        n, k = layer.weight.shape
+        if s.activations is None or x.dtype != torch.bfloat16 or n % 16 or k % 16:
+            if s.activations is not None:
+                return None
+            w = fp8_math.dequantize_weight(layer.weight, layer.weight_scale, s.block).to(x.dtype)
+            return F.linear(x, w, layer.bias)
+        from nanoserve.kernels.fp8_quant import quantize_rows
+
+        q, x_scale = quantize_rows(x, input_scale)
+        y = torch._scaled_mm(q, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale.view(1, -1),
+                             out_dtype=torch.bfloat16)
+        return y if layer.bias is None else y + layer.bias
+
+
+def _load_one(param: nn.Parameter, loaded, shard: str | None = None) -> None:
+    param.data[0] = _read_scalar(loaded)
+
+
+def _fp8_only(loader):
+    """The weight's own loader, refusing a checkpoint weight that is not fp8 (its config says it is)."""
+
+    def load(param: nn.Parameter, loaded, shard: str | None = None) -> None:
+        if hasattr(loaded, "get_dtype") and loaded.get_dtype() != "F8_E4M3":
+            raise ValueError(f"is {loaded.get_dtype()}, expected F8_E4M3 (the quantization_config's fp8 weights)")
+        loader(param, loaded, shard)
+    return load

@@ -1,0 +1,63 @@
+"""The loader's two hooks (model/loader.py): which of a model's linear layers a scheme quantizes, their fp8
+parameters before the weights are filled, and their runtime form after.
+
+Every layers.linear.Linear is quantized (q/k/v, o, gate/up and down projections) unless the scheme's ignore list
+names its checkpoint modules; the embeddings, the LM head and the norms are other classes and stay as they are.
+A fused layer stacks several checkpoint modules (qkv_proj: q_proj, k_proj, v_proj): all of them are ignored, or
+none.
+
+A serialized checkpoint, and dummy weights of any scheme, fill the fp8 parameters directly. A scheme quantized at
+load (`--quantization fp8` on an unquantized checkpoint) loads the weights as they are and quantizes each layer
+after: the whole unquantized model is in memory once, as it would be unquantized.
+"""
+
+from collections.abc import Iterator
+
+from torch import nn
+
+from nanoserve.layers.linear import Linear
+from nanoserve.quantization.fp8_linear import Fp8LinearMethod
+from nanoserve.quantization.fp8_math import FP8
+from nanoserve.quantization.scheme import FP8Scheme
+
+
+def checkpoint_modules(model: nn.Module, name: str) -> list[str]:
+    """The checkpoint modules that the model's module `name` holds: the ones stacked in a fused layer (the
+    model's packed_modules), else itself."""
+    base, _, last = name.rpartition(".")
+    parts = [part for part, (fused, _) in getattr(model, "packed_modules", {}).items() if fused == last]
+    return [f"{base}.{part}" for part in parts] or [name]
+
+
+def quantized_layers(model: nn.Module, scheme: FP8Scheme) -> Iterator[Linear]:
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear):
+            continue
+        ignored = [scheme.ignores(part) for part in checkpoint_modules(model, name)]
+        if all(ignored):
+            continue
+        if any(ignored):
+            raise ValueError(f"quantization_config: the ignore list {list(scheme.ignore)} names some of "
+                             f"{checkpoint_modules(model, name)}, which nanoserve runs as one layer; ignore all "
+                             "of them or none")
+        yield module
+
+
+def prepare_model(model: nn.Module, scheme: FP8Scheme, dummy: bool) -> None:
+    """Before the weights are filled: the fp8 parameters and their loaders, where the checkpoint (or the dummy
+    initialization) provides them."""
+    if not (scheme.serialized or dummy):
+        return
+    method = Fp8LinearMethod(scheme)
+    for layer in quantized_layers(model, scheme):
+        method.create_weights(layer)
+
+
+def finish_model(model: nn.Module, scheme: FP8Scheme) -> None:
+    """After the weights are filled: unquantized ones quantized (a scheme quantized at load), every layer's
+    scales in their runtime form and its quant_method set."""
+    method = Fp8LinearMethod(scheme)
+    for layer in quantized_layers(model, scheme):
+        if layer.weight.dtype != FP8:
+            method.quantize_loaded(layer)
+        method.process_weights(layer)

@@ -1,0 +1,68 @@
+"""FP8Scheme: how a model's linear weights are stored in float8_e4m3fn and how their inputs are quantized.
+
+A weight W [out, in] is stored as q (float8_e4m3fn) and fp32 scales, W = q * scale, with one scale for the whole
+tensor ("tensor"), one per output row ("channel"), or one per block of block[0] rows x block[1] columns ("block").
+The activations x [tokens, in] that meet it are, before the product:
+- "token": quantized per row at run time, scale = max|row| / 448 (dynamic per token);
+- "tensor": quantized with the checkpoint's fixed input_scale (static per tensor);
+- "group": quantized per row and per group of block[1] columns at run time (dynamic per token group, the
+  block-wise checkpoints' scheme: DeepSeek-V3, Qwen3-FP8);
+- None: not quantized (weight-only, W8A16).
+"""
+
+import re
+from dataclasses import dataclass, field
+
+WEIGHT_STRATEGIES = ("tensor", "channel", "block")
+ACTIVATION_STRATEGIES = ("token", "tensor", "group", None)
+
+
+@dataclass(frozen=True)
+class FP8Scheme:
+    """method: the quant_method it came from ("compressed-tensors", "fp8"); weights, activations: as in the
+    module docstring; block: (rows, columns) of a weight-scale block; serialized: the checkpoint holds the fp8
+    weights and scales (False: a bf16/fp16/fp32 checkpoint quantized while loading, `--quantization fp8`);
+    scale_name: the checkpoint tensor of weight scales beside each `weight` (quant_method "fp8" with blocks calls
+    it weight_scale_inv, though it multiplies as well); ignore: layers left unquantized, by checkpoint module name,
+    "re:"-prefixed regular expressions, or dotted name parts ("lm_head", "mlp.down_proj")."""
+
+    method: str
+    weights: str
+    activations: str | None
+    block: tuple[int, int] | None = None
+    serialized: bool = True
+    scale_name: str = "weight_scale"
+    ignore: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        assert self.weights in WEIGHT_STRATEGIES and self.activations in ACTIVATION_STRATEGIES
+        assert (self.weights == "block") == (self.block is not None)
+        assert self.activations != "group" or self.weights == "block"
+
+    def describe(self) -> str:
+        """For the start-up line and /v1/models, e.g. "fp8 (compressed-tensors): weights per channel, activations
+        dynamic per token"."""
+        weights = {"tensor": "per tensor", "channel": "per channel",
+                   "block": f"per {self.block[0]}x{self.block[1]} block" if self.block else ""}[self.weights]
+        acts = {"token": "dynamic per token", "tensor": "static per tensor",
+                "group": f"dynamic per token group of {self.block[1] if self.block else 0}",
+                None: "unquantized (weight-only)"}[self.activations]
+        source = self.method if self.serialized else "quantized at load"
+        return f"fp8 ({source}): weights {weights}, activations {acts}"
+
+    def ignores(self, name: str) -> bool:
+        """Whether the checkpoint module `name` (e.g. model.layers.0.mlp.down_proj) stays unquantized."""
+        for entry in self.ignore:
+            if entry.startswith("re:"):
+                if re.match(entry[3:], name):
+                    return True
+            elif f".{entry}." in f".{name}.":
+                return True
+        return False
+
+    @property
+    def block_field(self) -> str:
+        """The config.json field that set `block`."""
+        if self.method == "fp8":
+            return "quantization_config.weight_block_size"
+        return "quantization_config.config_groups.*.weights.block_structure"
