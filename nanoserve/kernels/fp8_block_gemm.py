@@ -79,7 +79,8 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     if m == 0:
         return y
     block_m, block_n, warps, stages = _tiles(m)
-    fp8_dot = x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
+    # tl.dot takes FP8 operands only with K >= 32 per tile; narrower blocks upcast the tile (as the interpreter does).
+    fp8_dot = x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9) and block[1] >= 32
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _fp8_block_gemm_kernel[grid](x, weight, weight_scale, bias if bias is not None else y, y, m, n, k, x.stride(0),
                                  weight.stride(0), weight_scale.stride(0), y.stride(0), BLOCK_SCALE_N=block[0],

@@ -40,7 +40,9 @@ def test_block_gemm(dtype, m, n, k, block, device, gen):
     got = fp8_block_linear(*args, block, bias.to(device))
     want = fp8_block_linear_ref(*args, block, bias.to(device))
     assert got.dtype == dtype
-    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+    # Hopper's FP8 tensor cores accumulate with fewer bits than fp32 (0.2 % off in a few elements on an H200).
+    exact = dtype == torch.float32 and device == "cpu"
+    tol = dict(atol=1e-4, rtol=1e-4) if exact else dict(atol=2e-3, rtol=3e-3)
     torch.testing.assert_close(got.float(), want.float(), **tol)
     # The reference is the scheme's definition (the CPU path) up to the order of fp32 sums.
     scheme = fp8_math.fp8_linear_reference(x.float(), q, scale, bias.float(), "group", None, block)
