@@ -3,6 +3,7 @@
 # Usage, on the GPU machine from the repo root (the model configs are the repository's benchmarks/configs):
 #   NANOSERVE_COMMIT=<sha> bash scripts/gpu_bench.sh [steps...]
 # Steps: tests throughput latency-qwen latency-llama prefix serve-inf serve-16 multi-turn long-context structured
+# moe-tune moe moe-serve fp8
 # (default: the first seven, ~20 minutes). structured needs QWEN3_TOKENIZER (scripts/qwen3_tokenizer.py's output).
 # On 2+ GPUs, with TP=2 (or TP=4, 8): tp-tests tp-throughput tp-latency tp-profile tp-70b tp-serve-inf tp-serve-16.
 # NANOSERVE_COMMIT is what the JSON lines report as `commit` (the device's copy of the tree may have no .git).
@@ -59,6 +60,17 @@ for step in $steps; do
               --tensor-parallel-size "$TP" --gpu-memory-utilization 0.95 --iters 2 ;;
     tp-serve-inf) timeout 300 $serve_llama --tensor-parallel-size "$TP" ;;
     tp-serve-16) timeout 300 $serve_llama --tensor-parallel-size "$TP" --request-rate 16 ;;
+    # Mixture of experts (BENCHMARKS.md table 9): the fused kernel's tile table for this GPU (commit the JSON file),
+    # then the recipes on Qwen3-30B-A3B; serve at concurrency 10 with 2,048-token prompts and 1,024 output tokens.
+    moe-tune) timeout 280 python scripts/tune_fused_moe.py && cp nanoserve/kernels/fused_moe_configs/*.json "$out"/ ;;
+    moe) timeout 200 python -m nanoserve.cli bench latency --model "$cfg/qwen3-30b-a3b" --max-model-len 4096
+         timeout 200 python -m nanoserve.cli bench throughput --model "$cfg/qwen3-30b-a3b" --max-model-len 4096 ;;
+    moe-serve) timeout 300 python -m nanoserve.cli bench serve --launch --no-progress --model "$cfg/qwen3-30b-a3b" \
+                 --load-format dummy --max-model-len 4096 --num-prompts 40 --input-len 2048 --output-len 1024 \
+                 --max-concurrency 10 ;;
+    # FP8 weights quantized at load beside bf16, batch 1 (table 10).
+    fp8) for q in "" "--quantization fp8"; do timeout 120 python -m nanoserve.cli bench latency \
+           --model "$cfg/llama-3.1-8b" --max-model-len 4096 --output-len 256 $q; done ;;
     serve-inf) timeout 300 $serve ;;
     serve-16) timeout 300 $serve --request-rate 16 ;;
     *) echo "unknown step: $step" ;;
