@@ -37,8 +37,10 @@ class MoEConfig:
         num_experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
         if not num_experts:
             return None
-        mixtral = raw.get("model_type") == "mixtral"
-        # Qwen's MoE layers: every decoder_sparse_step-th layer not listed in mlp_only_layers; Mixtral's: all.
+        # Mixtral's and gpt-oss's intermediate_size is an expert's, and both renormalize the top-k weights (gpt-oss's
+        # softmax over the top-k logits is the same); Qwen's MoE layers: every decoder_sparse_step-th layer not listed
+        # in mlp_only_layers, the others' all.
+        mixtral = raw.get("model_type") in ("mixtral", "gpt_oss")
         step, dense = raw.get("decoder_sparse_step", 1) or 1, set(raw.get("mlp_only_layers") or [])
         return cls(
             num_experts=num_experts,

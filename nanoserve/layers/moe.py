@@ -39,9 +39,13 @@ class FusedMoE(nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TensorParallelGroup,
-                 expert_parallel: bool, top_k: int) -> None:
+                 expert_parallel: bool, top_k: int, activation: str = "silu", bias: bool = False) -> None:
+        """activation: "silu" (SiLU(gate) * up) or "swigluoai" (gpt-oss's clamped form); bias: a bias per expert on
+        gate/up and on down (gpt-oss; the down bias held by the rank with the first slice of I, so that the
+        all-reduce adds it once)."""
         super().__init__()
         self.tp, self.num_experts, self.hidden_size, self.top_k = tp, num_experts, hidden_size, top_k
+        self.activation = activation
         self.intermediate_size = intermediate_size  # the model's, whole
         if expert_parallel:
             self.expert_start, local_experts = tp.shard(num_experts)
@@ -52,6 +56,10 @@ class FusedMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(local_experts, 2 * local_inter, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(local_experts, hidden_size, local_inter), requires_grad=False)
         self.w13.weight_loader = self.w2.weight_loader = self.load_expert
+        self.w13_bias = self.w2_bias = None
+        if bias:
+            self.w13_bias = nn.Parameter(torch.empty(local_experts, 2 * local_inter), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(local_experts, hidden_size), requires_grad=False)
         # False: the PyTorch reference on CUDA too (an eager reference engine in the GPU tests; it syncs the host).
         self.use_kernel = True
 
@@ -88,24 +96,24 @@ class FusedMoE(nn.Module):
             param.data[e, rows].copy_(loaded[start:start + local_i])
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        moe = fused_moe_ref
         if x.is_cuda and self.use_kernel:
-            from nanoserve.kernels.fused_moe import fused_moe
-
-            return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, expert_start=self.expert_start)
-        return fused_moe_ref(x, self.w13, self.w2, topk_weights, topk_ids, expert_start=self.expert_start)
+            from nanoserve.kernels.fused_moe import fused_moe as moe
+        return moe(x, self.w13, self.w2, topk_weights, topk_ids, expert_start=self.expert_start,
+                   w13_bias=self.w13_bias, w2_bias=self.w2_bias, activation=self.activation)
 
 
 class SparseMoeBlock(nn.Module):
     """Router, routed experts and (Qwen2-MoE) a shared expert scaled by a sigmoid gate: the MLP of an MoE layer.
     `shared_expert` is a dense MLP module built without its own all-reduce, so the block reduces once."""
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
-                 renormalize: bool, tp: TensorParallelGroup, expert_parallel: bool,
-                 shared_expert: nn.Module | None = None) -> None:
+    def __init__(self, experts: FusedMoE, renormalize: bool, shared_expert: nn.Module | None = None,
+                 router_bias: bool = False) -> None:
         super().__init__()
-        self.top_k, self.renormalize, self.tp = top_k, renormalize, tp
-        self.gate = Linear(hidden_size, num_experts, bias=False)  # the router, replicated on every rank
-        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, tp, expert_parallel, top_k)
+        hidden_size, self.top_k, self.renormalize, self.tp = experts.hidden_size, experts.top_k, renormalize, experts.tp
+        # The router, replicated on every rank.
+        self.gate = Linear(hidden_size, experts.num_experts, bias=router_bias)
+        self.experts = experts
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert is not None else None
 

@@ -17,7 +17,9 @@ from nanoserve.layers.step_plan import KernelPlan
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, qk_norm: bool, tp: TensorParallelGroup) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, qk_norm: bool, tp: TensorParallelGroup,
+                 **attention_options) -> None:
+        """attention_options: the layer's own Attention arguments (sliding_window, sinks), if any."""
         super().__init__()
         self.qkv_proj = QKVLinear(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
                                   config.head_dim, config.attention_bias, tp)
@@ -32,7 +34,7 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, **attention_options)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.attend(positions, self.qkv_proj(x, meta.plan), meta)
@@ -102,10 +104,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, qk_norm: bool, tp: TensorParallelGroup,
-                 mlp: nn.Module) -> None:
+                 mlp: nn.Module, attention_options: dict) -> None:
         """mlp: LlamaMLP, or an MoE block (layers/moe.py) with the same forward and forward_norm."""
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary, qk_norm, tp)
+        self.self_attn = LlamaAttention(config, rotary, qk_norm, tp, **attention_options)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -143,11 +145,11 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, max_model_len: int, qk_norm: bool, tp: TensorParallelGroup,
-                 make_mlp: Callable[[int], nn.Module]) -> None:
+                 make_mlp: Callable[[int], nn.Module], attention_options: Callable[[int], dict]) -> None:
         super().__init__()
         rotary = RotaryEmbedding(config.head_dim, max_model_len, config.rope_theta, config.rope_scaling)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, qk_norm, tp, make_mlp(i))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, qk_norm, tp, make_mlp(i), attention_options(i))
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -171,13 +173,18 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         tp = tp or TensorParallelGroup()
         self.model = LlamaModel(config, max_model_len, self.qk_norm, tp,
-                                lambda layer: self.make_mlp(config, layer, tp))
+                                lambda layer: self.make_mlp(config, layer, tp),
+                                lambda layer: self.attention_options(config, layer))
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def make_mlp(self, config: ModelConfig, layer: int, tp: TensorParallelGroup) -> nn.Module:
         return LlamaMLP(config, tp)
+
+    def attention_options(self, config: ModelConfig, layer: int) -> dict:
+        """Layer `layer`'s own Attention arguments (layers/attention.py): none for the Llama family."""
+        return {}
 
     def map_checkpoint_name(self, ckpt_name: str) -> tuple[str, str | None]:
         """The parameter a checkpoint tensor loads into, and its shard in a fused parameter (None: all of it)."""

@@ -9,7 +9,7 @@ from torch import nn
 
 from nanoserve.config import ModelConfig
 from nanoserve.distributed.group import TensorParallelGroup
-from nanoserve.layers.moe import SparseMoeBlock
+from nanoserve.layers.moe import FusedMoE, SparseMoeBlock
 from nanoserve.model.llama import LlamaForCausalLM, LlamaMLP
 
 _EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
@@ -34,8 +34,9 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
             return LlamaMLP(config, tp)
         shared = (LlamaMLP(config, tp, moe.shared_expert_intermediate_size, reduce_results=False)
                   if self.has_shared_expert else None)
-        return SparseMoeBlock(config.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size,
-                              moe.norm_topk_prob, tp, self.expert_parallel, shared)
+        experts = FusedMoE(moe.num_experts, config.hidden_size, moe.intermediate_size, tp, self.expert_parallel,
+                           moe.top_k)
+        return SparseMoeBlock(experts, moe.norm_topk_prob, shared)
 
     def map_checkpoint_name(self, ckpt_name: str) -> tuple[str, str | None]:
         for part, ours in self.renamed_modules.items():
