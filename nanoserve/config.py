@@ -117,7 +117,7 @@ class ModelConfig:
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            rope_scaling=raw.get("rope_scaling") or _rope_scaling_from_parameters(raw),
+            rope_scaling=_rope_scaling(raw),
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             attention_bias=bool(attention_bias),
@@ -144,12 +144,24 @@ def read_config_json(model_dir: str) -> dict:
     return raw
 
 
-def _rope_scaling_from_parameters(raw: dict) -> dict | None:
-    # transformers >= 5 writes rope settings as "rope_parameters"; a plain default rope is no scaling.
-    params = raw.get("rope_parameters")
-    if not params or params.get("rope_type", "default") == "default":
+def _rope_scaling(raw: dict) -> dict | None:
+    """rope_scaling (transformers >= 5 writes it as rope_parameters) completed as transformers completes it, with the
+    model's max_position_embeddings beside it for layers/rotary.py's formulas; None for a plain rope."""
+    params = raw.get("rope_scaling") or raw.get("rope_parameters")
+    if not params:
         return None
-    return params
+    scaling = dict(params)
+    kind = scaling.setdefault("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind in ("llama3", "yarn", "longrope"):
+        # Phi-3 keeps the pretraining length beside rope_scaling, and transformers lets that copy win.
+        if "original_max_position_embeddings" in raw:
+            scaling["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
+        else:
+            scaling.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings", 2048))
+    scaling["max_position_embeddings"] = raw.get("max_position_embeddings", 2048)
+    return scaling
 
 
 def _eos_ids(generation_config_dir: str | None, raw: dict) -> list[int]:

@@ -1,43 +1,153 @@
-"""Rotary position embeddings (rotate-half layout, as in Hugging Face), with llama3 and linear scaling."""
+"""Rotary position embeddings (rotate-half layout, as in Hugging Face) and the rope_scaling types checkpoints use.
+
+Each type's inverse frequencies and attention factor follow transformers' modeling_rope_utils.py (its
+ROPE_INIT_FUNCTIONS), operation for operation, so the tables equal transformers' bit for bit. The attention factor
+(yarn's mscale, longrope's) multiplies the cos and sin tables, as transformers does; the GPU kernels read only
+cos_half/sin_half, so every path (prefill, decode, the fused kernels) gets it without knowing about it.
+
+Two types depend, in transformers, on the length of the sequence being run, which a paged cache cannot follow: keys
+are rotated once when stored, and a table that changed with the length would leave cached keys rotated by another one.
+Both are decided once, from max_model_len (the `max_position` this layer is built for), as vLLM does:
+- longrope: transformers uses short_factor while the sequence is at most original_max_position_embeddings long and
+  long_factor for every position once it is longer. Here long_factor is used for all positions when max_model_len
+  exceeds original_max_position_embeddings, short_factor otherwise (vLLM's Phi3LongRoPEScaledRotaryEmbedding picks
+  by max_model_len for this reason). So with --max-model-len at most the original length, or for sequences longer
+  than it, the rotation is transformers'; a short sequence on an engine allowing longer ones is rotated with
+  long_factor where transformers would use short_factor.
+- dynamic (dynamic NTK): transformers keeps the base until the sequence passes max_position_embeddings, then
+  recomputes it for the current length. Here the base is computed once for max(max_model_len,
+  max_position_embeddings), with transformers' formula (vLLM's DynamicNTKScalingRotaryEmbedding computes it once
+  for the served length since vllm-project/vllm#41277). Up to max_position_embeddings, the base is unchanged, exactly
+  as in transformers; max_model_len never exceeds max_position_embeddings today, so every sequence matches.
+
+`scaling` is config.py's ModelConfig.rope_scaling: the checkpoint's fields plus rope_type,
+original_max_position_embeddings (for llama3, yarn and longrope) and the model's max_position_embeddings, which
+yarn's and longrope's default factor and dynamic's base are computed from.
+"""
 
 import math
 
 import torch
 from torch import nn
 
+SUPPORTED = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 
-def _inv_freq(head_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+
+def rope_frequencies(dim: int, base: float, scaling: dict | None, max_model_len: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [dim / 2] of a `dim`-wide rotation and the attention factor multiplying cos and sin."""
+    scaling = scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in SUPPORTED:
+        raise ValueError(f"rope_scaling: type {kind!r} is not supported ({', '.join(SUPPORTED)} are)")
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     if kind == "default":
-        return inv_freq
+        return 1.0 / base**exponents, 1.0
     if kind == "linear":
-        return inv_freq / scaling["factor"]
+        return 1.0 / base**exponents / _field(scaling, "factor"), 1.0
     if kind == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"rope_scaling: type {kind!r} is not supported (default, linear, llama3 are)")
+        return _llama3(1.0 / base**exponents, scaling), 1.0
+    if kind == "yarn":
+        return _yarn(dim, base, exponents, scaling)
+    if kind == "longrope":
+        return _longrope(dim, base, exponents, scaling, max_model_len)
+    trained = _field(scaling, "max_position_embeddings")
+    factor = _field(scaling, "factor")
+    length = max(max_model_len, trained)
+    base = base * ((factor * length / trained) - (factor - 1)) ** (dim / (dim - 2))
+    return 1.0 / base**exponents, 1.0
+
+
+def _field(scaling: dict, name: str):
+    if scaling.get(name) is None:
+        raise ValueError(f"rope_scaling: type {scaling.get('rope_type', scaling.get('type'))!r} needs {name!r}")
+    return scaling[name]
+
+
+def _llama3(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor = _field(scaling, "factor")
+    low, high = _field(scaling, "low_freq_factor"), _field(scaling, "high_freq_factor")
+    old_len = _field(scaling, "original_max_position_embeddings")
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn(dim: int, base: float, exponents: torch.Tensor, scaling: dict) -> tuple[torch.Tensor, float]:
+    old_len = _field(scaling, "original_max_position_embeddings")
+    factor = scaling.get("factor")
+    if factor is None:
+        # DeepSeek-V3's way: the extension is implied by the two lengths.
+        factor = _field(scaling, "max_position_embeddings") / old_len
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention = float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+        else:
+            attention = _yarn_mscale(factor, 1)
+    # transformers treats 0 (and None) as unset here.
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+    pos_freqs = base**exponents
+    extrapolated = 1.0 / pos_freqs
+    interpolated = 1.0 / (factor * pos_freqs)
+    # Dimensions that turn more than beta_fast times over the original length keep their frequency, those that turn
+    # fewer than beta_slow times are interpolated by `factor`, and a linear ramp blends the ones between.
+    low = _yarn_dim(beta_fast, dim, base, old_len)
+    high = _yarn_dim(beta_slow, dim, base, old_len)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp
+    return interpolated * (1 - keep) + extrapolated * keep, attention
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_dim(rotations: float, dim: int, base: float, length: int) -> float:
+    """The dimension whose wavelength fits `rotations` times in `length` tokens (fractional)."""
+    return (dim * math.log(length / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+
+def _longrope(dim: int, base: float, exponents: torch.Tensor, scaling: dict,
+              max_model_len: int) -> tuple[torch.Tensor, float]:
+    old_len = _field(scaling, "original_max_position_embeddings")
+    factor = scaling.get("factor")
+    if factor is None:
+        # Phi-3's way: no factor in rope_scaling, the extension is implied by the two lengths.
+        factor = _field(scaling, "max_position_embeddings") / old_len
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+    # Both are checked, so that a config is refused or served whatever --max-model-len picks.
+    for name in ("short_factor", "long_factor"):
+        if len(_field(scaling, name)) != dim // 2:
+            raise ValueError(f"rope_scaling: {name} has {len(scaling[name])} values; the rotary dimension {dim} "
+                             f"needs {dim // 2}")
+    factors = scaling["long_factor" if max_model_len > old_len else "short_factor"]
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base**exponents), attention
 
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None) -> None:
         super().__init__()
-        inv_freq = _inv_freq(head_dim, base, scaling)
+        inv_freq, attention = rope_frequencies(head_dim, base, scaling, max_position)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", emb.cos() * attention, persistent=False)
+        self.register_buffer("sin", emb.sin() * attention, persistent=False)
         # The GPU kernel reads one half: the two halves of cat(freqs, freqs) are equal.
-        self.register_buffer("cos_half", freqs.cos(), persistent=False)
-        self.register_buffer("sin_half", freqs.sin(), persistent=False)
+        self.register_buffer("cos_half", freqs.cos() * attention, persistent=False)
+        self.register_buffer("sin_half", freqs.sin() * attention, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q [T, Hq, D], k [T, Hkv, D] -> rotated (in place on the GPU, copies on the CPU)."""
