@@ -109,3 +109,29 @@ def test_config_rule():
     assert cfg(2, 4096, 4096, 2) == fp8_gemv_module._Config(True, 16, 32, 256, 4, 4)
     assert cfg(32, 28672, 4096, 2) == fp8_gemv_module._Config(True, 32, 64, 256, 4, 4)
     assert cfg(32, 28672, 4096, 4).num_stages == 2
+
+
+@pytest.mark.parametrize("activations", ["token", "tensor"])
+def test_linear_method_dispatch(device, gen, activations):
+    """Fp8LinearMethod's CUDA forward (called directly, so the interpreter runs it here) takes the FP8 GEMV for 1 to
+    32 rows of any activation dtype, with the scheme's result; above, fp32 rows are left to the reference (None), as
+    torch._scaled_mm takes bf16 only."""
+    from nanoserve.layers.linear import Linear
+    from nanoserve.quantization.fp8_linear import Fp8LinearMethod
+    from nanoserve.quantization.scheme import FP8Scheme
+
+    method = Fp8LinearMethod(FP8Scheme("compressed-tensors", "channel", activations, serialized=False))
+    layer = Linear(72, 40, bias=True).to(device)
+    method.quantize_loaded(layer)
+    if activations == "tensor":
+        layer.input_scale = torch.nn.Parameter(torch.full((1,), 0.01, device=device), requires_grad=False)
+    method.process_weights(layer)
+    input_scale = layer.input_scale if activations == "tensor" else None
+    for m in (1, 32):
+        x = torch.randn(m, 72, generator=gen).to(device)
+        got = method._apply_cuda(layer, x, input_scale)
+        want = fp8_math.fp8_linear_reference(x, layer.weight, layer.weight_scale, layer.bias, activations,
+                                             input_scale)
+        assert got is not None
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert method._apply_cuda(layer, torch.randn(MAX_M + 1, 72, generator=gen).to(device), input_scale) is None
