@@ -14,10 +14,8 @@ Under tensor parallelism a row-parallel layer's input is quantized per token ove
 (sharing each row's amax would cost an all-reduce a layer): the token scheme then differs slightly between TP
 sizes, while block groups lie within a rank's columns (scheme.check_model) and quantize alike at every size.
 
-The forward: on the CPU, fp8_math.fp8_linear_reference (fp32). On CUDA, W8A8 per-tensor or per-channel weights at up
-to FP8_GEMV_MAX_ROWS rows (decode) through kernels/fp8_gemv.py, which streams each weight byte once (any activation
-dtype and shape); in bfloat16 above that: per-token or static activations through kernels/fp8_quant.py and
-torch._scaled_mm with rowwise scales; block weights through
+The forward: on the CPU, fp8_math.fp8_linear_reference (fp32). On CUDA in bfloat16: per-token or static activations
+through kernels/fp8_quant.py and torch._scaled_mm with rowwise scales; block weights through
 kernels/fp8_block_gemm.py, which quantizes the activations' groups itself; weight-only, and shapes or dtypes that
 _scaled_mm does not take (it needs dimensions that divide by 16 and bf16 output with rowwise scales), dequantize and
 run PyTorch's GEMM.
@@ -32,11 +30,6 @@ from nanoserve.layers.linear import Linear, load_whole
 from nanoserve.quantization import fp8_math
 from nanoserve.quantization.fp8_math import FP8
 from nanoserve.quantization.scheme import FP8Scheme
-
-# Rows up to which the FP8 skinny GEMM runs instead of torch._scaled_mm (kernels/fp8_gemv.py's MAX_M, the bf16 skinny
-# GEMM's limit, layers/step_plan.py's SKINNY_MAX_ROWS). Decided by the rows alone, not the step's plan, which
-# quant_method.apply does not see: a captured decode graph has a fixed row count, so each graph takes one path.
-FP8_GEMV_MAX_ROWS = 32
 
 # --load-format dummy: every scale is 1, so the random fp8 weights are the weights (uniform in +-0.02, as an
 # unquantized dummy model's).
@@ -172,11 +165,6 @@ class Fp8LinearMethod:
             from nanoserve.kernels.fp8_block_gemm import fp8_block_linear
 
             return fp8_block_linear(x, layer.weight, layer.weight_scale, s.block, layer.bias)
-        if s.activations is not None and 1 <= x.shape[0] <= FP8_GEMV_MAX_ROWS:
-            from nanoserve.kernels.fp8_gemv import fp8_gemv
-
-            return fp8_gemv(x if x.stride(-1) == 1 else x.contiguous(), layer.weight, layer.weight_scale,
-                            layer.bias, input_scale)
         n, k = layer.weight.shape
         if s.activations is None or x.dtype != torch.bfloat16 or n % 16 or k % 16:
             if s.activations is not None:
