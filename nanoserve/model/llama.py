@@ -16,8 +16,28 @@ from nanoserve.layers.rotary import RotaryEmbedding
 from nanoserve.layers.step_plan import KernelPlan
 
 
+def layer_sliding_window(config: ModelConfig, layer: int) -> int | None:
+    """The sliding window of `layer` (None: it sees the whole context), as transformers decides it: by layer_types
+    where config.json lists them; Qwen2's window only in layers >= max_window_layers (and only with
+    use_sliding_window); Mistral's in every layer."""
+    window = config.sliding_window
+    if window is None:
+        return None
+    raw = config.raw
+    layer_types = raw.get("layer_types")
+    if layer_types:
+        return window if layer_types[layer] == "sliding_attention" else None
+    if raw.get("model_type") in ("qwen2", "qwen2_moe"):
+        # transformers' Qwen2 defaults use_sliding_window to false (config.py's sliding_window assumes true).
+        if not raw.get("use_sliding_window", False):
+            return None
+        return window if layer >= raw.get("max_window_layers", 28) else None
+    return window
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, qk_norm: bool, tp: TensorParallelGroup) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, qk_norm: bool, tp: TensorParallelGroup,
+                 layer: int = 0) -> None:
         super().__init__()
         self.qkv_proj = QKVLinear(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
                                   config.head_dim, config.attention_bias, tp)
@@ -32,7 +52,8 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
+                              sliding_window=layer_sliding_window(config, layer))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.attend(positions, self.qkv_proj(x, meta.plan), meta)
@@ -102,10 +123,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, qk_norm: bool, tp: TensorParallelGroup,
-                 mlp: nn.Module) -> None:
+                 mlp: nn.Module, layer: int = 0) -> None:
         """mlp: LlamaMLP, or an MoE block (layers/moe.py) with the same forward and forward_norm."""
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary, qk_norm, tp)
+        self.self_attn = LlamaAttention(config, rotary, qk_norm, tp, layer)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -147,7 +168,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         rotary = RotaryEmbedding(config.head_dim, max_model_len, config.rope_theta, config.rope_scaling)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, qk_norm, tp, make_mlp(i))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, qk_norm, tp, make_mlp(i), i)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
