@@ -60,3 +60,20 @@ def test_windowed_models_match_transformers(arch, windowed):
     got += [o.outputs[0].token_ids for o in llm.generate(again, params, use_tqdm=False)]
     for i, (g, e) in enumerate(zip(got, expected, strict=True)):
         assert g == e, f"{arch} prompt {i} ({len((prompts + again)[i])} tokens)"
+
+
+@pytest.mark.parametrize("window", [24, 150])
+def test_long_context_mode_with_a_window(tmp_path, window, monkeypatch):
+    """A prompt four times the GPU pool (long-context mode, kv_ring.py): a window inside the device's blocks skips
+    every older chunk; a wider one reaches into them, which come back in position order (slots of two blocks)."""
+    from nanoserve.worker import kv_ring
+
+    monkeypatch.setattr(kv_ring, "RING_SLOT_TOKENS", 32)
+    path = str(write_checkpoint(tmp_path / "m", "mistral", sliding_window=window))
+    prompt = torch.randint(2, 384, (400,), generator=torch.Generator().manual_seed(3)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    reference = LLM(path, num_kv_blocks=64, block_size=16).generate([prompt], params, use_tqdm=False)
+    llm = LLM(path, kv_offload_gb=0.01, num_kv_blocks=6, block_size=16)
+    got = llm.generate([prompt], params, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == reference[0].outputs[0].token_ids
+    assert llm.engine.block_manager.cpu.allocated > 0
