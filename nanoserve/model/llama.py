@@ -65,7 +65,8 @@ class LlamaAttention(nn.Module):
             from nanoserve.kernels.decode_rope_attention import decode_rope_attention
 
             out = decode_rope_attention(*self._rope_args(positions, qkv, meta), meta.seq_lens, meta.block_tables,
-                                        self.attn.scale, counters=meta.decode_counters)
+                                        self.attn.scale, counters=meta.decode_counters,
+                                        window=self.attn.sliding_window, sinks=self.attn.sink_logits())
         else:
             out = self.attn.attend(self.store(positions, qkv, meta), meta)
         return self.o_proj(out.flatten(1), meta.plan)
