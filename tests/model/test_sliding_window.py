@@ -62,18 +62,77 @@ def test_windowed_models_match_transformers(arch, windowed):
         assert g == e, f"{arch} prompt {i} ({len((prompts + again)[i])} tokens)"
 
 
-@pytest.mark.parametrize("window", [24, 150])
-def test_long_context_mode_with_a_window(tmp_path, window, monkeypatch):
+def _add_sinks(path, num_layers: int, num_heads: int) -> None:
+    """A sink logit per head in each layer's checkpoint tensors, under the name the layers load it by: near the
+    log of the number of keys a row sees, so that the sink takes a good share of the weight."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    g = torch.Generator().manual_seed(5)
+    for i in range(num_layers):
+        tensors[f"model.layers.{i}.self_attn.attn.sinks"] = torch.randn(num_heads, generator=g) + 5
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("window,sinks", [(24, False), (150, True), (None, True)])
+def test_long_context_mode_with_a_window(tmp_path, window, sinks, monkeypatch):
     """A prompt four times the GPU pool (long-context mode, kv_ring.py): a window inside the device's blocks skips
-    every older chunk; a wider one reaches into them, which come back in position order (slots of two blocks)."""
+    every older chunk; a wider one reaches into them, which come back in position order (slots of two blocks).
+    Sinks (on every layer here) join the merged pieces once."""
+    import functools
+
+    from nanoserve.layers.attention import Attention
+    from nanoserve.model import llama
     from nanoserve.worker import kv_ring
 
     monkeypatch.setattr(kv_ring, "RING_SLOT_TOKENS", 32)
-    path = str(write_checkpoint(tmp_path / "m", "mistral", sliding_window=window))
+    path = write_checkpoint(tmp_path / "m", "mistral", sliding_window=window)
+    if sinks:
+        _add_sinks(path, 2, 4)
+        monkeypatch.setattr(llama, "Attention", functools.partial(Attention, sinks=True))
     prompt = torch.randint(2, 384, (400,), generator=torch.Generator().manual_seed(3)).tolist()
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    reference = LLM(path, num_kv_blocks=64, block_size=16).generate([prompt], params, use_tqdm=False)
-    llm = LLM(path, kv_offload_gb=0.01, num_kv_blocks=6, block_size=16)
+    reference = LLM(str(path), num_kv_blocks=64, block_size=16).generate([prompt], params, use_tqdm=False)
+    llm = LLM(str(path), kv_offload_gb=0.01, num_kv_blocks=6, block_size=16)
+    assert all(layer.sinks is not None for layer in llm.engine.runner.attn_layers) == sinks
     got = llm.generate([prompt], params, use_tqdm=False)
     assert got[0].outputs[0].token_ids == reference[0].outputs[0].token_ids
     assert llm.engine.block_manager.cpu.allocated > 0
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_torch_backend_sinks_match_transformers_gpt_oss_eager(window):
+    """The PyTorch backend's sinks (and window) against transformers' gpt-oss eager attention, which appends each
+    head's sink logit to the scores, takes the softmax and drops the sink's column: a chunk of 5 new tokens after
+    9 cached ones, GQA 2, block size 4, pages out of order."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from nanoserve.layers.attention import Attention, AttentionMetadata
+
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, seq_len, q_len, bs = 4, 2, 16, 14, 5, 4
+    attn = Attention(heads, kv_heads, dim, sliding_window=window, sinks=True)
+    assert attn.sinks.shape == (heads,)
+    attn.sinks.data.copy_(torch.randn(heads, generator=g) * 2)
+    k = torch.randn(seq_len, kv_heads, dim, generator=g)
+    v = torch.randn(seq_len, kv_heads, dim, generator=g)
+    q = torch.randn(q_len, heads, dim, generator=g)
+    pages = [3, 0, 2, 1]
+    attn.k_cache, attn.v_cache = torch.zeros(4, bs, kv_heads, dim), torch.zeros(4, bs, kv_heads, dim)
+    for p in range(seq_len):
+        attn.k_cache[pages[p // bs], p % bs], attn.v_cache[pages[p // bs], p % bs] = k[p], v[p]
+    meta = AttentionMetadata(torch.zeros(q_len, dtype=torch.int64), torch.tensor([0, q_len], dtype=torch.int32),
+                             torch.tensor([seq_len], dtype=torch.int32), torch.tensor([pages], dtype=torch.int32),
+                             q_len, 0)
+    got = attn.attend(q, meta)
+
+    q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+    k_pos = torch.arange(seq_len)[None, :]
+    seen = (k_pos <= q_pos) & (k_pos > q_pos - (window or seq_len + 1))
+    mask = torch.zeros(q_len, seq_len).masked_fill(~seen, float("-inf"))[None, None]
+    module = SimpleNamespace(num_key_value_groups=heads // kv_heads, sinks=attn.sinks.data, training=False)
+    want, _ = eager_attention_forward(module, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                      v.transpose(0, 1)[None], mask, dim**-0.5)
+    torch.testing.assert_close(got, want[0], atol=1e-5, rtol=1e-5)
