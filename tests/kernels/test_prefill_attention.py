@@ -205,11 +205,12 @@ def test_prefill_padding_tiles_read_nothing(make_paged_kv, gen, device, tol):
 
 
 # A sliding window (None, or keys after position - window) and attention sinks (gpt-oss) on mixed batches, the last
-# case's short chunk over a long prefix split into key ranges, several of them wholly outside the window.
+# case's short chunk over a long prefix split into key ranges, several of them wholly outside the window; a window
+# of 150 leaves key tiles that every row of a tile sees (no mask) between those some rows lose and the diagonal.
 WINDOW_CASES = [CASES[0], CASES[1], (torch.float32, 64, 4, 2, 16, [(20, 1400), (3, 300), (1, 1)])]
 
 
-@pytest.mark.parametrize("window,sinks", [(5, False), (17, True), (None, True)])
+@pytest.mark.parametrize("window,sinks", [(5, False), (17, True), (None, True), (150, False)])
 @pytest.mark.parametrize("case", WINDOW_CASES, ids=range(len(WINDOW_CASES)))
 def test_prefill_window_and_sinks(case, window, sinks, make_paged_kv, dense_attention, gen, device, tol):
     from nanoserve.kernels.prefill import prefill_attention, prefill_attention_ref

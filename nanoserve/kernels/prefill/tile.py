@@ -114,9 +114,20 @@ def _attend_rows(
     # Whole key tiles below this tile's first position are visible to every row: no masks there. Rows past the
     # sequence's sit further on and see at least as much.
     unmasked_end = kv_lo + tl.maximum(tl.minimum(first_pos, kv_hi) - kv_lo, 0) // BLOCK_N * BLOCK_N
+    if WINDOW:
+        # Below the tile's last row's window some rows lose keys: those tiles take the window's mask; from the first
+        # key tile every row's window holds on, none.
+        last_pos = pos0 + (tl.minimum(start_r + ROWS, q_rows) - 1) // PACK
+        window_end = tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N
+        window_end = tl.minimum(tl.maximum(window_end, kv_lo), unmasked_end)
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, stride_cb, stride_ct, stride_ch,
+            kv_lo, window_end, qk_scale, window, DOT_PRECISION, False, True, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+        )  # fmt: skip
+        kv_lo = window_end
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, stride_cb, stride_ct, stride_ch,
-        kv_lo, unmasked_end, qk_scale, window, DOT_PRECISION, False, WINDOW, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+        kv_lo, unmasked_end, qk_scale, window, DOT_PRECISION, False, False, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
     )  # fmt: skip
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, stride_cb, stride_ct, stride_ch,
