@@ -202,7 +202,7 @@ class EngineArgs:
     max_num_seqs: int = _arg(256, "most sequences in one step")
     max_num_batched_tokens: int = _arg(8192, "most tokens in one step (prompts are prefilled in chunks)")
     max_model_len: int | None = _arg(None, "context length, prompt and output; None: the model's "
-                                           "max_position_embeddings (or sliding_window), capped by the KV cache")
+                                           "max_position_embeddings, capped by the KV cache")
     enable_prefix_caching: bool = _arg(True, "share the KV blocks of common prompt prefixes between requests")
     kv_offload_gb: float = _arg(0.0, "GiB of CPU memory (pinned, per GPU) for KV blocks: a tier under the prefix "
                                      "cache (evicted prefix blocks are loaded back on a hit, which also serves "
@@ -471,11 +471,8 @@ def _resolve_dtype(dtype: str, checkpoint_dtype: str | None, device: torch.devic
 
 
 def _model_limit(model: ModelConfig) -> tuple[int, str]:
-    """The longest context the model runs exactly, and which of its fields says so."""
-    if model.sliding_window and model.sliding_window < model.max_position_embeddings:
-        # Without a sliding-window kernel, attention is exact only while the context fits the window.
-        return model.sliding_window, (f"the model's sliding_window: nanoserve has no sliding-window attention; "
-                                      f"max_position_embeddings is {model.max_position_embeddings}")
+    """The longest context the model runs exactly, and which of its fields says so. (A sliding window does not
+    cap it: every attention path masks keys outside a layer's window, layers/attention.py.)"""
     return model.max_position_embeddings, "the model's max_position_embeddings"
 
 

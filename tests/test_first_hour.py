@@ -251,8 +251,7 @@ def test_engine_logs_what_it_loaded(caplog, one_thread):
     ({}, {}, "max_model_len 512 (the model's max_position_embeddings)"),
     ({"max_model_len": 100}, {}, "max_model_len 100 (asked for with --max-model-len)"),
     ({}, {"architectures": ["MistralForCausalLM"], "sliding_window": 256},
-     "max_model_len 256 (the model's sliding_window: nanoserve has no sliding-window attention; "
-     "max_position_embeddings is 512)"),
+     "max_model_len 512 (the model's max_position_embeddings)"),
 ])
 def test_summary_says_what_set_max_model_len(tmp_path, args, config, expected):
     model = bundled_copy(tmp_path / "m", **config)

@@ -7,7 +7,8 @@ pieces is the pieces' outputs weighted by exp(lse_piece - lse_union), so no piec
 
 Keys are paged ([blocks, block_size, kv heads, head_dim], any block stride: a ring slot holding keys and values of a
 block side by side works as well as the pool) and listed by `block_ids`; key j sits at position key_pos0 + j and
-query i at q_pos0 + i, which sees keys up to its own position.
+query i at q_pos0 + i, which sees keys up to its own position, and with a sliding window W only those after its
+position - W. A layer's attention sinks (gpt-oss) are no piece's: the caller adds them once to the merged result.
 """
 
 import torch
@@ -21,7 +22,7 @@ except ImportError:  # CPU-only installs: the PyTorch reference serves there
 
 def chunk_attention_ref(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, block_ids: torch.Tensor,
                         num_keys: int, key_pos0: int, q_pos0: int, scale: float, out: torch.Tensor,
-                        lse: torch.Tensor, accumulate: bool) -> None:
+                        lse: torch.Tensor, accumulate: bool, window: int | None = None) -> None:
     """PyTorch reference (and the CPU path): same contract as chunk_attention."""
     group = q.shape[1] // k_blocks.shape[2]
     k = k_blocks[block_ids.long()].flatten(0, 1)[:num_keys].float().repeat_interleave(group, 1)  # [N, Hq, D]
@@ -29,7 +30,10 @@ def chunk_attention_ref(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch
     scores = torch.einsum("mhd,nhd->hmn", q.float(), k) * scale
     q_pos = q_pos0 + torch.arange(q.shape[0], device=q.device)
     k_pos = key_pos0 + torch.arange(num_keys, device=q.device)
-    scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    hidden = k_pos[None, :] > q_pos[:, None]
+    if window is not None:
+        hidden |= k_pos[None, :] <= q_pos[:, None] - window
+    scores = scores.masked_fill(hidden[None], float("-inf"))
     piece_lse = torch.logsumexp(scores, dim=-1)  # [Hq, M]; -inf where a query sees no key here
     probs = torch.exp(scores - piece_lse.clamp_min(-1e30)[..., None])
     piece = torch.einsum("hmn,nhd->mhd", probs, v)
@@ -49,7 +53,8 @@ if triton is not None:
     @triton.jit
     def _chunk_attention_kernel(q_ptr, k_ptr, v_ptr, block_ids_ptr, out_ptr, lse_ptr, num_keys, key_pos0, q_pos0,
                                 num_rows, qk_scale, stride_qm, stride_qh, stride_kb, stride_kt, stride_kh,
-                                group, num_q_heads, ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                                group, num_q_heads, window, ACCUMULATE: tl.constexpr, WINDOW: tl.constexpr,
+                                DOT_PRECISION: tl.constexpr,
                                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                                 BLOCK_N: tl.constexpr):
         # GQA packing: a program serves one kv head, and its tile's entries are (query row, query head of the group)
@@ -68,7 +73,12 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        for start_n in range(0, hi, BLOCK_N):
+        lo = 0
+        if WINDOW:
+            # Keys before the tile's first query's window are masked for every entry: start at their tile.
+            lo = tl.maximum(q_pos0 + tl.program_id(0) * BLOCK_M // group - window + 1 - key_pos0, 0)
+            lo = lo // BLOCK_N * BLOCK_N
+        for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             n_ok = offs_n < hi
             blocks = tl.load(block_ids_ptr + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
@@ -78,6 +88,8 @@ if triton is not None:
             # Products in the inputs' precision, accumulated in fp32; the softmax is fp32 throughout.
             qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # log2 units: qk_scale holds log2(e)
             seen = (key_pos0 + offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+            if WINDOW:
+                seen = seen & (key_pos0 + offs_n[None, :] > q_pos[:, None] - window)
             qk = tl.where(seen, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
@@ -108,10 +120,10 @@ if triton is not None:
 
 def chunk_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, block_ids: torch.Tensor,
                     num_keys: int, key_pos0: int, q_pos0: int, scale: float, out: torch.Tensor, lse: torch.Tensor,
-                    accumulate: bool) -> None:
+                    accumulate: bool, window: int | None = None) -> None:
     """q [M, Hq, D] over keys 0..num_keys-1 of k/v_blocks[block_ids] ([blocks, block_size, Hkv, D], the last two
     dims contiguous; k and v with the same strides), into fp32 out [M, Hq, D] and lse [M, Hq] (contiguous): replaced,
-    or with accumulate merged with what they hold."""
+    or with accumulate merged with what they hold. window: the sliding window (module docstring), None for none."""
     assert k_blocks.stride() == v_blocks.stride() and k_blocks.stride(3) == 1 and q.stride(2) == 1
     assert out.is_contiguous() and lse.is_contiguous() and out.dtype == lse.dtype == torch.float32
     rows, heads, head_dim = q.shape
@@ -126,6 +138,6 @@ def chunk_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Ten
     _chunk_attention_kernel[grid](
         q, k_blocks, v_blocks, block_ids, out, lse, num_keys, key_pos0, q_pos0, rows, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k_blocks.stride(0), k_blocks.stride(1), k_blocks.stride(2),
-        group, heads, ACCUMULATE=accumulate,
+        group, heads, window or 0, ACCUMULATE=accumulate, WINDOW=window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HEAD_DIM=head_dim, BLOCK_SIZE=k_blocks.shape[1],
         BLOCK_M=block_m, BLOCK_N=64, num_warps=warps, num_stages=stages)

@@ -25,7 +25,7 @@ import triton.language as tl
 from nanoserve.kernels.decode_launch import launch_reduce, plan_split_launch
 from nanoserve.kernels.decode_split import attend_split, split_range
 from nanoserve.kernels.pdl import wait_for_prior_grids
-from nanoserve.kernels.prefill.attention import gather_kv
+from nanoserve.kernels.prefill.attention import gather_kv, softmax_with_sinks
 
 LOG2E = 1.4426950408889634  # the kernels use exp2/log2: scores are scaled by scale * log2(e)
 
@@ -33,8 +33,9 @@ LOG2E = 1.4426950408889634  # the kernels use exp2/log2: scores are scaled by sc
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_ptr, mid_o_ptr, mid_lse_ptr,
                          out_ptr, counters_ptr, order_ptr, qk_scale, stride_qb, stride_qh, stride_cb, stride_ct,
-                         stride_ch, stride_bt, stride_ob, stride_oh, num_queries_per_kv, num_splits,
-                         SPLIT: tl.constexpr, FUSED: tl.constexpr, HAS_ORDER: tl.constexpr,
+                         stride_ch, stride_bt, stride_ob, stride_oh, num_queries_per_kv, num_splits, window,
+                         sinks_ptr, SPLIT: tl.constexpr, FUSED: tl.constexpr, HAS_ORDER: tl.constexpr,
+                         WINDOW: tl.constexpr, SINKS: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
                          USE_PDL: tl.constexpr):
@@ -52,18 +53,23 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_ta
     heads = kv_head * num_queries_per_kv + offs_g
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=(offs_g < num_queries_per_kv)[:, None], other=0.0)
-    seq_len, chunk, kv_start, kv_end = split_range(seq_lens_ptr, seq, split, num_splits, BLOCK_N)
+    seq_len, chunk, kv_start, kv_end = split_range(seq_lens_ptr, seq, split, num_splits, window, BLOCK_N, WINDOW)
     attend_split(q, None, None, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt, mid_o_ptr,
                  mid_lse_ptr, out_ptr, counters_ptr, seq, kv_head, split, seq_len, chunk, kv_start, kv_end, qk_scale,
                  stride_cb, stride_ct, stride_ch, stride_ob, stride_oh, num_queries_per_kv, num_splits, -1, None, None,
-                 False, False, SPLIT, FUSED, DOT_PRECISION, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_N, BLOCK_G, BLOCK_S)
+                 sinks_ptr, False, False, SPLIT, FUSED, WINDOW, SINKS, DOT_PRECISION, HEAD_DIM, BLOCK_SIZE, BLOCK_H,
+                 BLOCK_N, BLOCK_G, BLOCK_S)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                      block_tables: torch.Tensor, scale: float, num_splits: int | None = None,
                      out: torch.Tensor | None = None, counters: torch.Tensor | None = None,
-                     order: torch.Tensor | None = None) -> torch.Tensor:
+                     order: torch.Tensor | None = None, window: int | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, num_q_heads, head_dim], one token per sequence at position seq_lens[b] - 1; returns q's shape.
+
+    window: a sliding window (the query sees the last `window` keys), None for none. sinks: fp32 [num_q_heads],
+    each head's sink logit joining the softmax's denominator (gpt-oss), None for none.
 
     num_splits must not depend on tensor values when the call is captured in a CUDA graph; by default it
     comes from shapes only (batch, kv heads, block_tables width). out, if given, is written in place.
@@ -81,7 +87,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert q.stride(2) == 1
     out = torch.empty_like(q) if out is None else out
     assert out.shape == q.shape
-    launch = plan_split_launch(q.dtype, out, k_cache, v_cache, seq_lens, block_tables, num_splits, counters)
+    launch = plan_split_launch(q.dtype, out, k_cache, v_cache, seq_lens, block_tables, num_splits, counters, window)
     if launch is None:
         return out
     if order is not None:
@@ -92,7 +98,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         q.shape[1] // k_cache.shape[2],
         launch.grid[2],  # num_splits as a runtime value: one compiled kernel serves every batch's split count
-        HAS_ORDER=order is not None, **launch.options)
+        window or 0, sinks, HAS_ORDER=order is not None, WINDOW=window is not None, SINKS=sinks is not None,
+        **launch.options)
     launch_reduce(launch, out)
     return out
 
@@ -100,7 +107,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                          block_tables: torch.Tensor, scale: float, num_splits: int | None = None,
                          out: torch.Tensor | None = None, counters: torch.Tensor | None = None,
-                         order: torch.Tensor | None = None) -> torch.Tensor:
+                         order: torch.Tensor | None = None, window: int | None = None,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Plain PyTorch version of decode_attention, in fp32; num_splits, counters and order are accepted and
     ignored."""
     group = q.shape[1] // k_cache.shape[2]
@@ -110,6 +118,8 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             out[b] = 0
             continue
         k, v = gather_kv(k_cache, v_cache, block_tables[b], seq_len, group)
-        scores = (k @ q[b].float()[:, :, None]).squeeze(-1) * scale  # [H, seq_len]
-        out[b] = (scores.softmax(-1)[:, None, :] @ v).squeeze(1).to(q.dtype)
+        first = 0 if window is None else max(seq_len - window, 0)
+        k, v = k[:, first:], v[:, first:]
+        scores = (k @ q[b].float()[:, :, None]).squeeze(-1) * scale  # [H, keys]
+        out[b] = (softmax_with_sinks(scores, sinks)[:, None, :] @ v).squeeze(1).to(q.dtype)
     return out

@@ -44,9 +44,10 @@ class SplitLaunch(NamedTuple):
 
 def plan_split_launch(dtype: torch.dtype, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       seq_lens: torch.Tensor, block_tables: torch.Tensor, num_splits: int | None,
-                      counters: torch.Tensor | None) -> SplitLaunch | None:
+                      counters: torch.Tensor | None, window: int | None = None) -> SplitLaunch | None:
     """Check the arguments (as decode_attention takes them) against out [B, num_q_heads, head_dim] and plan the
-    launch; dtype is the queries' (fp32 gets an exact dot). None when there is nothing to launch (B == 0)."""
+    launch; dtype is the queries' (fp32 gets an exact dot). None when there is nothing to launch (B == 0).
+    window: a sliding window, which bounds the keys the splits share out."""
     batch, num_q_heads, head_dim = out.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert head_dim in (64, 128), "head_dim must be 64 or 128"
@@ -61,7 +62,8 @@ def plan_split_launch(dtype: torch.dtype, out: torch.Tensor, k_cache: torch.Tens
     if batch == 0:
         return None
     if num_splits is None:
-        num_splits = default_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size)
+        longest = block_tables.shape[1] * block_size
+        num_splits = default_num_splits(batch, num_kv_heads, longest if window is None else min(window, longest))
     group = num_q_heads // num_kv_heads
     split = num_splits > 1
     fused = split and counters is not None

@@ -17,12 +17,13 @@ MERGE_TILE = 8192
 
 
 @triton.jit
-def merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, first_row, out_offset, stride_oh, seq_len, chunk,
+def merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, first_row, out_offset, stride_oh, num_keys, chunk,
                  num_queries_per_kv, num_splits,
                  HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr):
     """Merge the partials of the query heads first_row.. (rows of [.., num_splits, HEAD_DIM]) into out.
 
-    Only splits that hold keys (split * chunk < seq_len) are read: the others never stored anything. The
+    Only splits that hold keys (split * chunk < num_keys, the keys the query sees) are read: the others never
+    stored anything. The
     loads use .cg (L2, not L1) because the partials were written by other programs on other SMs; see the
     ordering argument in write_split."""
     offs_g = tl.arange(0, BLOCK_G)
@@ -40,7 +41,7 @@ def merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, first_row, out_offset, stride_
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     for s0 in range(0, num_splits, BLOCK_S):
         splits = s0 + offs_s
-        used = g_valid[:, None] & ((splits < num_splits) & (splits * chunk < seq_len))[None, :]
+        used = g_valid[:, None] & ((splits < num_splits) & (splits * chunk < num_keys))[None, :]
         mid_rows = offs_g[:, None] * num_splits + splits[None, :]  # [BLOCK_G, BLOCK_S]
         lse = tl.load(lse_base + mid_rows, mask=used, other=float("-inf"), cache_modifier=".cg")
         o = tl.load(o_base + mid_rows[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=used[:, :, None],

@@ -70,9 +70,10 @@ def _norm_rope(x, x_pair, w, w_pair, cos, sin, eps, HAS_NORM: tl.constexpr, HEAD
 def _decode_rope_split_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
                               v_cache_ptr, seq_lens_ptr, block_tables_ptr, mid_o_ptr, mid_lse_ptr, out_ptr,
                               counters_ptr, qk_scale, eps, stride_qkv, stride_c, stride_cb, stride_ct, stride_ch,
-                              stride_bt, stride_ob, stride_oh, num_queries_per_kv, num_splits,
+                              stride_bt, stride_ob, stride_oh, num_queries_per_kv, num_splits, window, sinks_ptr,
                               HAS_NORM: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr,
-                              FUSED: tl.constexpr, DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
+                              FUSED: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr,
+                              DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
                               BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr):
     seq = tl.program_id(0)
@@ -92,7 +93,7 @@ def _decode_rope_split_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_p
     # new token's slot is left out of the loads (and written by this program only). With PREFETCH (small grids,
     # see _prefetch_pays) the first key tile, all of a split's keys at batch 1 up to 1,024 keys, then streams
     # while the GEMM finishes.
-    seq_len, chunk, kv_start, kv_end = split_range(seq_lens_ptr, seq, split, num_splits, BLOCK_N)
+    seq_len, chunk, kv_start, kv_end = split_range(seq_lens_ptr, seq, split, num_splits, window, BLOCK_N, WINDOW)
     pos = tl.load(pos_ptr + seq).to(tl.int64)
     slot = tl.load(slot_ptr + seq).to(tl.int64)
     last = seq_len - 1
@@ -135,8 +136,8 @@ def _decode_rope_split_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_p
     attend_split(q, k if PREFETCH else None, v if PREFETCH else None, k_cache_ptr, v_cache_ptr, bt_row, mid_o_ptr,
                  mid_lse_ptr, out_ptr, counters_ptr, seq, kv_head, split, seq_len, chunk, kv_start, kv_end, qk_scale,
                  stride_cb, stride_ct, stride_ch, stride_ob, stride_oh, num_queries_per_kv, num_splits, new_pos, qk_new,
-                 new_v, PREFETCH, True, SPLIT, FUSED, DOT_PRECISION, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_N, BLOCK_G,
-                 BLOCK_S)
+                 new_v, sinks_ptr, PREFETCH, True, SPLIT, FUSED, WINDOW, SINKS, DOT_PRECISION, HEAD_DIM, BLOCK_SIZE,
+                 BLOCK_H, BLOCK_N, BLOCK_G, BLOCK_S)
 
 
 @functools.lru_cache
@@ -160,7 +161,8 @@ def decode_rope_attention(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int
                           k_weight: torch.Tensor | None, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           slot_mapping: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                           scale: float, num_splits: int | None = None, out: torch.Tensor | None = None,
-                          counters: torch.Tensor | None = None, prefetch: bool | None = None) -> torch.Tensor:
+                          counters: torch.Tensor | None = None, prefetch: bool | None = None,
+                          window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """qkv_rope_store(qkv, ...) then decode_attention(q, ...) in one launch (two with num_splits > 1 and no
     counters), for a batch of decodes: row b of qkv [B, (Hq + 2 Hkv) * D] is sequence b's one new token, at
     position seq_lens[b] - 1 and cache slot slot_mapping[b] (-1: not stored). Returns [B, Hq, D] (into out if
@@ -168,6 +170,7 @@ def decode_rope_attention(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int
 
     prefetch: whether each program loads its first key tile before waiting on the kernel before it (see
     _prefetch_pays); None decides from the grid. Tests set it to cover both paths; the output is the same either way.
+    window, sinks: as decode_attention takes them.
     """
     num_tokens, width = qkv.shape
     head_dim = width // (num_q_heads + 2 * num_kv_heads)
@@ -178,7 +181,8 @@ def decode_rope_attention(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int
     if out is None:
         out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     assert out.shape == (num_tokens, num_q_heads, head_dim)
-    launch = plan_split_launch(qkv.dtype, out, k_cache, v_cache, seq_lens, block_tables, num_splits, counters)
+    launch = plan_split_launch(qkv.dtype, out, k_cache, v_cache, seq_lens, block_tables, num_splits, counters,
+                               window)
     if launch is None:
         return out
     has_norm = q_weight is not None
@@ -189,7 +193,8 @@ def decode_rope_attention(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int
         cos, sin, positions, slot_mapping, k_cache, v_cache, seq_lens, block_tables, launch.mid_o, launch.mid_lse,
         out, launch.counters, scale * LOG2E, eps, qkv.stride(0), cos.stride(0), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
-        num_q_heads // num_kv_heads, launch.grid[2], HAS_NORM=has_norm, PREFETCH=prefetch, **launch.options)
+        num_q_heads // num_kv_heads, launch.grid[2], window or 0, sinks, HAS_NORM=has_norm, PREFETCH=prefetch,
+        WINDOW=window is not None, SINKS=sinks is not None, **launch.options)
     launch_reduce(launch, out)
     return out
 
@@ -199,11 +204,13 @@ def decode_rope_attention_ref(qkv: torch.Tensor, num_q_heads: int, num_kv_heads:
                               k_weight: torch.Tensor | None, eps: float, k_cache: torch.Tensor,
                               v_cache: torch.Tensor, slot_mapping: torch.Tensor, seq_lens: torch.Tensor,
                               block_tables: torch.Tensor, scale: float, num_splits: int | None = None,
-                              out: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+                              out: torch.Tensor | None = None, counters: torch.Tensor | None = None,
+                              window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The unfused references: qkv_rope_store_ref on a copy of qkv (the caches are written), then
     decode_attention_ref; num_splits and counters are accepted and ignored."""
     qkv = qkv.clone()
     qkv_rope_store_ref(qkv, num_q_heads, num_kv_heads, positions, cos, sin, q_weight, k_weight, eps, k_cache,
                        v_cache, slot_mapping)
     q = qkv[:, :num_q_heads * k_cache.shape[3]].view(qkv.shape[0], num_q_heads, k_cache.shape[3])
-    return decode_attention_ref(q, k_cache, v_cache, seq_lens, block_tables, scale, out=out)
+    return decode_attention_ref(q, k_cache, v_cache, seq_lens, block_tables, scale, out=out, window=window,
+                                sinks=sinks)

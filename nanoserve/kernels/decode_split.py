@@ -10,12 +10,17 @@ from nanoserve.kernels.decode_merge import merge_splits
 
 
 @triton.jit
-def split_range(seq_lens_ptr, seq, split, num_splits, BLOCK_N: tl.constexpr):
-    """seq_len, the split size (chunk) and this split's keys [kv_start, kv_end) of sequence seq."""
+def split_range(seq_lens_ptr, seq, split, num_splits, window, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr):
+    """seq_len, the split size (chunk) and this split's keys [kv_start, kv_end) of sequence seq. WINDOW: the query
+    (at seq_len - 1) sees the last `window` keys only, and the splits share those out."""
     # Chunks are whole BLOCK_N tiles so that every tile but a sequence's last is full.
     seq_len = tl.load(seq_lens_ptr + seq)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    kv_start = split * chunk
+    if WINDOW:
+        kv_base = tl.maximum(seq_len - window, 0)
+    else:
+        kv_base = 0
+    chunk = tl.cdiv(tl.cdiv(seq_len - kv_base, num_splits), BLOCK_N) * BLOCK_N
+    kv_start = kv_base + split * chunk
     return seq_len, chunk, kv_start, tl.minimum(kv_start + chunk, seq_len)
 
 
@@ -66,8 +71,8 @@ def attend_tile(q, k, v, start_n, kv_end, m_i, l_i, acc, qk_scale, new_pos, qk_n
 @triton.jit
 def write_split(acc, m_i, l_i, seq, kv_head, split, seq_len, chunk, kv_start, mid_o_ptr, mid_lse_ptr, out_ptr,
                 counters_ptr, stride_ob, stride_oh, num_queries_per_kv, num_splits, SPLIT: tl.constexpr,
-                FUSED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr,
-                BLOCK_S: tl.constexpr):
+                FUSED: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr):
     """Hand a (sequence, kv head, split) program's result on. SPLIT=False: it is the output (num_splits is 1).
     SPLIT, not FUSED: a partial for the reduce kernel. SPLIT and FUSED: a partial, and the last program of the
     (sequence, kv head) merges them all."""
@@ -111,22 +116,27 @@ def write_split(acc, m_i, l_i, seq, kv_head, split, seq_len, chunk, kv_start, mi
                 # it, so a plain store resets it; the kernel boundary publishes it to the next launch (the
                 # next layer, or the next replay of a CUDA graph).
                 tl.store(counter, 0)
+                # The merge counts splits from the first key the query sees (split_range's kv_base).
+                num_keys = seq_len - (kv_start - split * chunk) if WINDOW else seq_len
                 merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, seq * num_q_heads + kv_head * num_queries_per_kv,
                              seq.to(tl.int64) * stride_ob + (kv_head * num_queries_per_kv) * stride_oh,
-                             stride_oh, seq_len, chunk, num_queries_per_kv, num_splits,
+                             stride_oh, num_keys, chunk, num_queries_per_kv, num_splits,
                              HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_S=BLOCK_S)
 
 
 @triton.jit
 def attend_split(q, k0, v0, k_cache_ptr, v_cache_ptr, bt_row, mid_o_ptr, mid_lse_ptr, out_ptr, counters_ptr, seq,
                  kv_head, split, seq_len, chunk, kv_start, kv_end, qk_scale, stride_cb, stride_ct, stride_ch,
-                 stride_ob, stride_oh, num_queries_per_kv, num_splits, new_pos, qk_new, new_v,
+                 stride_ob, stride_oh, num_queries_per_kv, num_splits, new_pos, qk_new, new_v, sinks_ptr,
                  PREFETCHED: tl.constexpr, NEW_KV: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
+                 WINDOW: tl.constexpr, SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr):
     """A (sequence, kv head, split) program's work once its queries q [BLOCK_H, HEAD_DIM] are known: the online
     softmax over its keys [kv_start, kv_end) (PREFETCHED: the first tile is k0/v0, loaded by the caller), then
-    the result handed on (write_split). NEW_KV: see attend_tile."""
+    the result handed on (write_split). NEW_KV: see attend_tile. SINKS: the group's sink logits (fp32, natural
+    log, at sinks_ptr by query head) join the first split's sums, so the merge counts each once. WINDOW: the
+    splits' ranges start at the window (split_range)."""
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
@@ -141,6 +151,16 @@ def attend_split(q, k0, v0, k_cache_ptr, v_cache_ptr, bt_row, mid_o_ptr, mid_lse
                             stride_ct, stride_ch, NEW_KV, HEAD_DIM, BLOCK_SIZE, BLOCK_N)
         m_i, l_i, acc = attend_tile(q, k, v, start_n, kv_end, m_i, l_i, acc, qk_scale, new_pos, qk_new, new_v,
                                     NEW_KV, DOT_PRECISION, BLOCK_N)
+    if SINKS:
+        if split == 0:
+            offs_g = tl.arange(0, BLOCK_H)
+            sink = tl.load(sinks_ptr + kv_head * num_queries_per_kv + offs_g, mask=offs_g < num_queries_per_kv,
+                           other=0.0).to(tl.float32) * 1.4426950408889634  # log2 units, as the scores
+            m_new = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_new)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha + tl.exp2(sink - m_new)
+            m_i = m_new
     write_split(acc, m_i, l_i, seq, kv_head, split, seq_len, chunk, kv_start, mid_o_ptr, mid_lse_ptr, out_ptr,
-                counters_ptr, stride_ob, stride_oh, num_queries_per_kv, num_splits, SPLIT, FUSED, HEAD_DIM, BLOCK_H,
-                BLOCK_G, BLOCK_S)
+                counters_ptr, stride_ob, stride_oh, num_queries_per_kv, num_splits, SPLIT, FUSED, WINDOW, HEAD_DIM,
+                BLOCK_H, BLOCK_G, BLOCK_S)

@@ -24,7 +24,8 @@ class LongContext(Protocol):
     LongContextAttention), after the batch's attention has written their rows from their window alone."""
 
     def attend(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-               scale: float, chunk_attention: Callable) -> None: ...
+               scale: float, chunk_attention: Callable, window: int | None = None,
+               sinks: torch.Tensor | None = None) -> None: ...
 
 
 @dataclass
@@ -73,7 +74,7 @@ class TorchBackend:
 
     @staticmethod
     def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty_like(q)
         block_size = k_cache.shape[1]
         group = q.shape[1] // k_cache.shape[2]
@@ -86,12 +87,29 @@ class TorchBackend:
             v = v_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1)
             qb = q[start:end].transpose(0, 1)  # [Hq, L, D]
             q_len = end - start
-            # Query i sits at position seq_len - q_len + i and sees keys up to there.
+            # Query i sits at position seq_len - q_len + i and sees keys up to there (and, with a window, the
+            # window - 1 keys before it only).
             mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - q_len)
-            o = F.scaled_dot_product_attention(qb, k.repeat_interleave(group, 0), v.repeat_interleave(group, 0),
-                                               attn_mask=mask, scale=scale)
+            if window is not None:
+                mask &= ~torch.ones_like(mask).tril(seq_len - q_len - window)
+            k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+            if sinks is None:
+                o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale)
+            else:
+                o = _softmax_with_sinks(qb, k, v, mask, scale, sinks)
             out[start:end] = o.transpose(0, 1)
         return out
+
+
+def _softmax_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                        sinks: torch.Tensor) -> torch.Tensor:
+    """Attention of q [H, L, D] over k/v [H, S, D] where head h's sink logit sinks[h] joins each softmax's
+    denominator (gpt-oss): a column that takes weight but contributes no value."""
+    scores = (q @ k.transpose(1, 2)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype)[:, None, None].expand(-1, scores.shape[1], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    return probs.to(v.dtype) @ v
 
 
 class TritonBackend:
@@ -111,7 +129,7 @@ class TritonBackend:
 
     @staticmethod
     def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         from nanoserve.kernels.decode_attention import decode_attention
         from nanoserve.kernels.prefill.attention import prefill_attention
 
@@ -119,14 +137,15 @@ class TritonBackend:
         nd = meta.num_decodes
         if nd:
             decode_attention(q[:nd], k_cache, v_cache, meta.seq_lens[:nd], meta.block_tables[:nd], scale,
-                             out=out[:nd], counters=meta.decode_counters, order=meta.decode_order)
+                             out=out[:nd], counters=meta.decode_counters, order=meta.decode_order, window=window,
+                             sinks=sinks)
         if nd < meta.seq_lens.shape[0]:
             # Decodes come first with one token each, so the prefill part starts at token nd.
             cu = meta.cu_seqlens_q if nd == 0 else meta.cu_seqlens_q[nd:] - nd
             prefill_attention(q[nd:], k_cache, v_cache, cu, meta.seq_lens[nd:],
                               meta.block_tables[nd:], meta.max_seqlen_q, scale, out=out[nd:],
                               tile_map=meta.tile_map, block_m=meta.block_m, split_scratch=meta.split_scratch,
-                              pack=meta.pack)
+                              pack=meta.pack, window=window, sinks=sinks)
         return out
 
 
@@ -135,10 +154,20 @@ def backend_for(device: torch.device):
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """One layer's attention over the paged cache. sliding_window W: a query at position p sees keys at positions
+    p - W + 1 .. p only (W keys with itself: transformers' convention, masking_utils' `kv_idx > q_idx - W`).
+    sinks: the layer owns one learned logit per query head of this rank (gpt-oss), which joins every softmax's
+    denominator but adds no value; the model loads it, and the kernels read it as fp32."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None,
+                 sinks: bool = False) -> None:
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window: must be at least 1, got {sliding_window}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
+        self.sliding_window = sliding_window
+        self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
         self.layer_index = 0  # which layer's CPU blocks long-context attention reads (set by the model runner)
         # Set by the model runner once the pool is allocated.
         self.k_cache: torch.Tensor | None = None
@@ -149,10 +178,15 @@ class Attention(nn.Module):
         """This step's keys and values, k/v [T, Hkv, D], into the cache at meta.slot_mapping (-1: not stored)."""
         self.backend.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
 
+    def sink_logits(self) -> torch.Tensor | None:
+        """The sinks as the kernels read them (fp32, contiguous), or None without sinks."""
+        return None if self.sinks is None else self.sinks.float().contiguous()
+
     def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq, D] over the cache, which already holds this step's keys and values -> [T, Hq, D]."""
-        out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)
+        sinks = self.sink_logits()
+        out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window, sinks)
         if meta.long_context is not None:
             meta.long_context.attend(self.layer_index, q, self.k_cache, self.v_cache, out, self.scale,
-                                     self.backend.chunk_attention)
+                                     self.backend.chunk_attention, self.sliding_window, sinks)
         return out

@@ -16,6 +16,25 @@ from nanoserve.layers.rotary import RotaryEmbedding
 from nanoserve.layers.step_plan import KernelPlan
 
 
+def layer_sliding_window(config: ModelConfig, layer: int) -> int | None:
+    """The sliding window of `layer` (None: it sees the whole context), as transformers decides it: by layer_types
+    where config.json lists them; Qwen2's window only in layers >= max_window_layers (and only with
+    use_sliding_window); Mistral's in every layer."""
+    window = config.sliding_window
+    if window is None:
+        return None
+    raw = config.raw
+    layer_types = raw.get("layer_types")
+    if layer_types:
+        return window if layer_types[layer] == "sliding_attention" else None
+    if raw.get("model_type") in ("qwen2", "qwen2_moe"):
+        # transformers' Qwen2 defaults use_sliding_window to false (config.py's sliding_window assumes true).
+        if not raw.get("use_sliding_window", False):
+            return None
+        return window if layer >= raw.get("max_window_layers", 28) else None
+    return window
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, qk_norm: bool, tp: TensorParallelGroup,
                  **attention_options) -> None:
@@ -46,7 +65,8 @@ class LlamaAttention(nn.Module):
             from nanoserve.kernels.decode_rope_attention import decode_rope_attention
 
             out = decode_rope_attention(*self._rope_args(positions, qkv, meta), meta.seq_lens, meta.block_tables,
-                                        self.attn.scale, counters=meta.decode_counters)
+                                        self.attn.scale, counters=meta.decode_counters,
+                                        window=self.attn.sliding_window, sinks=self.attn.sink_logits())
         else:
             out = self.attn.attend(self.store(positions, qkv, meta), meta)
         return self.o_proj(out.flatten(1), meta.plan)
@@ -183,8 +203,8 @@ class LlamaForCausalLM(nn.Module):
         return LlamaMLP(config, tp)
 
     def attention_options(self, config: ModelConfig, layer: int) -> dict:
-        """Layer `layer`'s own Attention arguments (layers/attention.py): none for the Llama family."""
-        return {}
+        """Layer `layer`'s own Attention arguments (layers/attention.py): its sliding window."""
+        return {"sliding_window": layer_sliding_window(config, layer)}
 
     def map_checkpoint_name(self, ckpt_name: str) -> tuple[str, str | None]:
         """The parameter a checkpoint tensor loads into, and its shard in a fused parameter (None: all of it)."""

@@ -76,6 +76,16 @@ class KVRing:
         torch.cuda.current_stream().wait_event(loaded)
         return slot, self.slots[slot, :len(chunk.cpu_ids)]
 
+    def skip(self, layer: int, chunk: RingChunk) -> None:
+        """`chunk` is not loaded at `layer` (out of a sliding window): at the last layer, its earlier layers' copies
+        still have to be waited for before its CPU blocks are reused, so their end is recorded as load's is."""
+        if self.cuda and layer == self.last_layer:
+            off = self.offloader
+            with torch.cuda.stream(off.in_stream):
+                copied = torch.cuda.Event()
+                copied.record()
+            off.reading.append((copied, chunk.ids))
+
     def done(self, slot: int) -> None:
         if slot >= 0:
             self.readers[slot] = torch.cuda.Event()
@@ -100,23 +110,52 @@ class LongContextAttention:
             self.chunks.append([RingChunk(ids[i:i + step]) for i in range(0, len(ids), step)])
 
     def attend(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-               scale: float, attention: Callable) -> None:
+               scale: float, attention: Callable, window: int | None = None,
+               sinks: torch.Tensor | None = None) -> None:
         """Replace each long-context sequence's rows of `out` with attention over all of its keys, each piece by
-        `attention` (the layer's backend's: kernels/chunk_attention.py's kernel, or its PyTorch reference)."""
+        `attention` (the layer's backend's: kernels/chunk_attention.py's kernel, or its PyTorch reference). A
+        sliding window leaves out older chunks that no row sees; sinks join the merged result once, at the end."""
         bs = self.block_size
-        for row, window, chunks in zip(self.rows, self.windows, self.chunks, strict=True):
+        for row, window_ids, chunks in zip(self.rows, self.windows, self.chunks, strict=True):
             rows = slice(row.first_row, row.first_row + row.num_rows)
             qs = q[rows]
             acc = torch.empty(qs.shape, dtype=torch.float32, device=q.device)
             lse = torch.empty(qs.shape[:2], dtype=torch.float32, device=q.device)
             window_start = len(row.cpu_blocks) * bs
-            attention(qs, k_cache, v_cache, window, row.start + row.num_rows - window_start, window_start,
-                      row.start, scale, acc, lse, accumulate=False)
-            for chunk in chunks:
-                slot, blocks = self.ring.load(layer, chunk)
-                n = len(chunk.cpu_ids)
-                ids = self.ring.slot_ids[:n] if slot >= 0 else torch.arange(n, dtype=torch.int32)
-                # Key positions 0 .. n * bs - 1 stand for any older ones: every query sees every one of them.
-                attention(qs, blocks[:, 0], blocks[:, 1], ids, n * bs, 0, row.start, scale, acc, lse, accumulate=True)
-                self.ring.done(slot)
+            attention(qs, k_cache, v_cache, window_ids, row.start + row.num_rows - window_start, window_start,
+                      row.start, scale, acc, lse, accumulate=False, window=window)
+            if window is None:
+                for chunk in chunks:
+                    slot, blocks = self.ring.load(layer, chunk)
+                    n = len(chunk.cpu_ids)
+                    ids = self.ring.slot_ids[:n] if slot >= 0 else torch.arange(n, dtype=torch.int32)
+                    # Key positions 0 .. n * bs - 1 stand for any older ones: every query sees every one of them.
+                    attention(qs, blocks[:, 0], blocks[:, 1], ids, n * bs, 0, row.start, scale, acc, lse,
+                              accumulate=True)
+                    self.ring.done(slot)
+            else:
+                self._attend_windowed(layer, row, chunks, qs, acc, lse, scale, attention, window)
+            if sinks is not None:
+                # The sink's weight exp(s) beside the keys' exp(lse): the keys keep exp(lse) / (exp(lse) + exp(s)).
+                acc.mul_(torch.sigmoid(lse - sinks[None, :])[..., None])
             out[rows] = acc.to(out.dtype)
+
+    def _attend_windowed(self, layer: int, row: LongContextRow, chunks: list[RingChunk], qs: torch.Tensor,
+                         acc: torch.Tensor, lse: torch.Tensor, scale: float, attention: Callable, window: int) -> None:
+        """The older keys that a sliding window still shows some row: a tail of the sequence's CPU blocks (listed in
+        position order), loaded in position order so that each key keeps its position for the window's mask."""
+        bs = self.block_size
+        first = max(0, row.start - window + 1) // bs  # the first block holding a key the first row sees
+        seen = row.cpu_blocks[first:]
+        step = self.ring.slot_blocks
+        for i in range(0, len(seen), step):
+            chunk = RingChunk(seen[i:i + step])
+            slot, blocks = self.ring.load(layer, chunk)
+            n = len(chunk.cpu_ids)
+            ids = self.ring.slot_ids[:n] if slot >= 0 else torch.arange(n, dtype=torch.int32)
+            attention(qs, blocks[:, 0], blocks[:, 1], ids, n * bs, (first + i) * bs, row.start, scale, acc, lse,
+                      accumulate=True, window=window)
+            self.ring.done(slot)
+        if layer == self.ring.last_layer:
+            for chunk in chunks:
+                self.ring.skip(layer, chunk)

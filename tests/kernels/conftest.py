@@ -65,24 +65,34 @@ def _dense_attention(
     block_table: torch.Tensor,
     seq_len: int,
     scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Independent check for the references: one sequence's q [q_len, Hq, D] as the last q_len positions,
-    keys gathered slot by slot into contiguous tensors, fp32 SDPA with an explicit causal mask."""
+    keys gathered slot by slot into contiguous tensors, fp32 SDPA with an explicit causal mask (and sliding window:
+    keys after position - window only). With sinks [Hq], the softmax is written out with each head's sink logit as
+    an extra column that is dropped after it, as transformers' gpt-oss eager attention does."""
     block_size = k_cache.shape[1]
     q_len = q.shape[0]
     slots = [(int(block_table[p // block_size]), p % block_size) for p in range(seq_len)]
     k = torch.stack([k_cache[blk, off] for blk, off in slots]).float()  # [seq_len, Hkv, D]
     v = torch.stack([v_cache[blk, off] for blk, off in slots]).float()
-    mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - q_len)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.float().transpose(0, 1)[None],
-        k.transpose(0, 1)[None],
-        v.transpose(0, 1)[None],
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out[0].transpose(0, 1)
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+    k_pos = torch.arange(seq_len, device=q.device)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    qh, kh, vh = q.float().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if sinks is None:
+        out = torch.nn.functional.scaled_dot_product_attention(qh[None], kh[None], vh[None], attn_mask=mask,
+                                                               scale=scale, enable_gqa=True)[0]
+        return out.transpose(0, 1)
+    group = qh.shape[0] // kh.shape[0]
+    kh, vh = kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0)
+    logits = (qh @ kh.transpose(1, 2) * scale).masked_fill(~mask, float("-inf"))
+    logits = torch.cat([logits, sinks.float().to(q.device)[:, None, None].expand(-1, q_len, 1)], dim=-1)
+    probs = (logits - logits.max(-1, keepdim=True).values).softmax(-1)[..., :-1]
+    return (probs @ vh).transpose(0, 1)
 
 
 def _fake_graph_capture(monkeypatch: pytest.MonkeyPatch) -> None:

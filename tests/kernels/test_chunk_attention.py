@@ -16,8 +16,10 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=range(len(CASES)))
-@pytest.mark.parametrize("order", ["window_first", "window_last"])
-def test_pieces_merge_to_full_attention(case, order, make_paged_kv, dense_attention, gen, device):
+@pytest.mark.parametrize("order,window", [("window_first", None), ("window_last", None), ("window_first", 5),
+                                          ("window_last", 17)])
+def test_pieces_merge_to_full_attention(case, order, window, make_paged_kv, dense_attention, gen, device):
+    """(window: the sliding window, which leaves some pieces, or some of their rows, no visible key.)"""
     from nanoserve.kernels.chunk_attention import chunk_attention, chunk_attention_ref
 
     dtype, head_dim, hq, hkv, bs, q_len, seq_len, window_blocks, chunk_blocks = case
@@ -25,7 +27,7 @@ def test_pieces_merge_to_full_attention(case, order, make_paged_kv, dense_attent
     table = tables[0, :-(-seq_len // bs)]
     q = torch.randn(q_len, hq, head_dim, generator=gen).to(dtype).to(device)
     scale = head_dim**-0.5
-    want = dense_attention(q, k_cache, v_cache, table, seq_len, scale)
+    want = dense_attention(q, k_cache, v_cache, table, seq_len, scale, window)
 
     # The window: the last window_blocks blocks, wherever the queries start.
     first_window = max(0, len(table) - window_blocks)
@@ -39,7 +41,7 @@ def test_pieces_merge_to_full_attention(case, order, make_paged_kv, dense_attent
         lse = torch.full((q_len, hq), float("nan"), device=device)
         for i, (ids, num_keys, key_pos0) in enumerate(pieces):
             fn(q, k_cache, v_cache, ids.contiguous(), num_keys, key_pos0, seq_len - q_len, scale, out, lse,
-               accumulate=i > 0)
+               accumulate=i > 0, window=window)
         tol = 1e-5 if dtype == torch.float32 else 2e-3
         torch.testing.assert_close(out, want, atol=tol, rtol=tol)
         assert torch.isfinite(lse).all()
@@ -97,7 +99,7 @@ def test_long_context_pieces_take_the_layers_backend(backend_name, monkeypatch):
     taken = []
 
     class LongContext:
-        def attend(self, layer, q, k_cache, v_cache, out, scale, chunk_attention) -> None:
+        def attend(self, layer, q, k_cache, v_cache, out, scale, chunk_attention, window, sinks) -> None:
             taken.append(chunk_attention)
 
     layer = attention.Attention(2, 1, 64)

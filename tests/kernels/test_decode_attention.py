@@ -142,3 +142,26 @@ def test_dispatch_order_leaves_outputs_alone(case, fused, make_paged_kv, gen, de
         got = decode_attention(q, k_cache, v_cache, seq, block_tables, scale, num_splits=num_splits,
                                counters=counters, order=order)
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("window,sinks", [(5, False), (17, True), (None, True), (100, True)])
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], FUSED_CASES[4]], ids=range(3))
+def test_decode_window_and_sinks(case, window, sinks, make_paged_kv, dense_attention, gen, device, tol):
+    """A sliding window (the query sees the last `window` keys; splits share those out) and attention sinks (each
+    query head's logit in the denominator, once over the splits), on the one-split, reduce and one-launch paths."""
+    from nanoserve.kernels.decode_attention import decode_attention, decode_attention_ref
+
+    q, k_cache, v_cache, seq, block_tables, scale, num_splits = _inputs(case, make_paged_kv, gen, device)
+    sink = (torch.randn(q.shape[1], generator=gen) * 2).to(device) if sinks else None
+    want = decode_attention_ref(q, k_cache, v_cache, seq, block_tables, scale, window=window, sinks=sink)
+    for b, seq_len in enumerate(seq.tolist()):
+        if seq_len:
+            dense = dense_attention(q[b : b + 1], k_cache, v_cache, block_tables[b], seq_len, scale, window, sink)
+            torch.testing.assert_close(want[b].float(), dense[0], **tol[q.dtype])
+    for splits in {1, num_splits}:
+        for counters in (None, torch.zeros(q.shape[0] * k_cache.shape[2], dtype=torch.int32, device=device)):
+            out = torch.full_like(q, float("nan"))
+            decode_attention(q, k_cache, v_cache, seq, block_tables, scale, num_splits=splits, out=out,
+                             counters=counters, window=window, sinks=sink)
+            assert torch.isfinite(out).all()
+            torch.testing.assert_close(out, want, **tol[q.dtype])

@@ -207,3 +207,19 @@ def test_model_fuses_where_planned(tmp_path, monkeypatch, arch):
     assert any(one for one, _ in plans) and len(calls) == num_layers * sum(one for one, _ in plans)
     qkv_proj = QKVLinear(64, 2, 1, 32, bias=False)
     assert [qkv_proj.starts_next_late(p) for _, p in plans] == [p.late_qkv_start for _, p in plans]
+
+
+@pytest.mark.parametrize("window,sinks", [(5, False), (70, True)])
+@pytest.mark.parametrize("case", [CASES[1], CASES[5]], ids=range(2))
+def test_window_and_sinks_match_unfused_references(case, window, sinks, make_paged_kv, gen, device, tol):
+    """A sliding window (splits start at it; the new key, the last, always inside) and attention sinks."""
+    rope, k_cache, v_cache, slots, seq, tables, splits, counters = _rope_inputs(case, make_paged_kv, gen, device)
+    scale = rope[0].shape[1] ** -0.25
+    sink = (torch.randn(rope[1], generator=gen) * 2).to(device) if sinks else None
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    want = decode_rope_attention_ref(*rope, k_ref, v_ref, slots, seq, tables, scale, window=window, sinks=sink)
+    got = decode_rope_attention(*rope, k_cache, v_cache, slots, seq, tables, scale, num_splits=splits,
+                                counters=counters, window=window, sinks=sink)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, **tol[rope[0].dtype])
+    torch.testing.assert_close(k_cache, k_ref, equal_nan=True, **tol[rope[0].dtype])

@@ -202,3 +202,28 @@ def test_prefill_padding_tiles_read_nothing(make_paged_kv, gen, device, tol):
     prefill_attention(*args, out=out_buf[4:], tile_map=tile_map, block_m=16)
     assert (out_buf[:4] == 7.0).all()
     torch.testing.assert_close(out_buf[4:], prefill_attention_ref(*args), **tol[dtype])
+
+
+# A sliding window (None, or keys after position - window) and attention sinks (gpt-oss) on mixed batches, the last
+# case's short chunk over a long prefix split into key ranges, several of them wholly outside the window; a window
+# of 150 leaves key tiles that every row of a tile sees (no mask) between those some rows lose and the diagonal.
+WINDOW_CASES = [CASES[0], CASES[1], (torch.float32, 64, 4, 2, 16, [(20, 1400), (3, 300), (1, 1)])]
+
+
+@pytest.mark.parametrize("window,sinks", [(5, False), (17, True), (None, True), (150, False)])
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=range(len(WINDOW_CASES)))
+def test_prefill_window_and_sinks(case, window, sinks, make_paged_kv, dense_attention, gen, device, tol):
+    from nanoserve.kernels.prefill import prefill_attention, prefill_attention_ref
+
+    q, k_cache, v_cache, cu, seq, block_tables, max_q, scale = _inputs(case, make_paged_kv, gen, device)
+    sink = (torch.randn(q.shape[1], generator=gen) * 2).to(device) if sinks else None
+    want = prefill_attention_ref(q, k_cache, v_cache, cu, seq, block_tables, max_q, scale, window=window, sinks=sink)
+    for b in range(len(seq)):
+        lo, hi = int(cu[b]), int(cu[b + 1])
+        dense = dense_attention(q[lo:hi], k_cache, v_cache, block_tables[b], int(seq[b]), scale, window, sink)
+        torch.testing.assert_close(want[lo:hi].float(), dense, **tol[q.dtype])
+    out = torch.full_like(q, float("nan"))
+    got = prefill_attention(q, k_cache, v_cache, cu, seq, block_tables, max_q, scale, out=out, window=window,
+                            sinks=sink)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, **tol[q.dtype])

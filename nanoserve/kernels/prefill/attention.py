@@ -41,6 +41,8 @@ def _prefill_attention_kernel(
     split_lse_ptr,
     split_count_ptr,
     qk_scale,
+    window,
+    sinks_ptr,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -53,6 +55,8 @@ def _prefill_attention_kernel(
     MAP_COLUMNS: tl.constexpr,
     PACK: tl.constexpr,
     SPLITS: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -74,16 +78,17 @@ def _prefill_attention_kernel(
     args = (q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, split_out_ptr, split_lse_ptr, split_count_ptr,
             qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
             head * PACK // num_queries_per_kv, head, seq, start_r, kv_lo, kv_hi, first_slot, split, num_splits,
-            q_start, q_rows, pos0)  # fmt: skip
+            q_start, q_rows, pos0, window, sinks_ptr, PACK, SPLITS, WINDOW, SINKS, DOT_PRECISION, HEAD_DIM,
+            BLOCK_SIZE)  # fmt: skip
     # A tile of at most 16 live rows (a decode entry, a sequence's last rows) runs 16-row matrix products: the same
     # keys for a fraction of the work (the branch is uniform over the program; both paths are compiled in).
     if BLOCK_M > 16:
         if q_rows - start_r <= 16:
-            _attend_rows(*args, PACK, SPLITS, DOT_PRECISION, HEAD_DIM, BLOCK_SIZE, 16, BLOCK_M, BLOCK_N)
+            _attend_rows(*args, 16, BLOCK_M, BLOCK_N)
         else:
-            _attend_rows(*args, PACK, SPLITS, DOT_PRECISION, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_M, BLOCK_N)
+            _attend_rows(*args, BLOCK_M, BLOCK_M, BLOCK_N)
     else:
-        _attend_rows(*args, PACK, SPLITS, DOT_PRECISION, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_M, BLOCK_N)
+        _attend_rows(*args, BLOCK_M, BLOCK_M, BLOCK_N)
 
 
 def prefill_attention(
@@ -100,8 +105,13 @@ def prefill_attention(
     block_m: int | None = None,
     split_scratch: SplitScratch | None = None,
     pack: int | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, num_q_heads, head_dim] packed by cu_seqlens_q [B+1]; returns [T, num_q_heads, head_dim].
+
+    window: a sliding window (query at p sees keys p - window + 1 .. p), None for none. sinks: fp32 [num_q_heads],
+    each head's sink logit, which joins the softmax's denominator (gpt-oss), None for none.
 
     out, if given, is written in place (contiguous last dim, q's shape) and returned. Rows of tokens that no
     tile covers (past cu_seqlens_q[B], as in a padded batch) are left untouched. pack: query heads per program
@@ -170,6 +180,8 @@ def prefill_attention(
         split_scratch.lse if split_scratch is not None else None,
         split_scratch.count if split_scratch is not None else None,
         scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
+        window or 0,
+        sinks,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -182,6 +194,8 @@ def prefill_attention(
         MAP_COLUMNS=SPLIT_MAP_COLUMNS,
         PACK=pack,
         SPLITS=split_scratch is not None,
+        WINDOW=window is not None,
+        SINKS=sinks is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 would lose fp32 inputs' bits
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
@@ -207,6 +221,8 @@ def prefill_attention_ref(
     max_seqlen_q: int,
     scale: float,
     out: torch.Tensor | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch version of prefill_attention, in fp32, one sequence at a time."""
     group = q.shape[1] // k_cache.shape[2]
@@ -220,10 +236,22 @@ def prefill_attention_ref(
         qb = q[cu[b] : cu[b + 1]].float().transpose(0, 1)  # [H, q_len, D]
         scores = (qb @ k.transpose(1, 2)) * scale
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        causal = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-        scores = scores.masked_fill(~causal, float("-inf"))
-        out[cu[b] : cu[b + 1]] = (scores.softmax(-1) @ v).transpose(0, 1).to(q.dtype)
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        seen = k_pos <= q_pos[:, None]
+        if window is not None:
+            seen &= k_pos > q_pos[:, None] - window
+        scores = scores.masked_fill(~seen, float("-inf"))
+        out[cu[b] : cu[b + 1]] = (softmax_with_sinks(scores, sinks) @ v).transpose(0, 1).to(q.dtype)
     return out
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax of fp32 scores [H, ..., N] over the last dim; with sinks [H], head h's sink logit joins each
+    denominator as a column that is dropped afterwards."""
+    if sinks is None:
+        return scores.softmax(-1)
+    sink = sinks.float().view(-1, *[1] * (scores.dim() - 1)).expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
 
 
 def gather_kv(

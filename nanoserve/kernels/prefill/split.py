@@ -21,12 +21,14 @@ def _publish_and_merge(
     head,
     num_heads,
     rows_valid,
+    EMPTY_SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     SLOT_ROWS: tl.constexpr,
 ):
     """Store this split's partial output o and lse (log2 domain) of BLOCK_M rows in its scratch slot (of SLOT_ROWS
-    rows); the tile's last split to finish returns the merge of all of them and True, the others o and False."""
+    rows); the tile's last split to finish returns the merge of all of them and True, the others o and False.
+    EMPTY_SPLITS: a split may have no key for a row (a sliding window), its lse -inf."""
     offs_r = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     part = (first_slot + split).to(tl.int64) * num_heads + head
@@ -65,11 +67,16 @@ def _publish_and_merge(
                           mask=rows_valid[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)  # fmt: skip
             o_b = tl.load(split_out_ptr + (part_b * SLOT_ROWS + offs_r)[:, None] * HEAD_DIM + offs_d[None, :],
                           mask=b_ok[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)  # fmt: skip
-            # Every split has a key for every row, so lse_a is finite and m_new never -inf; a missing b weighs 0.
+            # Without EMPTY_SPLITS every split has a key for every row, so lse_a is finite and m_new never -inf; a
+            # missing b weighs 0. With them, a row whose first splits saw nothing subtracts 0, for weights of 0.
             m_new = tl.maximum(m, tl.maximum(lse_a, lse_b))
-            alpha = tl.exp2(m - m_new)
-            w_a = tl.exp2(lse_a - m_new)
-            w_b = tl.exp2(lse_b - m_new)
+            if EMPTY_SPLITS:
+                m_sub = tl.where(m_new > float("-inf"), m_new, 0.0)
+            else:
+                m_sub = m_new
+            alpha = tl.exp2(m - m_sub)
+            w_a = tl.exp2(lse_a - m_sub)
+            w_b = tl.exp2(lse_b - m_sub)
             acc = acc * alpha[:, None] + o_a * w_a[:, None] + o_b * w_b[:, None]
             w_sum = w_sum * alpha + w_a + w_b
             m = m_new

@@ -27,13 +27,16 @@ def _attend_tiles(
     lo,
     hi,
     qk_scale,
+    window,
     DOT_PRECISION: tl.constexpr,
     MASKED: tl.constexpr,
+    WINDOW: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Online-softmax accumulation over key tiles [lo, hi); MASKED applies causality and the end bound."""
+    """Online-softmax accumulation over key tiles [lo, hi); MASKED applies causality and the end bound, WINDOW the
+    sliding window (keys after q_pos - window only), under which a row may see no key of a tile at all."""
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -55,9 +58,16 @@ def _attend_tiles(
         if MASKED:
             causal = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
             qk = tl.where(causal, qk, float("-inf"))
+        if WINDOW:
+            qk = tl.where(offs_n[None, :] > q_pos[:, None] - window, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
+        if WINDOW:
+            # A row with no key yet keeps m = -inf: subtract 0 there, for weights of 0 rather than NaN.
+            m_sub = tl.where(m_new > float("-inf"), m_new, 0.0)
+        else:
+            m_sub = m_new
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(qk - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -68,17 +78,23 @@ def _attend_tiles(
 def _attend_rows(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, split_out_ptr, split_lse_ptr, split_count_ptr,
     qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
-    kv_head, head, seq, start_r, kv_lo, kv_hi, first_slot, split, num_splits, q_start, q_rows, pos0,
-    PACK: tl.constexpr, SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, SLOT_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    kv_head, head, seq, start_r, kv_lo, kv_hi, first_slot, split, num_splits, q_start, q_rows, pos0, window, sinks_ptr,
+    PACK: tl.constexpr, SPLITS: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, SLOT_ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """One map row's work: query rows start_r .. start_r + ROWS over keys [kv_lo, kv_hi); a split's partial
-    result goes to scratch slots of SLOT_ROWS rows."""
+    result goes to scratch slots of SLOT_ROWS rows. WINDOW: only keys after each row's position - window; SINKS:
+    each query head's sink logit (fp32, natural log) joins the softmax's denominator, in the first split only."""
     # Rows run in token order, so the first row has the tile's least position.
     first_pos = pos0 + start_r // PACK
     # The map starts a range at or below first_pos, so every row of the tile sees its first key and no row max
     # stays -inf (which would give NaN from -inf - -inf); and on a multiple of the key tile, which written out
     # lets the compiler see whole pages and contiguous keys in each key tile (else 128-row tiles spill).
+    # With a window, key tiles wholly before the first row's window are seen by no row: skipped. Rows, and whole
+    # ranges of a split tile, may then see no key (handled where their sums are used).
+    if WINDOW:
+        kv_lo = tl.maximum(kv_lo, first_pos - window + 1)
     kv_lo = kv_lo // BLOCK_N * BLOCK_N
 
     offs_r = start_r + tl.arange(0, ROWS)
@@ -98,22 +114,49 @@ def _attend_rows(
     # Whole key tiles below this tile's first position are visible to every row: no masks there. Rows past the
     # sequence's sit further on and see at least as much.
     unmasked_end = kv_lo + tl.maximum(tl.minimum(first_pos, kv_hi) - kv_lo, 0) // BLOCK_N * BLOCK_N
+    if WINDOW:
+        # Below the tile's last row's window some rows lose keys: those tiles take the window's mask; from the first
+        # key tile every row's window holds on, none.
+        last_pos = pos0 + (tl.minimum(start_r + ROWS, q_rows) - 1) // PACK
+        window_end = tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N
+        window_end = tl.minimum(tl.maximum(window_end, kv_lo), unmasked_end)
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, stride_cb, stride_ct, stride_ch,
+            kv_lo, window_end, qk_scale, window, DOT_PRECISION, False, True, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+        )  # fmt: skip
+        kv_lo = window_end
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, stride_cb, stride_ct, stride_ch,
-        kv_lo, unmasked_end, qk_scale, DOT_PRECISION, False, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+        kv_lo, unmasked_end, qk_scale, window, DOT_PRECISION, False, False, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
     )  # fmt: skip
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, stride_cb, stride_ct, stride_ch,
-        unmasked_end, kv_hi, qk_scale, DOT_PRECISION, True, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+        unmasked_end, kv_hi, qk_scale, window, DOT_PRECISION, True, WINDOW, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
     )  # fmt: skip
 
-    acc = acc / l_i[:, None]
+    if SINKS:
+        if split == 0:
+            # The sink as one more logit (log2 units, as the scores): it raises the max and the sum, not acc.
+            sink = tl.load(sinks_ptr + q_heads).to(tl.float32) * 1.4426950408889634
+            m_new = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_new)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha + tl.exp2(sink - m_new)
+            m_i = m_new
+    if WINDOW:
+        # A split range wholly outside a row's window leaves it l = 0: output 0 and lse -inf (weight 0 in the merge).
+        seen = l_i > 0
+        acc = acc / tl.where(seen, l_i, 1.0)[:, None]
+        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    else:
+        acc = acc / l_i[:, None]
+        lse = m_i + tl.log2(l_i)
     write = r_valid
     if SPLITS:
         if num_splits > 1:
             acc, last = _publish_and_merge(
-                acc, m_i + tl.log2(l_i), split_out_ptr, split_lse_ptr, split_count_ptr, first_slot, split,
-                num_splits, head, tl.num_programs(0), r_valid, HEAD_DIM, ROWS, SLOT_ROWS,
+                acc, lse, split_out_ptr, split_lse_ptr, split_count_ptr, first_slot, split,
+                num_splits, head, tl.num_programs(0), r_valid, WINDOW, HEAD_DIM, ROWS, SLOT_ROWS,
             )  # fmt: skip
             write = tl.where(last, r_valid, False)  # (r_valid & last is int32 in the interpreter)
     out_offs = q_tokens[:, None] * stride_ot + q_heads[:, None] * stride_oh + offs_d[None, :]
