@@ -50,6 +50,9 @@ ARCHS = {
                       norm_topk_prob=False),
     "mixtral": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=4,
                     num_experts_per_tok=2, intermediate_size=64, sliding_window=None),
+    # Sinks, biases, YaRN, and a 24-token window on layer 0 (full attention on layer 1): prompts outgrow it.
+    "gpt_oss": dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"], head_dim=16, num_local_experts=8,
+                    num_experts_per_tok=2, intermediate_size=32, sliding_window=24),
 }
 
 

@@ -17,6 +17,7 @@ MODELS: dict[str, tuple[str, str]] = {
     "Qwen2MoeForCausalLM": ("nanoserve.model.moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("nanoserve.model.moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("nanoserve.model.moe", "MixtralForCausalLM"),
+    "GptOssForCausalLM": ("nanoserve.model.gpt_oss", "GptOssForCausalLM"),
 }
 
 

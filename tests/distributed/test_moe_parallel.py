@@ -53,14 +53,15 @@ def generate(llm: LLM) -> tuple[list, int, int]:
 
 
 @pytest.mark.parametrize("arch, expert_parallel", [("qwen3_moe", False), ("qwen3_moe", True),
-                                                   ("qwen2_moe", True), ("mixtral", False)])
+                                                   ("qwen2_moe", True), ("mixtral", False), ("gpt_oss", False),
+                                                   ("gpt_oss", True)])
 def test_two_ranks_equal_one(checkpoints, arch, expert_parallel):
     d = str(checkpoints[arch])
     want, _, _ = generate(LLM(d, **SMALL_ENGINE))
     llm = LLM(d, tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **SMALL_ENGINE)
     try:
         experts = llm.engine.runner.model.model.layers[0].mlp.experts
-        num_experts, inter = (4, 64) if arch == "mixtral" else (8, 32)
+        num_experts, inter = {"mixtral": (4, 64)}.get(arch, (8, 32))
         if expert_parallel:  # rank 0: the first half of the experts, whole
             assert (experts.expert_start, experts.w13.shape[0], experts.w2.shape[2]) == (0, num_experts // 2, inter)
         else:  # every expert, half of its intermediate size

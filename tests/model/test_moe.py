@@ -11,7 +11,7 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineArgs, MoEConfig
 from nanoserve.layers.moe import SparseMoeBlock
 
-MOE_ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral"]
+MOE_ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"]
 NEW_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 

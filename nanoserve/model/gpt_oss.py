@@ -1,0 +1,96 @@
+"""gpt-oss: the Llama layout with attention sinks (a learned logit per head in the softmax's denominator), sliding-
+window attention on the layers config.json's layer_types marks "sliding_attention", biases on q/k/v/o, YaRN rope, and
+an MoE MLP in every layer: a router with a bias, top-k then softmax over the chosen logits (the renormalized softmax),
+and experts with biases and a clamped SwiGLU (kernels/moe_reference.py's "swigluoai").
+
+Checkpoints as transformers writes them in bf16: each layer's experts stacked in one tensor per projection,
+gate_up_proj [E, H, 2I] with gate and up in alternate columns, down_proj [E, I, H], and their biases. The MXFP4 form
+OpenAI ships (`*_blocks`, `*_scales`) is a quantized format, not loaded here.
+"""
+
+import torch
+from torch import nn
+
+from nanoserve.config import ModelConfig
+from nanoserve.distributed.group import TensorParallelGroup
+from nanoserve.kernels.moe_reference import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+from nanoserve.layers.moe import FusedMoE, SparseMoeBlock
+from nanoserve.model.llama import LlamaForCausalLM
+
+# checkpoint name -> (GptOssExperts' parameter, shard)
+_EXPERT_TENSORS = {"gate_up_proj_bias": ("w13_bias", "gate_up"), "down_proj_bias": ("w2_bias", "down"),
+                   "gate_up_proj": ("w13", "gate_up"), "down_proj": ("w2", "down")}
+
+
+class GptOssExperts(FusedMoE):
+    """FusedMoE loaded from gpt-oss's stacked tensors: shard "gate_up" of w13 and w13_bias (columns 2i and 2i + 1 of
+    the checkpoint are gate row i and up row i), shard "down" of w2 and w2_bias (transposed)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        for param in (self.w13, self.w13_bias, self.w2, self.w2_bias):
+            param.weight_loader = self.load_stacked
+
+    def expected_shards(self) -> dict[str, list[str]]:
+        return {"w13": ["gate_up"], "w13_bias": ["gate_up"], "w2": ["down"], "w2_bias": ["down"]}
+
+    def checkpoint_shapes(self, param: nn.Parameter) -> list[tuple[str, tuple[int, ...]]]:
+        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        shapes = {"w13": ("gate_up", (e, h, 2 * i)), "w13_bias": ("gate_up", (e, 2 * i)), "w2": ("down", (e, i, h)),
+                  "w2_bias": ("down", (e, h))}
+        return [next(shapes[name] for name, p in self.named_parameters(recurse=False) if p is param)]
+
+    def load_stacked(self, param: nn.Parameter, loaded, shard: str) -> None:
+        (_, shape), = self.checkpoint_shapes(param)
+        if tuple(loaded.get_shape()) != shape:
+            raise ValueError(f"has shape {tuple(loaded.get_shape())}, expected {shape}")
+        experts = slice(self.expert_start, self.expert_start + param.shape[0])
+        local_i, start = self.w2.shape[2], self.inter_start
+        if param is self.w2_bias:
+            # Added once by the all-reduce: by every rank for its own experts, or by the first slice of I.
+            param.data.copy_(loaded[experts, :] if start == 0 else torch.zeros_like(param))
+        elif param is self.w2:
+            param.data.copy_(loaded[experts, start:start + local_i, :].transpose(1, 2))
+        elif param is self.w13:  # this rank's rows i of gate and of up: checkpoint columns 2i and 2i + 1
+            cols = loaded[experts, :, 2 * start:2 * (start + local_i)]
+            param.data.copy_(torch.cat([cols[..., 0::2], cols[..., 1::2]], dim=-1).transpose(1, 2))
+        else:
+            cols = loaded[experts, 2 * start:2 * (start + local_i)]
+            param.data.copy_(torch.cat([cols[..., 0::2], cols[..., 1::2]], dim=-1))
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    def __init__(self, config: ModelConfig, max_model_len: int, tp: TensorParallelGroup | None = None,
+                 expert_parallel: bool = False) -> None:
+        raw = config.raw
+        if (raw.get("swiglu_alpha", SWIGLU_OAI_ALPHA), raw.get("swiglu_limit", SWIGLU_OAI_LIMIT)) != (
+                SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT):
+            raise ValueError(f"swiglu_alpha, swiglu_limit: only gpt-oss's {SWIGLU_OAI_ALPHA}, {SWIGLU_OAI_LIMIT} "
+                             f"are supported, got {raw.get('swiglu_alpha')}, {raw.get('swiglu_limit')}")
+        self.expert_parallel = expert_parallel
+        super().__init__(config, max_model_len, tp)
+        tp = tp or TensorParallelGroup()
+        head_start, heads = tp.shard(config.num_attention_heads)
+        for layer in self.model.layers:
+            # This rank's heads of the checkpoint's sinks [num_attention_heads].
+            layer.self_attn.attn.sinks.weight_loader = (
+                lambda param, loaded, shard=None, s=head_start, n=heads: param.data.copy_(loaded[s:s + n]))
+
+    def attention_options(self, config: ModelConfig, layer: int) -> dict:
+        return super().attention_options(config, layer) | {"sinks": True}
+
+    def make_mlp(self, config: ModelConfig, layer: int, tp: TensorParallelGroup) -> nn.Module:
+        moe = config.moe
+        experts = GptOssExperts(moe.num_experts, config.hidden_size, moe.intermediate_size, tp, self.expert_parallel,
+                                moe.top_k, activation="swigluoai", bias=True)
+        return SparseMoeBlock(experts, renormalize=True, router_bias=True)
+
+    def map_checkpoint_name(self, ckpt_name: str) -> tuple[str, str | None]:
+        if ckpt_name.endswith(".self_attn.sinks"):
+            return ckpt_name.replace(".self_attn.sinks", ".self_attn.attn.sinks"), None
+        if ".mlp.router." in ckpt_name:
+            return ckpt_name.replace(".mlp.router.", ".mlp.gate."), None
+        for theirs, (ours, shard) in _EXPERT_TENSORS.items():
+            if ckpt_name.endswith(f".mlp.experts.{theirs}"):
+                return ckpt_name.replace(f".mlp.experts.{theirs}", f".mlp.experts.{ours}"), shard
+        return super().map_checkpoint_name(ckpt_name)
