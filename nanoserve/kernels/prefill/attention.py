@@ -78,17 +78,18 @@ def _prefill_attention_kernel(
     args = (q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, split_out_ptr, split_lse_ptr, split_count_ptr,
             qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
             head * PACK // num_queries_per_kv, head, seq, start_r, kv_lo, kv_hi, first_slot, split, num_splits,
-            q_start, q_rows, pos0, window, sinks_ptr, PACK, SPLITS, WINDOW, SINKS, DOT_PRECISION, HEAD_DIM,
-            BLOCK_SIZE)  # fmt: skip
+            q_start, q_rows, pos0, window, sinks_ptr)  # fmt: skip
     # A tile of at most 16 live rows (a decode entry, a sequence's last rows) runs 16-row matrix products: the same
     # keys for a fraction of the work (the branch is uniform over the program; both paths are compiled in).
+    # The constexprs go by name, not in `args`: compiled Triton makes a tuple of tensors of it (a string fails).
     if BLOCK_M > 16:
         if q_rows - start_r <= 16:
-            _attend_rows(*args, 16, BLOCK_M, BLOCK_N)
+            _attend_rows(*args, PACK, SPLITS, WINDOW, SINKS, DOT_PRECISION, HEAD_DIM, BLOCK_SIZE, 16, BLOCK_M, BLOCK_N)
         else:
-            _attend_rows(*args, BLOCK_M, BLOCK_M, BLOCK_N)
+            _attend_rows(*args, PACK, SPLITS, WINDOW, SINKS, DOT_PRECISION, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_M,
+                         BLOCK_N)
     else:
-        _attend_rows(*args, BLOCK_M, BLOCK_M, BLOCK_N)
+        _attend_rows(*args, PACK, SPLITS, WINDOW, SINKS, DOT_PRECISION, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_M, BLOCK_N)
 
 
 def prefill_attention(
