@@ -21,3 +21,18 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def llama_dir(checkpoints) -> Path:
     return checkpoints["llama"]
+
+
+@pytest.fixture(scope="module")
+def one_thread_per_rank():
+    """On 2 cores, tensor-parallel ranks that each run torch's default thread count oversubscribe them (a TP=2 step
+    took ~50x longer): one thread per process, here and (through the environment) in the spawned ranks."""
+    threads, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    yield
+    torch.set_num_threads(threads)
+    if env is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = env

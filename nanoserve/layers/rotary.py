@@ -76,12 +76,18 @@ def _llama3(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _yarn(dim: int, base: float, exponents: torch.Tensor, scaling: dict) -> tuple[torch.Tensor, float]:
+def _extension(scaling: dict) -> tuple[int, float]:
+    """(original_max_position_embeddings, factor) of yarn and longrope; without a factor (DeepSeek-V3's and Phi-3's
+    configs) the extension is implied by the two lengths."""
     old_len = _field(scaling, "original_max_position_embeddings")
     factor = scaling.get("factor")
     if factor is None:
-        # DeepSeek-V3's way: the extension is implied by the two lengths.
         factor = _field(scaling, "max_position_embeddings") / old_len
+    return old_len, factor
+
+
+def _yarn(dim: int, base: float, exponents: torch.Tensor, scaling: dict) -> tuple[torch.Tensor, float]:
+    old_len, factor = _extension(scaling)
     attention = scaling.get("attention_factor")
     if attention is None:
         mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
@@ -120,11 +126,7 @@ def _yarn_dim(rotations: float, dim: int, base: float, length: int) -> float:
 
 def _longrope(dim: int, base: float, exponents: torch.Tensor, scaling: dict,
               max_model_len: int) -> tuple[torch.Tensor, float]:
-    old_len = _field(scaling, "original_max_position_embeddings")
-    factor = scaling.get("factor")
-    if factor is None:
-        # Phi-3's way: no factor in rope_scaling, the extension is implied by the two lengths.
-        factor = _field(scaling, "max_position_embeddings") / old_len
+    old_len, factor = _extension(scaling)
     attention = scaling.get("attention_factor")
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_len))

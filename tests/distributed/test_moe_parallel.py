@@ -2,7 +2,6 @@
 experts per rank (expert parallel) generate what one rank does, through chunked prefill, prefix hits, preemption
 and seeded n > 1 sampling; each rank's loader reads only its experts' share of the checkpoint."""
 
-import os
 
 import pytest
 import torch
@@ -18,18 +17,8 @@ VOCAB = 384
 SMALL_ENGINE = dict(max_num_batched_tokens=32, num_kv_blocks=10, block_size=16)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread_per_rank():
-    """Two ranks on 2 cores: one torch thread each (here and, through the environment, in the spawned rank)."""
-    threads, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
-    torch.set_num_threads(1)
-    os.environ["OMP_NUM_THREADS"] = "1"
-    yield
-    torch.set_num_threads(threads)
-    if env is None:
-        os.environ.pop("OMP_NUM_THREADS", None)
-    else:
-        os.environ["OMP_NUM_THREADS"] = env
+# On 2 cores, ranks each running torch's default thread count oversubscribe them (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
 
 
 def random_ids(n: int, seed: int) -> list[int]:

@@ -35,19 +35,8 @@ SMALL_ENGINE = dict(max_num_batched_tokens=32, num_kv_blocks=10, block_size=BLOC
 LOGPROB_TOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread_per_rank():
-    """On 2 cores, ranks that each run torch's default thread count oversubscribe them (a TP=2 step took ~50x
-    longer): one thread per process, here and (through the environment) in the spawned ranks."""
-    threads, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
-    torch.set_num_threads(1)
-    os.environ["OMP_NUM_THREADS"] = "1"
-    yield
-    torch.set_num_threads(threads)
-    if env is None:
-        os.environ.pop("OMP_NUM_THREADS", None)
-    else:
-        os.environ["OMP_NUM_THREADS"] = env
+# On 2 cores, ranks each running torch's default thread count oversubscribe them (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
 
 
 def random_ids(n: int, seed: int) -> list[int]:

@@ -4,7 +4,6 @@ scales quantized at load take each row's largest magnitude over all ranks): a bl
 TP=1's tokens, which are transformers' on the same quantization (test_fp8_models.py). One TP engine per test, as
 they are slow to start."""
 
-import os
 
 import pytest
 import torch
@@ -17,19 +16,8 @@ ENGINE = dict(num_kv_blocks=32, max_num_batched_tokens=32)  # 32-token steps: pr
 LOGITS_BOUND = 0.2
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread_per_rank():
-    """On 2 cores, ranks running torch's default thread count oversubscribe them (tests/distributed has the
-    measurement)."""
-    threads, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
-    torch.set_num_threads(1)
-    os.environ["OMP_NUM_THREADS"] = "1"
-    yield
-    torch.set_num_threads(threads)
-    if env is None:
-        os.environ.pop("OMP_NUM_THREADS", None)
-    else:
-        os.environ["OMP_NUM_THREADS"] = env
+# On 2 cores, ranks each running torch's default thread count oversubscribe them (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
 
 
 def prompts() -> list[list[int]]:
