@@ -1,0 +1,210 @@
+"""The kernel variants that tests/kernels/sm90_compile.py compiles for sm_90: each a call of a kernel's wrapper (the
+function the layers call) with small CPU tensors of the dtypes the engine uses on a GPU (bf16 activations and
+caches, int32 tables, int64 positions and slots, fp32 rotary tables and sinks, fp8 weights), and the flags that
+select its constexpr branches. What a variant compiles is decided by dtypes, constexprs, launch options and the
+divisibility of its runtime ints, not by its sizes, so sizes are as small as the wrappers allow. The costliest
+variants come first (the compile pool starts them first).
+"""
+
+import torch
+
+from nanoserve.kernels.activation import silu_and_mul
+from nanoserve.kernels.chunk_attention import chunk_attention
+from nanoserve.kernels.decode_attention import decode_attention
+from nanoserve.kernels.decode_order import longest_first_order
+from nanoserve.kernels.decode_rope_attention import decode_rope_attention
+from nanoserve.kernels.fp8_block_gemm import fp8_block_linear
+from nanoserve.kernels.fp8_quant import quantize_rows
+from nanoserve.kernels.fused_moe import CONFIG_DIR, MoeConfig, fused_moe, fused_moe_with_config
+from nanoserve.kernels.gemv import skinny_linear, skinny_norm_linear, skinny_silu_mul_linear
+from nanoserve.kernels.kv_store import store_kvcache
+from nanoserve.kernels.moe_align import moe_align_block_size
+from nanoserve.kernels.moe_routing import topk_softmax
+from nanoserve.kernels.prefill.attention import prefill_attention
+from nanoserve.kernels.prefill.split_scratch import SplitScratch
+from nanoserve.kernels.prefill.tile_map import SPLIT_MAP_COLUMNS
+from nanoserve.kernels.qkv_rope_store import qkv_rope_store
+from nanoserve.kernels.rms_norm import rms_norm
+from nanoserve.kernels.rotary import apply_rotary
+from nanoserve.kernels.sampling import gumbel_max_sample
+from nanoserve.kernels.silu_mul_gemv import silu_mul_gemv
+
+BF16, FP32, I32, I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
+BLOCK_SIZE = 16  # KV cache block size
+
+
+class Skip(Exception):
+    """A variant that cannot be compiled on this machine, for the reason given."""
+
+
+def _zeros(*shape: int, dtype: torch.dtype = BF16) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype)
+
+
+def _cache(heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    return _zeros(8, BLOCK_SIZE, heads, head_dim, dtype=dtype)
+
+
+def _prefill(dtype: torch.dtype, block_m: int, head_dim: int, splits: bool, window: bool, sinks: bool):
+    """One prefill launch as the engine makes it: a device map (prefill/tile_map.py's columns) and out given."""
+    def call() -> None:
+        hq, hkv, tokens = 8, 2, 64
+        q = _zeros(tokens, hq, head_dim, dtype=dtype)
+        scratch = SplitScratch.allocate(4, hq // (hq // hkv), block_m, head_dim, "cpu") if splits else None
+        prefill_attention(q, _cache(hkv, head_dim, dtype), _cache(hkv, head_dim, dtype),
+                          torch.tensor([0, tokens], dtype=I32), torch.tensor([tokens], dtype=I32),
+                          _zeros(1, 8, dtype=I32), tokens, 0.125, out=torch.empty_like(q),
+                          tile_map=_zeros(4, SPLIT_MAP_COLUMNS, dtype=I32),
+                          block_m=block_m, split_scratch=scratch, window=128 if window else None,
+                          sinks=_zeros(hq, dtype=FP32) if sinks else None)
+    return call
+
+
+def _decode(dtype: torch.dtype, batch: int, head_dim: int, num_splits: int | None, fused: bool, order: bool,
+            window: bool, sinks: bool):
+    """decode_attention: unsplit (num_splits 1), split with the reduce launch, or split and merged in one (fused)."""
+    def call() -> None:
+        hq, hkv = 8, 2
+        q = _zeros(batch, hq, head_dim, dtype=dtype)
+        decode_attention(q, _cache(hkv, head_dim, dtype), _cache(hkv, head_dim, dtype), _zeros(batch, dtype=I32),
+                         _zeros(batch, 8, dtype=I32), 0.125, num_splits=num_splits,
+                         counters=_zeros(batch * hkv, dtype=I32) if fused else None,
+                         order=_zeros(batch, dtype=I64) if order else None, window=128 if window else None,
+                         sinks=_zeros(hq, dtype=FP32) if sinks else None)
+    return call
+
+
+def _rope_args(batch: int, hq: int, hkv: int, head_dim: int, norm: bool, dtype: torch.dtype = BF16) -> tuple:
+    """qkv_rope_store's arguments up to slot_mapping (decode_rope_attention takes the same first)."""
+    weights = (_zeros(head_dim, dtype=dtype), _zeros(head_dim, dtype=dtype)) if norm else (None, None)
+    return (_zeros(batch, (hq + 2 * hkv) * head_dim, dtype=dtype), hq, hkv, _zeros(batch, dtype=I64),
+            _zeros(64, head_dim // 2, dtype=FP32), _zeros(64, head_dim // 2, dtype=FP32), *weights, 1e-6,
+            _cache(hkv, head_dim, dtype), _cache(hkv, head_dim, dtype), _zeros(batch, dtype=I64))
+
+
+def _decode_rope(batch: int, norm: bool, num_splits: int | None, fused: bool, prefetch: bool, window: bool,
+                 sinks: bool):
+    def call() -> None:
+        hq, hkv = 16, 8
+        decode_rope_attention(*_rope_args(batch, hq, hkv, 128, norm), _zeros(batch, dtype=I32),
+                              _zeros(batch, 8, dtype=I32), 0.125, num_splits=num_splits,
+                              counters=_zeros(batch * hkv, dtype=I32) if fused else None, prefetch=prefetch,
+                              window=128 if window else None, sinks=_zeros(hq, dtype=FP32) if sinks else None)
+    return call
+
+
+def _chunk(dtype: torch.dtype, rows: int, accumulate: bool, window: bool):
+    def call() -> None:
+        q = _zeros(rows, 8, 128, dtype=dtype)
+        chunk_attention(q, _cache(2, 128, dtype), _cache(2, 128, dtype), torch.arange(4, dtype=I32), 64, 0, 64,
+                        0.125, _zeros(rows, 8, 128, dtype=FP32), _zeros(rows, 8, dtype=FP32), accumulate,
+                        window=128 if window else None)
+    return call
+
+
+def _gemv(m: int, n: int, k: int, dtype: torch.dtype = BF16, bias: bool = False, prologue: str | None = None,
+          late_dependents: bool = False):
+    """The skinny GEMM (kernels/gemv.py): m, n, k pick its path (CUDA cores or tensor cores) and tiles."""
+    def call() -> None:
+        w, b = _zeros(n, k, dtype=dtype), _zeros(n, dtype=dtype) if bias else None
+        if prologue == "norm":
+            skinny_norm_linear(_zeros(m, k, dtype=dtype), _zeros(m, k, dtype=dtype), _zeros(k, dtype=dtype), 1e-6,
+                               w, b, late_dependents=late_dependents)
+        elif prologue == "silu_mul":
+            skinny_silu_mul_linear(_zeros(m, 2 * k, dtype=dtype), w, b)
+        else:
+            skinny_linear(_zeros(m, k, dtype=dtype), w, b)
+    return call
+
+
+def _moe(tokens: int, activation: str, bias: bool, config: MoeConfig | None = None):
+    """fused_moe (its align, gate/up, down and sum launches): by default_config's rule, or with a given config."""
+    def call() -> None:
+        e, h, i, top_k = 8, 256, 256, 2
+        args = (_zeros(tokens, h), _zeros(e, 2 * i, h), _zeros(e, h, i),
+                _zeros(tokens, top_k, dtype=FP32), _zeros(tokens, top_k, dtype=I32))
+        biases = dict(w13_bias=_zeros(e, 2 * i), w2_bias=_zeros(e, h)) if bias else {}
+        if config is None:
+            fused_moe(*args, activation=activation, **biases)
+        else:
+            fused_moe_with_config(*args, config, activation=activation, **biases)
+    return call
+
+
+def _tuned_moe_configs() -> list[tuple[str, int, MoeConfig]]:
+    """Each measured table's (fused_moe_configs/) configs for its least and most tokens, with a token count that
+    takes the same alignment path."""
+    import json
+
+    picked = []
+    for path in sorted(CONFIG_DIR.glob("*.json")):
+        table = json.loads(path.read_text())["configs"]
+        for m, tokens in ((min(table, key=int), 1), (max(table, key=int), 512)):
+            picked.append((f"{path.stem} M={m}", tokens, MoeConfig.from_json(table[m])))
+    return picked
+
+
+def _fp8_linear(m: int, block: tuple[int, int]):
+    def call() -> None:
+        n, k = 256, 512
+        w = _zeros(n, k, dtype=FP32).to(torch.float8_e4m3fn)
+        fp8_block_linear(_zeros(m, k), w, _zeros(-(-n // block[0]), -(-k // block[1]), dtype=FP32), block,
+                         _zeros(n))
+    return call
+
+
+def _sampling() -> None:
+    try:
+        gumbel_max_sample(_zeros(2, 1000, dtype=FP32), _zeros(2, dtype=FP32), 1234)
+    except RuntimeError:
+        pass  # the kernel was compiled, not run: the host's gather after it reads uninitialized indices
+
+
+VARIANTS = [
+    ("prefill bf16 BLOCK_M=64 D=128 splits+window+sinks", _prefill(BF16, 64, 128, True, True, True)),
+    ("prefill bf16 BLOCK_M=64 D=128 plain", _prefill(BF16, 64, 128, False, False, False)),
+    ("prefill bf16 BLOCK_M=16 D=64 splits+window+sinks", _prefill(BF16, 16, 64, True, True, True)),
+    ("prefill fp32 BLOCK_M=16 D=128 splits", _prefill(FP32, 16, 128, True, False, False)),
+    ("prefill fp32 BLOCK_M=64 D=64 window+sinks", _prefill(FP32, 64, 64, False, True, True)),
+    ("decode_rope bf16 fused norm window+sinks", _decode_rope(2, True, 4, True, True, True, True)),
+    ("decode_rope bf16 split+reduce no prefetch", _decode_rope(2, False, 4, False, False, False, False)),
+    ("decode_rope bf16 unsplit", _decode_rope(2, True, 1, False, True, False, False)),
+    ("decode bf16 fused order window+sinks", _decode(BF16, 2, 128, 4, True, True, True, True)),
+    ("decode bf16 split+reduce", _decode(BF16, 2, 128, 4, False, False, False, False)),
+    ("decode bf16 batch 64 unsplit (128-key tiles)", _decode(BF16, 64, 128, 1, False, True, False, False)),
+    ("decode fp32 D=64 split+reduce window", _decode(FP32, 2, 64, 4, False, False, True, False)),
+    ("chunk_attention bf16 16-row accumulate window", _chunk(BF16, 1, True, True)),
+    ("chunk_attention bf16 64-row", _chunk(BF16, 64, False, False)),
+    # fp32 takes the 16-row tile: its 64-row one alone took longer (15 s) than all the bf16 chunk variants.
+    ("chunk_attention fp32 16-row accumulate", _chunk(FP32, 1, True, False)),
+    *[(f"fused_moe tuned {name}", _moe(tokens, "silu", False, config))
+      for name, tokens, config in _tuned_moe_configs()],
+    ("fused_moe bf16 decode rule silu", _moe(4, "silu", False)),
+    ("fused_moe bf16 prefill rule swigluoai+bias", _moe(512, "swigluoai", True)),
+    ("moe_align 8192 pairs (count/layout/scatter)", lambda: moe_align_block_size(_zeros(4096, 2, dtype=I64), 8, 64)),
+    ("gemv bf16 M=1 CUDA cores", _gemv(1, 512, 1024)),
+    ("gemv bf16 M=1 CUDA cores K>=3072 bias", _gemv(1, 1024, 3072, bias=True)),
+    ("gemv bf16 M=4 tensor cores", _gemv(4, 4096, 512)),
+    ("gemv bf16 M=1 norm+residual late dependents", _gemv(1, 512, 1024, prologue="norm", late_dependents=True)),
+    ("gemv bf16 M=16 norm+residual tensor cores", _gemv(16, 4096, 1024, prologue="norm")),
+    ("gemv bf16 M=1 silu_mul", _gemv(1, 512, 1000, prologue="silu_mul")),
+    ("silu_mul_gemv bf16", lambda: silu_mul_gemv(_zeros(1, 2048), _zeros(512, 1024))),
+    ("fp8_block_linear M=1 FP8 dot", _fp8_linear(1, (128, 128))),
+    ("fp8_block_linear M=200 FP8 dot", _fp8_linear(200, (128, 128))),
+    ("fp8_block_linear M=32 upcast (16-wide K blocks)", _fp8_linear(32, (16, 16))),
+    ("fp8 quantize_rows dynamic", lambda: quantize_rows(_zeros(4, 4096))),
+    ("fp8 quantize_rows static", lambda: quantize_rows(_zeros(4, 4096), _zeros(1, dtype=FP32))),
+    ("qkv_rope_store bf16 norm", lambda: qkv_rope_store(*_rope_args(4, 16, 8, 128, True))),
+    ("qkv_rope_store bf16 D=64", lambda: qkv_rope_store(*_rope_args(4, 4, 1, 64, False))),
+    ("rotary bf16", lambda: apply_rotary(_zeros(4, 8, 128), _zeros(4, 2, 128), _zeros(64, 64, dtype=FP32),
+                                         _zeros(64, 64, dtype=FP32), _zeros(4, dtype=I64))),
+    ("kv_store bf16", lambda: store_kvcache(_zeros(4, 2, 128), _zeros(4, 2, 128), _cache(2, 128, BF16),
+                                            _cache(2, 128, BF16), _zeros(4, dtype=I64))),
+    ("rms_norm bf16 residual", lambda: rms_norm(_zeros(4, 4096), _zeros(4096), 1e-6, _zeros(4, 4096))),
+    ("rms_norm bf16 per-head strided", lambda: rms_norm(_zeros(4, 24, 128)[:, :16], _zeros(128), 1e-6)),
+    ("silu_and_mul bf16", lambda: silu_and_mul(_zeros(4, 2 * 3000))),
+    ("topk_softmax renormalize", lambda: topk_softmax(_zeros(4, 128), 8, True)),
+    ("topk_softmax", lambda: topk_softmax(_zeros(4, 32, dtype=FP32), 4, False)),
+    ("decode_order", lambda: longest_first_order(_zeros(200, dtype=I32), _zeros(200, dtype=I64))),
+    ("sampling gumbel_max fp32", _sampling),
+]
