@@ -109,7 +109,9 @@ class _EngineCollector:
         labels = {"block_size": config.args.block_size, "num_gpu_blocks": s.num_blocks,
                   "enable_prefix_caching": config.args.enable_prefix_caching,
                   "gpu_memory_utilization": config.args.gpu_memory_utilization,
-                  "cache_dtype": str(config.dtype).removeprefix("torch.")}
+                  "cache_dtype": str(config.dtype).removeprefix("torch."),
+                  # What the weights run in, beside the KV cache's dtype.
+                  "quantization": config.quantization.describe() if config.quantization else "none"}
         family = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                                    labels=list(labels))
         family.add_metric([str(value) for value in labels.values()], 1)

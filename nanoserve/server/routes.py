@@ -52,12 +52,16 @@ def build_app(async_engine: AsyncEngine, served_model_name: list[str] | str, api
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await chat.create(body, request)
 
+    scheme = async_engine.engine.config.quantization
+    quantization = scheme.describe() if scheme is not None else None
+
     @app.get("/v1/models")
     async def list_models() -> dict:
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": 0, "owned_by": "nanoserve",
             "root": async_engine.engine.config.model_dir, "max_model_len": async_engine.max_model_len,
-            "vocab_size": async_engine.engine.config.model.vocab_size} for name in names]}
+            "vocab_size": async_engine.engine.config.model.vocab_size, "quantization": quantization}
+            for name in names]}
 
     @app.get("/health")
     async def health() -> JSONResponse:
