@@ -29,8 +29,9 @@ def engine_config(args: EngineArgs) -> EngineConfig:
 def check_token_ids(name: str, ids, vocab: int, most: int = 20) -> None:
     """ValueError naming the field and every id of `ids` outside the vocabulary [0, vocab) (the first `most` of a
     long list, and how many more): one message for prompts, stop_token_ids and logit_bias, here and in the server."""
-    bad = sorted({t for t in ids if not isinstance(t, int) or not 0 <= t < vocab},
-                 key=lambda t: (0, t, "") if isinstance(t, int) else (1, 0, repr(t)))
+    bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+    # Each bad int once, in order, then anything else (which may not hash: a list inside a prompt).
+    bad = sorted({t for t in bad if isinstance(t, int)}) + [t for t in bad if not isinstance(t, int)]
     if not bad:
         return
     shown = ", ".join(map(repr, bad[:most])) + (f" and {len(bad) - most} more" if len(bad) > most else "")

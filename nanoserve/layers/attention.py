@@ -157,7 +157,8 @@ class Attention(nn.Module):
     """One layer's attention over the paged cache. sliding_window W: a query at position p sees keys at positions
     p - W + 1 .. p only (W keys with itself: transformers' convention, masking_utils' `kv_idx > q_idx - W`).
     sinks: the layer owns one learned logit per query head of this rank (gpt-oss), which joins every softmax's
-    denominator but adds no value; the model loads it, and the kernels read it as fp32."""
+    denominator but adds no value; kept in fp32, as the kernels read it, so no step casts it. Under tensor
+    parallelism the model says which of the checkpoint's heads are this rank's (shard_sinks)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None,
                  sinks: bool = False) -> None:
@@ -167,7 +168,11 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
         self.sliding_window = sliding_window
-        self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
+        self.sinks = None
+        if sinks:
+            self.sinks = nn.Parameter(torch.empty(num_heads, dtype=torch.float32), requires_grad=False)
+            self.sinks.weight_loader = self.load_sinks
+            self.shard_sinks(0, num_heads)
         self.layer_index = 0  # which layer's CPU blocks long-context attention reads (set by the model runner)
         # Set by the model runner once the pool is allocated.
         self.k_cache: torch.Tensor | None = None
@@ -177,6 +182,20 @@ class Attention(nn.Module):
     def store(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         """This step's keys and values, k/v [T, Hkv, D], into the cache at meta.slot_mapping (-1: not stored)."""
         self.backend.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+
+    def shard_sinks(self, start: int, total: int) -> None:
+        """This rank's heads are start .. start + num_heads of the checkpoint's `total` heads."""
+        self.sinks_start, self.sinks_total = start, total
+
+    def load_sinks(self, param: nn.Parameter, loaded, shard: str | None = None) -> None:
+        if tuple(loaded.get_shape()) != (self.sinks_total,):
+            raise ValueError(f"has shape {tuple(loaded.get_shape())}, expected {(self.sinks_total,)}")
+        param.data.copy_(loaded[self.sinks_start:self.sinks_start + param.shape[0]])
+
+    def checkpoint_shapes(self, param: nn.Parameter) -> list[tuple[str | None, tuple[int, ...]]]:
+        """(shard, shape of the whole checkpoint tensor) of the sinks, for random weights: every rank draws all
+        heads and keeps its own, so TP=N on random weights gives TP=1's."""
+        return [(None, (self.sinks_total,))]
 
     def sink_logits(self) -> torch.Tensor | None:
         """The sinks as the kernels read them (fp32, contiguous), or None without sinks."""

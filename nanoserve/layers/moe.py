@@ -39,10 +39,9 @@ class FusedMoE(nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TensorParallelGroup,
-                 expert_parallel: bool, top_k: int, activation: str = "silu", bias: bool = False) -> None:
-        """activation: "silu" (SiLU(gate) * up) or "swigluoai" (gpt-oss's clamped form); bias: a bias per expert on
-        gate/up and on down (gpt-oss; the down bias held by the rank with the first slice of I, so that the
-        all-reduce adds it once)."""
+                 expert_parallel: bool, top_k: int, activation: str = "silu") -> None:
+        """activation: "silu" (SiLU(gate) * up) or "swigluoai" (gpt-oss's clamped form). w13_bias and w2_bias are
+        None here; a subclass that loads per-expert biases (model/gpt_oss.py) sets them."""
         super().__init__()
         self.tp, self.num_experts, self.hidden_size, self.top_k = tp, num_experts, hidden_size, top_k
         self.activation = activation
@@ -56,10 +55,8 @@ class FusedMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(local_experts, 2 * local_inter, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(local_experts, hidden_size, local_inter), requires_grad=False)
         self.w13.weight_loader = self.w2.weight_loader = self.load_expert
-        self.w13_bias = self.w2_bias = None
-        if bias:
-            self.w13_bias = nn.Parameter(torch.empty(local_experts, 2 * local_inter), requires_grad=False)
-            self.w2_bias = nn.Parameter(torch.empty(local_experts, hidden_size), requires_grad=False)
+        self.w13_bias: nn.Parameter | None = None
+        self.w2_bias: nn.Parameter | None = None
         # False: the PyTorch reference on CUDA too (an eager reference engine in the GPU tests; it syncs the host).
         self.use_kernel = True
 

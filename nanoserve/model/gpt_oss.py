@@ -26,8 +26,14 @@ class GptOssExperts(FusedMoE):
     """FusedMoE loaded from gpt-oss's stacked tensors: shard "gate_up" of w13 and w13_bias (columns 2i and 2i + 1 of
     the checkpoint are gate row i and up row i), shard "down" of w2 and w2_bias (transposed)."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TensorParallelGroup,
+                 expert_parallel: bool, top_k: int) -> None:
+        super().__init__(num_experts, hidden_size, intermediate_size, tp, expert_parallel, top_k, "swigluoai")
+        # A bias per expert on gate/up and on down; the down bias is held by the rank with the first slice of I (or,
+        # under expert parallelism, by each expert's rank), so that the all-reduce adds it once.
+        local_experts, local_inter = self.w2.shape[0], self.w2.shape[2]
+        self.w13_bias = nn.Parameter(torch.empty(local_experts, 2 * local_inter), requires_grad=False)
+        self.w2_bias = nn.Parameter(torch.empty(local_experts, hidden_size), requires_grad=False)
         for param in (self.w13, self.w13_bias, self.w2, self.w2_bias):
             param.weight_loader = self.load_stacked
 
@@ -69,12 +75,6 @@ class GptOssForCausalLM(LlamaForCausalLM):
                              f"are supported, got {raw.get('swiglu_alpha')}, {raw.get('swiglu_limit')}")
         self.expert_parallel = expert_parallel
         super().__init__(config, max_model_len, tp)
-        tp = tp or TensorParallelGroup()
-        head_start, heads = tp.shard(config.num_attention_heads)
-        for layer in self.model.layers:
-            # This rank's heads of the checkpoint's sinks [num_attention_heads].
-            layer.self_attn.attn.sinks.weight_loader = (
-                lambda param, loaded, shard=None, s=head_start, n=heads: param.data.copy_(loaded[s:s + n]))
 
     def attention_options(self, config: ModelConfig, layer: int) -> dict:
         return super().attention_options(config, layer) | {"sinks": True}
@@ -82,7 +82,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
     def make_mlp(self, config: ModelConfig, layer: int, tp: TensorParallelGroup) -> nn.Module:
         moe = config.moe
         experts = GptOssExperts(moe.num_experts, config.hidden_size, moe.intermediate_size, tp, self.expert_parallel,
-                                moe.top_k, activation="swigluoai", bias=True)
+                                moe.top_k)
         return SparseMoeBlock(experts, renormalize=True, router_bias=True)
 
     def map_checkpoint_name(self, ckpt_name: str) -> tuple[str, str | None]:

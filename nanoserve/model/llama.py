@@ -27,7 +27,7 @@ def layer_sliding_window(config: ModelConfig, layer: int) -> int | None:
     layer_types = raw.get("layer_types")
     if layer_types:
         return window if layer_types[layer] == "sliding_attention" else None
-    if raw.get("model_type") in ("qwen2", "qwen2_moe"):
+    if raw.get("model_type") in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
         # transformers' Qwen2 defaults use_sliding_window to false (config.py's sliding_window assumes true).
         if not raw.get("use_sliding_window", False):
             return None
@@ -54,6 +54,8 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, **attention_options)
+        if self.attn.sinks is not None:
+            self.attn.shard_sinks(tp.shard(config.num_attention_heads)[0], config.num_attention_heads)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.attend(positions, self.qkv_proj(x, meta.plan), meta)

@@ -12,7 +12,8 @@ layer's input scales as their largest (q/k/v see the same input, so a calibratio
 
 Under tensor parallelism a row-parallel layer's input is quantized per token over its rank's columns, as vLLM does
 (sharing each row's amax would cost an all-reduce a layer): the token scheme then differs slightly between TP
-sizes, while block groups lie within a rank's columns (scheme.check_model) and quantize alike at every size.
+sizes, while block groups lie within a rank's columns (config.py's _check_quantization) and quantize alike at every
+size.
 
 The forward: on the CPU, fp8_math.fp8_linear_reference (fp32). On CUDA in bfloat16: per-token or static activations
 through kernels/fp8_quant.py and torch._scaled_mm with rowwise scales; block weights through
@@ -89,7 +90,7 @@ class Fp8LinearMethod:
         return load
 
     def _block_rows(self, layer: Linear):
-        """A stacked shard's blocks of rows (scheme.check_model made every shard whole blocks)."""
+        """A stacked shard's blocks of rows (config.py's _check_quantization made every shard whole blocks)."""
         rows = self.scheme.block[0]
 
         def load(param: nn.Parameter, loaded, shard: str) -> None:

@@ -114,3 +114,17 @@ def test_rank_reads_only_its_experts(checkpoints, monkeypatch, expert_parallel):
         assert read_experts == set(range(8))
         assert torch.equal(experts.w13[5], torch.cat([gate[16:], up[16:]]))  # the second half of I = 32
         assert torch.equal(experts.w2[5], down[:, 16:])
+
+
+def test_random_weights_shard_like_a_checkpoint(checkpoints):
+    """--load-format dummy under TP=2: rank 1's sinks and experts are slices of TP=1's random weights (every rank
+    draws a checkpoint tensor whole and keeps its share), so TP=N on random weights gives TP=1's tokens."""
+    d = str(checkpoints["gpt_oss"])
+    whole = load_model(EngineArgs(model=d, load_format="dummy").create_config())
+    config = EngineArgs(model=d, load_format="dummy", tensor_parallel_size=2).create_config()
+    half = load_model(config, TensorParallelGroup(rank=1, size=2))
+    attn, attn1 = whole.model.layers[0].self_attn.attn, half.model.layers[0].self_attn.attn
+    assert attn1.sinks.dtype == torch.float32 and torch.equal(attn1.sinks, attn.sinks[2:])
+    experts, experts1 = whole.model.layers[0].mlp.experts, half.model.layers[0].mlp.experts
+    assert torch.equal(experts1.w2, experts.w2[:, :, 16:])
+    assert torch.equal(experts1.w2_bias, torch.zeros_like(experts.w2_bias))  # added once, by rank 0

@@ -142,6 +142,7 @@ def test_bad_prompts_name_the_field(llama_dir):
     for prompt, match in [([], "prompt: must not be empty"), ("", "prompt: must not be empty"),
                           ([1, 384], "prompt: token id 384"), ([-1], "prompt: token id -1"),
                           ([1, 2**70], f"prompt: token id {2**70}"), ([1, 2.5], "prompt: token id 2.5"),
+                          ([1, [2]], r"prompt: token id \[2\]"),
                           (list(range(2, 70)), "prompt: 68 tokens")]:
         with pytest.raises(ValueError, match=match):
             llm.generate([prompt], use_tqdm=False)

@@ -136,3 +136,21 @@ def test_torch_backend_sinks_match_transformers_gpt_oss_eager(window):
     want, _ = eager_attention_forward(module, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                       v.transpose(0, 1)[None], mask, dim**-0.5)
     torch.testing.assert_close(got, want[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "qwen3_moe"])
+def test_qwen_windows_only_with_use_sliding_window_past_max_window_layers(model_type):
+    """transformers' Qwen2/Qwen3 rule: no window unless use_sliding_window, then only in layers >= max_window_layers."""
+    from nanoserve.config import ModelConfig
+    from nanoserve.model.llama import layer_sliding_window
+
+    def windows(**raw) -> list[int | None]:
+        config = ModelConfig(architecture="", vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=3,
+                             num_attention_heads=1, num_key_value_heads=1, head_dim=8, rms_norm_eps=1e-6,
+                             rope_theta=1e4, rope_scaling=None, max_position_embeddings=64, tie_word_embeddings=False,
+                             attention_bias=False, hidden_act="silu", torch_dtype=None, sliding_window=16,
+                             eos_token_ids=[], raw={"model_type": model_type, **raw})
+        return [layer_sliding_window(config, layer) for layer in range(3)]
+
+    assert windows() == [None, None, None]
+    assert windows(use_sliding_window=True, max_window_layers=1) == [None, 16, 16]
