@@ -6,6 +6,7 @@ and seeded n > 1 sampling; each rank's loader reads only its experts' share of t
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors_reads import RecordingFile
 
 import nanoserve.model.loader as loader_module
 from nanoserve import LLM, EngineArgs, SamplingParams
@@ -62,42 +63,12 @@ def test_two_ranks_equal_one(checkpoints, arch, expert_parallel):
         llm.shutdown()
 
 
-class RecordingFile:
-    """safe_open's file, recording which tensors were read through a slice."""
-
-    def __init__(self, inner, read: set) -> None:
-        self.inner, self.read = inner, read
-
-    def __enter__(self):
-        self.inner.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self.inner.__exit__(*exc)
-
-    def keys(self):
-        return self.inner.keys()
-
-    def get_slice(self, name: str):
-        inner, read = self.inner.get_slice(name), self.read
-
-        class Slice:
-            def get_shape(self):
-                return inner.get_shape()
-
-            def __getitem__(self, index):
-                read.add(name)
-                return inner[index]
-
-        return Slice()
-
-
 @pytest.mark.parametrize("expert_parallel", [False, True])
 def test_rank_reads_only_its_experts(checkpoints, monkeypatch, expert_parallel):
     d = checkpoints["qwen3_moe"]
-    read: set = set()
+    reads: dict = {}
     real = loader_module.safe_open
-    monkeypatch.setattr(loader_module, "safe_open", lambda *a, **kw: RecordingFile(real(*a, **kw), read))
+    monkeypatch.setattr(loader_module, "safe_open", lambda *a, **kw: RecordingFile(real(*a, **kw), reads, []))
     config = EngineArgs(model=str(d), tensor_parallel_size=2, enable_expert_parallel=expert_parallel).create_config()
     model = load_model(config, TensorParallelGroup(rank=1, size=2))
     experts = model.model.layers[0].mlp.experts
@@ -105,7 +76,7 @@ def test_rank_reads_only_its_experts(checkpoints, monkeypatch, expert_parallel):
         names = [n for n in f.keys() if ".experts." in n]
         p = "model.layers.0.mlp.experts."
         gate, up, down = (f.get_tensor(f"{p}5.{proj}.weight") for proj in ("gate_proj", "up_proj", "down_proj"))
-    read_experts = {int(n.split(".experts.")[1].split(".")[0]) for n in names if n in read}
+    read_experts = {int(n.split(".experts.")[1].split(".")[0]) for n in names if n in reads}
     if expert_parallel:
         assert read_experts == {4, 5, 6, 7}  # rank 1 of 2 holds experts 4-7 and reads no other
         assert torch.equal(experts.w13[1], torch.cat([gate, up]))

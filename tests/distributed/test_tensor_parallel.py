@@ -21,6 +21,7 @@ import torch
 from checkpoints import write_checkpoint
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from safetensors_reads import RecordingFile
 
 import nanoserve.model.loader as loader_module
 from nanoserve import LLM, EngineArgs, SamplingParams
@@ -240,48 +241,6 @@ def test_four_ranks_replicate_kv_heads(checkpoints):
 
 
 # -- 3. the sharded loader --------------------------------------------------------------------------------------
-class RecordingSlice:
-    """A safetensors slice that records the indexes read from it."""
-
-    def __init__(self, inner, name: str, reads: dict) -> None:
-        self.inner, self.name, self.reads = inner, name, reads
-
-    def get_shape(self):
-        return self.inner.get_shape()
-
-    def get_dtype(self):
-        return self.inner.get_dtype()
-
-    def __getitem__(self, index):
-        self.reads.setdefault(self.name, []).append(index)
-        return self.inner[index]
-
-
-class RecordingFile:
-    def __init__(self, inner, reads: dict, whole: list) -> None:
-        self.inner, self.reads, self.whole = inner, reads, whole
-
-    def __enter__(self):
-        self.inner.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self.inner.__exit__(*exc)
-
-    def keys(self):
-        return self.inner.keys()
-
-    def metadata(self):
-        return self.inner.metadata()
-
-    def get_slice(self, name):
-        return RecordingSlice(self.inner.get_slice(name), name, self.reads)
-
-    def get_tensor(self, name):
-        self.whole.append(name)
-        return self.inner.get_tensor(name)
-
-
 @pytest.fixture(scope="module")
 def llama_bias_dir(tmp_path_factory) -> Path:
     """Llama with attention_bias: q/k/v biases (column-parallel) and an o_proj bias (row-parallel), made nonzero
