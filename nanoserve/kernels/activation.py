@@ -1,4 +1,5 @@
-"""SiLU(gate) * up over the fused gate_up output, in one pass."""
+"""act(gate) * up over the fused gate_up output, in one pass: SiLU (Llama, Qwen) or tanh-approximated GELU (Gemma's
+gelu_pytorch_tanh). The activation is a constexpr, so SiLU's kernel is what it was."""
 
 import torch
 import torch.nn.functional as F
@@ -7,9 +8,12 @@ import triton.language as tl
 
 from nanoserve.kernels.pdl import use_pdl, wait_for_prior_grids
 
+ACTIVATIONS = ("silu", "gelu_tanh")
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _act_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr,
+                        USE_PDL: tl.constexpr):
     wait_for_prior_grids(USE_PDL)
     t, b = tl.program_id(0), tl.program_id(1)
     offs = b * BLOCK + tl.arange(0, BLOCK)
@@ -17,24 +21,40 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.co
     row = x_ptr + t.to(tl.int64) * stride_x
     gate = tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(row + inter + offs, mask=mask, other=0.0).to(tl.float32)
-    out = gate * tl.sigmoid(gate) * up
-    tl.store(out_ptr + t.to(tl.int64) * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    if ACTIVATION == "gelu_tanh":
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2 / pi) (...)
+        # tanh(z) = 2 sigmoid(2z) - 1: one formula the interpreter and every Triton version have.
+        act = 0.5 * gate * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))
+    else:
+        act = gate * tl.sigmoid(gate)
+    tl.store(out_ptr + t.to(tl.int64) * stride_o + offs, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [T, 2I] -> [T, I]."""
-    assert x.dim() == 2 and x.stride(1) == 1
+def act_and_mul(x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """x [T, 2I] -> act(x[:, :I]) * x[:, I:], [T, I]; activation one of ACTIVATIONS."""
+    assert x.dim() == 2 and x.stride(1) == 1 and activation in ACTIVATIONS
     num_tokens, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
     block = 1024
     if num_tokens:
         pdl = use_pdl(x)
-        _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](x, out, x.stride(0), out.stride(0), inter,
-                                                                      BLOCK=block, USE_PDL=pdl, num_warps=4,
-                                                                      launch_pdl=pdl)
+        _act_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](x, out, x.stride(0), out.stride(0), inter,
+                                                                     ACTIVATION=activation, BLOCK=block,
+                                                                     USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
 
 
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] -> [T, I]."""
+    return act_and_mul(x, "silu")
+
+
+def act_and_mul_ref(x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
     return F.silu(gate) * up
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    return act_and_mul_ref(x, "silu")

@@ -9,6 +9,7 @@ Keys are paged ([blocks, block_size, kv heads, head_dim], any block stride: a ri
 block side by side works as well as the pool) and listed by `block_ids`; key j sits at position key_pos0 + j and
 query i at q_pos0 + i, which sees keys up to its own position, and with a sliding window W only those after its
 position - W. A layer's attention sinks (gpt-oss) are no piece's: the caller adds them once to the merged result.
+softcap (Gemma 2) caps every score, kernels/softcap.py.
 """
 
 import torch
@@ -18,16 +19,21 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs: the PyTorch reference serves there
     triton = None
+else:
+    from nanoserve.kernels.softcap import softcap_scores
 
 
 def chunk_attention_ref(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, block_ids: torch.Tensor,
                         num_keys: int, key_pos0: int, q_pos0: int, scale: float, out: torch.Tensor,
-                        lse: torch.Tensor, accumulate: bool, window: int | None = None) -> None:
+                        lse: torch.Tensor, accumulate: bool, window: int | None = None,
+                        softcap: float | None = None) -> None:
     """PyTorch reference (and the CPU path): same contract as chunk_attention."""
     group = q.shape[1] // k_blocks.shape[2]
     k = k_blocks[block_ids.long()].flatten(0, 1)[:num_keys].float().repeat_interleave(group, 1)  # [N, Hq, D]
     v = v_blocks[block_ids.long()].flatten(0, 1)[:num_keys].float().repeat_interleave(group, 1)
     scores = torch.einsum("mhd,nhd->hmn", q.float(), k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     q_pos = q_pos0 + torch.arange(q.shape[0], device=q.device)
     k_pos = key_pos0 + torch.arange(num_keys, device=q.device)
     hidden = k_pos[None, :] > q_pos[:, None]
@@ -53,8 +59,8 @@ if triton is not None:
     @triton.jit
     def _chunk_attention_kernel(q_ptr, k_ptr, v_ptr, block_ids_ptr, out_ptr, lse_ptr, num_keys, key_pos0, q_pos0,
                                 num_rows, qk_scale, stride_qm, stride_qh, stride_kb, stride_kt, stride_kh,
-                                group, num_q_heads, window, ACCUMULATE: tl.constexpr, WINDOW: tl.constexpr,
-                                DOT_PRECISION: tl.constexpr,
+                                group, num_q_heads, window, softcap, ACCUMULATE: tl.constexpr,
+                                WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
                                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                                 BLOCK_N: tl.constexpr):
         # GQA packing: a program serves one kv head, and its tile's entries are (query row, query head of the group)
@@ -87,6 +93,8 @@ if triton is not None:
             v = tl.load(v_ptr + kv_offs[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
             # Products in the inputs' precision, accumulated in fp32; the softmax is fp32 throughout.
             qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # log2 units: qk_scale holds log2(e)
+            if SOFTCAP:
+                qk = softcap_scores(qk, softcap)
             seen = (key_pos0 + offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
             if WINDOW:
                 seen = seen & (key_pos0 + offs_n[None, :] > q_pos[:, None] - window)
@@ -120,10 +128,11 @@ if triton is not None:
 
 def chunk_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, block_ids: torch.Tensor,
                     num_keys: int, key_pos0: int, q_pos0: int, scale: float, out: torch.Tensor, lse: torch.Tensor,
-                    accumulate: bool, window: int | None = None) -> None:
+                    accumulate: bool, window: int | None = None, softcap: float | None = None) -> None:
     """q [M, Hq, D] over keys 0..num_keys-1 of k/v_blocks[block_ids] ([blocks, block_size, Hkv, D], the last two
     dims contiguous; k and v with the same strides), into fp32 out [M, Hq, D] and lse [M, Hq] (contiguous): replaced,
-    or with accumulate merged with what they hold. window: the sliding window (module docstring), None for none."""
+    or with accumulate merged with what they hold. window: the sliding window (module docstring), None for none;
+    softcap: the scores' cap, None for none."""
     assert k_blocks.stride() == v_blocks.stride() and k_blocks.stride(3) == 1 and q.stride(2) == 1
     assert out.is_contiguous() and lse.is_contiguous() and out.dtype == lse.dtype == torch.float32
     rows, heads, head_dim = q.shape
@@ -138,6 +147,7 @@ def chunk_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Ten
     _chunk_attention_kernel[grid](
         q, k_blocks, v_blocks, block_ids, out, lse, num_keys, key_pos0, q_pos0, rows, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k_blocks.stride(0), k_blocks.stride(1), k_blocks.stride(2),
-        group, heads, window or 0, ACCUMULATE=accumulate, WINDOW=window is not None,
+        group, heads, window or 0, (softcap or 0.0) * 1.4426950408889634, ACCUMULATE=accumulate,
+        WINDOW=window is not None, SOFTCAP=softcap is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HEAD_DIM=head_dim, BLOCK_SIZE=k_blocks.shape[1],
         BLOCK_M=block_m, BLOCK_N=64, num_warps=warps, num_stages=stages)

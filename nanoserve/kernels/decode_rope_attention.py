@@ -34,16 +34,17 @@ from nanoserve.kernels.decode_launch import launch_reduce, plan_split_launch
 from nanoserve.kernels.decode_split import attend_split, load_kv_tile, split_range
 from nanoserve.kernels.pdl import wait_for_prior_grids
 from nanoserve.kernels.qkv_rope_store import qkv_rope_store_ref
+from nanoserve.kernels.softcap import softcap_scores
 
 
 @triton.jit
-def _norm_weight(w_ptr, HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """A per-head RMSNorm weight at d and at d's rotary partner (d + HALF mod HEAD_DIM), fp32 [1, HEAD_DIM];
-    ones (never used) without the norm."""
+def _norm_weight(w_ptr, HAS_NORM: tl.constexpr, NORM_OFFSET: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A per-head RMSNorm scale (NORM_OFFSET + weight, Gemma's 1 + w) at d and at d's rotary partner (d + HALF mod
+    HEAD_DIM), fp32 [1, HEAD_DIM]; ones (never used) without the norm."""
     offs_d = tl.arange(0, HEAD_DIM)
     if HAS_NORM:
-        w = tl.load(w_ptr + offs_d).to(tl.float32)
-        w_pair = tl.load(w_ptr + (offs_d + HEAD_DIM // 2) % HEAD_DIM).to(tl.float32)
+        w = tl.load(w_ptr + offs_d).to(tl.float32) + NORM_OFFSET
+        w_pair = tl.load(w_ptr + (offs_d + HEAD_DIM // 2) % HEAD_DIM).to(tl.float32) + NORM_OFFSET
     else:
         w = tl.full([HEAD_DIM], 1.0, tl.float32)
         w_pair = w
@@ -51,16 +52,22 @@ def _norm_weight(w_ptr, HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope(x, x_pair, w, w_pair, cos, sin, eps, HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _norm_rope(x, x_pair, w, w_pair, cos, sin, eps, HAS_NORM: tl.constexpr, NORM_OFFSET: tl.constexpr,
+               HEAD_DIM: tl.constexpr):
     """Heads x [R, HEAD_DIM] (x_pair: the same heads with their halves swapped) after the per-head RMSNorm
     (HAS_NORM) and rotate-half rotary, rounded to x's dtype where qkv_rope_store rounds."""
     dtype = x.dtype
     y, y_pair = x.to(tl.float32), x_pair.to(tl.float32)
     if HAS_NORM:
         rstd = tl.rsqrt(tl.sum(y * y, axis=1) / HEAD_DIM + eps)[:, None]
-        # As rms_norm: normalize, round, scale, round (the rotary kernel then reads the rounded values).
-        y = ((y * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
-        y_pair = ((y_pair * rstd).to(dtype).to(tl.float32) * w_pair).to(dtype).to(tl.float32)
+        if NORM_OFFSET != 0.0:
+            # As rms_norm with an offset (Gemma): normalize and scale in fp32, round once.
+            y = (y * rstd * w).to(dtype).to(tl.float32)
+            y_pair = (y_pair * rstd * w_pair).to(dtype).to(tl.float32)
+        else:
+            # As rms_norm: normalize, round, scale, round (the rotary kernel then reads the rounded values).
+            y = ((y * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
+            y_pair = ((y_pair * rstd).to(dtype).to(tl.float32) * w_pair).to(dtype).to(tl.float32)
     # First half: x1 cos - x2 sin; second half: x2 cos + x1 sin (negating is exact, so this is the same sum).
     first_half = (tl.arange(0, HEAD_DIM) < HEAD_DIM // 2)[None, :]
     return (y * cos + tl.where(first_half, -y_pair, y_pair) * sin).to(dtype)
@@ -71,8 +78,9 @@ def _decode_rope_split_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_p
                               v_cache_ptr, seq_lens_ptr, block_tables_ptr, mid_o_ptr, mid_lse_ptr, out_ptr,
                               counters_ptr, qk_scale, eps, stride_qkv, stride_c, stride_cb, stride_ct, stride_ch,
                               stride_bt, stride_ob, stride_oh, num_queries_per_kv, num_splits, window, sinks_ptr,
-                              HAS_NORM: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr,
-                              FUSED: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr,
+                              softcap, HAS_NORM: tl.constexpr, NORM_OFFSET: tl.constexpr, PREFETCH: tl.constexpr,
+                              SPLIT: tl.constexpr, FUSED: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr,
+                              SOFTCAP: tl.constexpr,
                               DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
                               BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr):
@@ -106,8 +114,8 @@ def _decode_rope_split_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_p
                             stride_ct, stride_ch, True, HEAD_DIM, BLOCK_SIZE, BLOCK_N)
     cos = tl.load(cos_ptr + pos * stride_c + offs_d % (HEAD_DIM // 2))[None, :]
     sin = tl.load(sin_ptr + pos * stride_c + offs_d % (HEAD_DIM // 2))[None, :]
-    q_w, q_w_pair = _norm_weight(q_w_ptr, HAS_NORM, HEAD_DIM)
-    k_w, k_w_pair = _norm_weight(k_w_ptr, HAS_NORM, HEAD_DIM)
+    q_w, q_w_pair = _norm_weight(q_w_ptr, HAS_NORM, NORM_OFFSET, HEAD_DIM)
+    k_w, k_w_pair = _norm_weight(k_w_ptr, HAS_NORM, NORM_OFFSET, HEAD_DIM)
     wait_for_prior_grids(USE_PDL)
 
     # The qkv row: q heads, then k heads, then v heads.
@@ -116,10 +124,10 @@ def _decode_rope_split_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_p
     q_mask = (offs_g < num_queries_per_kv)[:, None]
     q = _norm_rope(tl.load(q_rows + offs_d[None, :], mask=q_mask, other=0.0),
                    tl.load(q_rows + pair[None, :], mask=q_mask, other=0.0),
-                   q_w, q_w_pair, cos, sin, eps, HAS_NORM, HEAD_DIM)
+                   q_w, q_w_pair, cos, sin, eps, HAS_NORM, NORM_OFFSET, HEAD_DIM)
     k_row = row + (num_q_heads + kv_head) * HEAD_DIM
     new_k = _norm_rope(tl.load(k_row + offs_d[None, :]), tl.load(k_row + pair[None, :]),
-                       k_w, k_w_pair, cos, sin, eps, HAS_NORM, HEAD_DIM).to(k_cache_ptr.dtype.element_ty)
+                       k_w, k_w_pair, cos, sin, eps, HAS_NORM, NORM_OFFSET, HEAD_DIM).to(k_cache_ptr.dtype.element_ty)
     new_v = tl.load(row + (num_q_heads + num_kv_heads + kv_head) * HEAD_DIM + offs_d[None, :])
 
     # The split holding position seq_len - 1 stores the new K/V (split 0 for a length-0 row, which has none,
@@ -132,12 +140,14 @@ def _decode_rope_split_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_p
         tl.store(v_cache_ptr + dst, new_v)
     # The new key's scores, as the tile's dot would give them (exact products, fp32 sums) but for the order.
     qk_new = tl.sum(q.to(tl.float32) * new_k.to(tl.float32), 1) * qk_scale
+    if SOFTCAP:
+        qk_new = softcap_scores(qk_new, softcap)
 
     attend_split(q, k if PREFETCH else None, v if PREFETCH else None, k_cache_ptr, v_cache_ptr, bt_row, mid_o_ptr,
                  mid_lse_ptr, out_ptr, counters_ptr, seq, kv_head, split, seq_len, chunk, kv_start, kv_end, qk_scale,
                  stride_cb, stride_ct, stride_ch, stride_ob, stride_oh, num_queries_per_kv, num_splits, new_pos, qk_new,
-                 new_v, sinks_ptr, PREFETCH, True, SPLIT, FUSED, WINDOW, SINKS, DOT_PRECISION, HEAD_DIM, BLOCK_SIZE,
-                 BLOCK_H, BLOCK_N, BLOCK_G, BLOCK_S)
+                 new_v, sinks_ptr, softcap, PREFETCH, True, SPLIT, FUSED, WINDOW, SINKS, SOFTCAP, DOT_PRECISION,
+                 HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_N, BLOCK_G, BLOCK_S)
 
 
 @functools.lru_cache
@@ -162,7 +172,8 @@ def decode_rope_attention(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int
                           slot_mapping: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                           scale: float, num_splits: int | None = None, out: torch.Tensor | None = None,
                           counters: torch.Tensor | None = None, prefetch: bool | None = None,
-                          window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                          window: int | None = None, sinks: torch.Tensor | None = None,
+                          softcap: float | None = None, norm_offset: float = 0.0) -> torch.Tensor:
     """qkv_rope_store(qkv, ...) then decode_attention(q, ...) in one launch (two with num_splits > 1 and no
     counters), for a batch of decodes: row b of qkv [B, (Hq + 2 Hkv) * D] is sequence b's one new token, at
     position seq_lens[b] - 1 and cache slot slot_mapping[b] (-1: not stored). Returns [B, Hq, D] (into out if
@@ -170,7 +181,7 @@ def decode_rope_attention(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int
 
     prefetch: whether each program loads its first key tile before waiting on the kernel before it (see
     _prefetch_pays); None decides from the grid. Tests set it to cover both paths; the output is the same either way.
-    window, sinks: as decode_attention takes them.
+    window, sinks, softcap: as decode_attention takes them; norm_offset: as qkv_rope_store takes it.
     """
     num_tokens, width = qkv.shape
     head_dim = width // (num_q_heads + 2 * num_kv_heads)
@@ -193,8 +204,9 @@ def decode_rope_attention(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int
         cos, sin, positions, slot_mapping, k_cache, v_cache, seq_lens, block_tables, launch.mid_o, launch.mid_lse,
         out, launch.counters, scale * LOG2E, eps, qkv.stride(0), cos.stride(0), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
-        num_q_heads // num_kv_heads, launch.grid[2], window or 0, sinks, HAS_NORM=has_norm, PREFETCH=prefetch,
-        WINDOW=window is not None, SINKS=sinks is not None, **launch.options)
+        num_q_heads // num_kv_heads, launch.grid[2], window or 0, sinks, (softcap or 0.0) * LOG2E,
+        HAS_NORM=has_norm, NORM_OFFSET=float(norm_offset), PREFETCH=prefetch, WINDOW=window is not None,
+        SINKS=sinks is not None, SOFTCAP=softcap is not None, **launch.options)
     launch_reduce(launch, out)
     return out
 
@@ -205,12 +217,13 @@ def decode_rope_attention_ref(qkv: torch.Tensor, num_q_heads: int, num_kv_heads:
                               v_cache: torch.Tensor, slot_mapping: torch.Tensor, seq_lens: torch.Tensor,
                               block_tables: torch.Tensor, scale: float, num_splits: int | None = None,
                               out: torch.Tensor | None = None, counters: torch.Tensor | None = None,
-                              window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                              window: int | None = None, sinks: torch.Tensor | None = None,
+                              softcap: float | None = None, norm_offset: float = 0.0) -> torch.Tensor:
     """The unfused references: qkv_rope_store_ref on a copy of qkv (the caches are written), then
     decode_attention_ref; num_splits and counters are accepted and ignored."""
     qkv = qkv.clone()
     qkv_rope_store_ref(qkv, num_q_heads, num_kv_heads, positions, cos, sin, q_weight, k_weight, eps, k_cache,
-                       v_cache, slot_mapping)
+                       v_cache, slot_mapping, norm_offset)
     q = qkv[:, :num_q_heads * k_cache.shape[3]].view(qkv.shape[0], num_q_heads, k_cache.shape[3])
     return decode_attention_ref(q, k_cache, v_cache, seq_lens, block_tables, scale, out=out, window=window,
-                                sinks=sinks)
+                                sinks=sinks, softcap=softcap)

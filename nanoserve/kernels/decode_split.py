@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.kernels.decode_merge import merge_splits
+from nanoserve.kernels.softcap import softcap_scores
 
 
 @triton.jit
@@ -43,15 +44,18 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, kv_head, start_n, kv_end, new
 
 
 @triton.jit
-def attend_tile(q, k, v, start_n, kv_end, m_i, l_i, acc, qk_scale, new_pos, qk_new, new_v,
-                NEW_KV: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+def attend_tile(q, k, v, start_n, kv_end, m_i, l_i, acc, qk_scale, new_pos, qk_new, new_v, softcap,
+                NEW_KV: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
     """One online-softmax step of q [BLOCK_H, HEAD_DIM] over a tile of keys start_n.. holding at least one
     below kv_end (so m_new is finite). NEW_KV: the key at position new_pos, if in the tile, is not the cache's
     (load_kv_tile left zeros there) but one given by its scaled scores qk_new [BLOCK_H] and value new_v
     [1, HEAD_DIM]. Patching the scores and the sums, rather than the K/V tiles, keeps the tiles' loads going
-    straight to shared memory in the pipelined loop: a select on the tiles cost ~100 registers a thread."""
+    straight to shared memory in the pipelined loop: a select on the tiles cost ~100 registers a thread.
+    SOFTCAP: the scores are capped (kernels/softcap.py; softcap in log2 units; qk_new comes capped)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+    if SOFTCAP:
+        qk = softcap_scores(qk, softcap)
     if NEW_KV:
         is_new = (offs_n == new_pos)[None, :]
         qk = tl.where(is_new, qk_new[:, None], qk)
@@ -127,16 +131,17 @@ def write_split(acc, m_i, l_i, seq, kv_head, split, seq_len, chunk, kv_start, mi
 @triton.jit
 def attend_split(q, k0, v0, k_cache_ptr, v_cache_ptr, bt_row, mid_o_ptr, mid_lse_ptr, out_ptr, counters_ptr, seq,
                  kv_head, split, seq_len, chunk, kv_start, kv_end, qk_scale, stride_cb, stride_ct, stride_ch,
-                 stride_ob, stride_oh, num_queries_per_kv, num_splits, new_pos, qk_new, new_v, sinks_ptr,
+                 stride_ob, stride_oh, num_queries_per_kv, num_splits, new_pos, qk_new, new_v, sinks_ptr, softcap,
                  PREFETCHED: tl.constexpr, NEW_KV: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
-                 WINDOW: tl.constexpr, SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 WINDOW: tl.constexpr, SINKS: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 HEAD_DIM: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr):
     """A (sequence, kv head, split) program's work once its queries q [BLOCK_H, HEAD_DIM] are known: the online
     softmax over its keys [kv_start, kv_end) (PREFETCHED: the first tile is k0/v0, loaded by the caller), then
     the result handed on (write_split). NEW_KV: see attend_tile. SINKS: the group's sink logits (fp32, natural
     log, at sinks_ptr by query head) join the first split's sums, so the merge counts each once. WINDOW: the
-    splits' ranges start at the window (split_range)."""
+    splits' ranges start at the window (split_range). SOFTCAP: see attend_tile."""
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
@@ -144,13 +149,13 @@ def attend_split(q, k0, v0, k_cache_ptr, v_cache_ptr, bt_row, mid_o_ptr, mid_lse
     if PREFETCHED:
         if kv_start < kv_end:  # an empty split has no tile
             m_i, l_i, acc = attend_tile(q, k0, v0, kv_start, kv_end, m_i, l_i, acc, qk_scale, new_pos, qk_new, new_v,
-                                        NEW_KV, DOT_PRECISION, BLOCK_N)
+                                        softcap, NEW_KV, SOFTCAP, DOT_PRECISION, BLOCK_N)
         begin = kv_start + BLOCK_N
     for start_n in range(begin, kv_end, BLOCK_N):
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, kv_head, start_n, kv_end, new_pos, stride_cb,
                             stride_ct, stride_ch, NEW_KV, HEAD_DIM, BLOCK_SIZE, BLOCK_N)
         m_i, l_i, acc = attend_tile(q, k, v, start_n, kv_end, m_i, l_i, acc, qk_scale, new_pos, qk_new, new_v,
-                                    NEW_KV, DOT_PRECISION, BLOCK_N)
+                                    softcap, NEW_KV, SOFTCAP, DOT_PRECISION, BLOCK_N)
     if SINKS:
         if split == 0:
             offs_g = tl.arange(0, BLOCK_H)

@@ -3,7 +3,8 @@ rotary on q and k in place, and k and v written into the paged KV cache.
 
 Separately these are four launches per layer (q norm, k norm, rotary, store); at batch 1 a decode step
 is bound by launches, not bytes, so one program per token does all of them. The arithmetic and
-its roundings follow the unfused kernels (rms_norm.py, rotary.py) step for step, so outputs match them.
+its roundings follow the unfused kernels (rms_norm.py, rotary.py) step for step, so outputs match them, Gemma 3's
+norms (norm_offset 1.0: the scale is 1 + weight, multiplied before the one rounding) included.
 """
 
 import torch
@@ -17,7 +18,7 @@ from nanoserve.kernels.pdl import use_pdl, wait_for_prior_grids
 def _qkv_rope_store_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
                            stride_t, stride_c, eps, num_q_heads, num_kv_heads,
                            HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
-                           BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
+                           NORM_OFFSET: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
     # One program per token, all its q and k heads at once (q heads first, then k heads, each of which also
     # stores its v head): a program per (token, head) made a 2,100-token prefill take 38 us a layer on an
     # H200, tens of thousands of one-warp programs moving 256 bytes each.
@@ -38,10 +39,15 @@ def _qkv_rope_store_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr,
         rstd = tl.rsqrt((tl.sum(y1 * y1, axis=1) + tl.sum(y2 * y2, axis=1)) / HEAD_DIM + eps)[:, None]
         w1 = tl.where(is_q[:, None], tl.load(q_w_ptr + offs)[None, :], tl.load(k_w_ptr + offs)[None, :])
         w2 = tl.where(is_q[:, None], tl.load(q_w_ptr + HALF + offs)[None, :], tl.load(k_w_ptr + HALF + offs)[None, :])
-        w1, w2 = w1.to(tl.float32), w2.to(tl.float32)
-        # As rms_norm: normalize, round, scale, round (the rotary kernel then reads the rounded values).
-        y1 = ((y1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-        y2 = ((y2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+        w1, w2 = w1.to(tl.float32) + NORM_OFFSET, w2.to(tl.float32) + NORM_OFFSET
+        if NORM_OFFSET != 0.0:
+            # As rms_norm with an offset (Gemma): normalize and scale in fp32, round once.
+            y1 = (y1 * rstd * w1).to(dtype).to(tl.float32)
+            y2 = (y2 * rstd * w2).to(dtype).to(tl.float32)
+        else:
+            # As rms_norm: normalize, round, scale, round (the rotary kernel then reads the rounded values).
+            y1 = ((y1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+            y2 = ((y2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     cos = tl.load(cos_ptr + pos * stride_c + offs)[None, :]
     sin = tl.load(sin_ptr + pos * stride_c + offs)[None, :]
     r1 = (y1 * cos - y2 * sin).to(dtype)
@@ -63,8 +69,10 @@ def _qkv_rope_store_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr,
 
 def qkv_rope_store(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, positions: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
-                   eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                   eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   norm_offset: float = 0.0) -> None:
     """qkv [T, (Hq + 2 Hkv) * D] (rows contiguous), rotated (and normed) in place; k/v stored at their slots.
+    norm_offset: the norms scale by norm_offset + weight (Gemma 3: 1.0; kernels/rms_norm.py).
 
     cos/sin [max_pos, D/2] fp32; q_weight/k_weight [D] or both None; caches [blocks, block_size, Hkv, D]
     contiguous; slot_mapping [T] int64 with -1 for tokens whose K/V are not stored.
@@ -83,14 +91,15 @@ def qkv_rope_store(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, posit
     _qkv_rope_store_kernel[(num_tokens,)](
         qkv, q_weight if has_norm else cos, k_weight if has_norm else cos, cos, sin, positions, slot_mapping,
         k_cache, v_cache, qkv.stride(0), cos.stride(0), eps, num_q_heads, num_kv_heads,
-        HEAD_DIM=head_dim, HALF=head_dim // 2, HAS_NORM=has_norm, BLOCK_H=block_h, USE_PDL=pdl,
+        HEAD_DIM=head_dim, HALF=head_dim // 2, HAS_NORM=has_norm, NORM_OFFSET=float(norm_offset), BLOCK_H=block_h,
+        USE_PDL=pdl,
         num_warps=4 if block_h * head_dim >= 2048 else 1, launch_pdl=pdl)
 
 
 def qkv_rope_store_ref(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, positions: torch.Tensor,
                        cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor | None,
                        k_weight: torch.Tensor | None, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> None:
+                       slot_mapping: torch.Tensor, norm_offset: float = 0.0) -> None:
     """The unfused references, one after the other."""
     from nanoserve.kernels.rms_norm import rms_norm_ref
     from nanoserve.kernels.rotary import apply_rotary_ref
@@ -100,8 +109,8 @@ def qkv_rope_store_ref(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, p
     q, k, v = qkv.split([num_q_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
     q, k, v = q.view(t, num_q_heads, d), k.view(t, num_kv_heads, d), v.view(t, num_kv_heads, d)
     if q_weight is not None:
-        q.copy_(rms_norm_ref(q, q_weight, eps))
-        k.copy_(rms_norm_ref(k, k_weight, eps))
+        q.copy_(rms_norm_ref(q, q_weight, eps, weight_offset=norm_offset))
+        k.copy_(rms_norm_ref(k, k_weight, eps, weight_offset=norm_offset))
     apply_rotary_ref(q, k, cos, sin, positions)
     keep = slot_mapping >= 0
     k_cache.view(-1, num_kv_heads, d)[slot_mapping[keep]] = k[keep]

@@ -2,6 +2,10 @@
 
 Rows are addressed as [N, M, D] with strides for N and M, so the per-head q/k norms of Qwen3 run on
 the strided views of the fused qkv output without a copy.
+
+weight_offset: Gemma's norms scale by (offset + weight), offset 1.0, and as transformers' Gemma RMSNorm they multiply
+in fp32 and round once, where Llama's rounds the normalized row before the weight. A constexpr: 0.0 compiles the
+Llama kernel unchanged.
 """
 
 import torch
@@ -14,7 +18,7 @@ from nanoserve.kernels.pdl import use_pdl, wait_for_prior_grids
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_xn, stride_xm, stride_rn, stride_on, stride_om,
                      eps, D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     USE_PDL: tl.constexpr):
+                     WEIGHT_OFFSET: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_prior_grids(USE_PDL)
     n, m = tl.program_id(0), tl.program_id(1)
     offs = tl.arange(0, BLOCK_D)
@@ -29,15 +33,19 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_xn, stride_xm, strid
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * w
+    if WEIGHT_OFFSET != 0.0:
+        y = xf * rstd * (w + WEIGHT_OFFSET)
+    else:
+        y = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * w
     tl.store(out_ptr + n.to(tl.int64) * stride_on + m * stride_om + offs, y.to(out_ptr.dtype.element_ty),
              mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             weight_offset: float = 0.0) -> torch.Tensor:
     """x [..., D] (last dim contiguous; 2-D, or 3-D with any leading strides) -> a new normalized tensor.
-    With `residual` (contiguous, x's shape), x + residual is normalized and written back into residual."""
+    With `residual` (contiguous, x's shape), x + residual is normalized and written back into residual.
+    weight_offset: the row is scaled by weight_offset + weight (module docstring)."""
     assert x.stride(-1) == 1 and weight.is_contiguous()
     x3 = x if x.dim() == 3 else x.view(x.shape[0], 1, x.shape[-1]) if x.dim() == 2 else x.reshape(-1, 1, x.shape[-1])
     n, m, d = x3.shape
@@ -48,18 +56,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     pdl = use_pdl(x)
     _rms_norm_kernel[(n, m)](x3, residual if residual is not None else x3, weight, out, x3.stride(0), x3.stride(1),
                              residual.stride(0) if residual is not None else 0, out.stride(0), out.stride(1), eps,
-                             D=d, BLOCK_D=block, HAS_RESIDUAL=residual is not None, USE_PDL=pdl, launch_pdl=pdl,
+                             D=d, BLOCK_D=block, HAS_RESIDUAL=residual is not None,
+                             WEIGHT_OFFSET=float(weight_offset), USE_PDL=pdl, launch_pdl=pdl,
                              num_warps=min(max(block // 256, 1), 8))  # one warp per 256 elements
     return out.view(x.shape)
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None) -> torch.Tensor:
-    """The Hugging Face computation; updates `residual` in place like the kernel."""
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                 weight_offset: float = 0.0) -> torch.Tensor:
+    """The Hugging Face computation (Llama's, or Gemma's with weight_offset); updates `residual` in place like the
+    kernel."""
     if residual is not None:
         x = x + residual
         residual.copy_(x)
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight_offset:
+        return (xf * (weight_offset + weight.float())).to(dtype)
     return weight * xf.to(dtype)

@@ -1,4 +1,4 @@
-"""SiLU(gate) * up over the fused gate_up projection."""
+"""act(gate) * up over the fused gate_up projection: SiLU (Llama, Qwen) or tanh-approximated GELU (Gemma)."""
 
 import torch
 import torch.nn.functional as F
@@ -13,3 +13,15 @@ class SiluAndMul(nn.Module):
             return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """GELU with the tanh approximation (transformers' gelu_pytorch_tanh)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from nanoserve.kernels.activation import act_and_mul
+
+            return act_and_mul(x, "gelu_tanh")
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

@@ -25,7 +25,7 @@ class LongContext(Protocol):
 
     def attend(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                scale: float, chunk_attention: Callable, window: int | None = None,
-               sinks: torch.Tensor | None = None) -> None: ...
+               sinks: torch.Tensor | None = None, softcap: float | None = None) -> None: ...
 
 
 @dataclass
@@ -74,7 +74,8 @@ class TorchBackend:
 
     @staticmethod
     def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+               scale: float, window: int | None = None, sinks: torch.Tensor | None = None,
+               softcap: float | None = None) -> torch.Tensor:
         out = torch.empty_like(q)
         block_size = k_cache.shape[1]
         group = q.shape[1] // k_cache.shape[2]
@@ -93,20 +94,25 @@ class TorchBackend:
             if window is not None:
                 mask &= ~torch.ones_like(mask).tril(seq_len - q_len - window)
             k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-            if sinks is None:
+            if sinks is None and softcap is None:
                 o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale)
             else:
-                o = _softmax_with_sinks(qb, k, v, mask, scale, sinks)
+                o = _explicit_softmax(qb, k, v, mask, scale, sinks, softcap)
             out[start:end] = o.transpose(0, 1)
         return out
 
 
-def _softmax_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                        sinks: torch.Tensor) -> torch.Tensor:
-    """Attention of q [H, L, D] over k/v [H, S, D] where head h's sink logit sinks[h] joins each softmax's
-    denominator (gpt-oss): a column that takes weight but contributes no value."""
+def _explicit_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                      sinks: torch.Tensor | None, softcap: float | None) -> torch.Tensor:
+    """Attention of q [H, L, D] over k/v [H, S, D] with the scores written out: soft-capped (Gemma 2: softcap *
+    tanh(score / softcap), before the mask, as transformers does), and with head h's sink logit sinks[h] joining each
+    softmax's denominator (gpt-oss): a column that takes weight but contributes no value."""
     scores = (q @ k.transpose(1, 2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return scores.softmax(-1).to(v.dtype) @ v
     sink = sinks.to(scores.dtype)[:, None, None].expand(-1, scores.shape[1], 1)
     probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
     return probs.to(v.dtype) @ v
@@ -129,7 +135,8 @@ class TritonBackend:
 
     @staticmethod
     def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+               scale: float, window: int | None = None, sinks: torch.Tensor | None = None,
+               softcap: float | None = None) -> torch.Tensor:
         from nanoserve.kernels.decode_attention import decode_attention
         from nanoserve.kernels.prefill.attention import prefill_attention
 
@@ -138,14 +145,14 @@ class TritonBackend:
         if nd:
             decode_attention(q[:nd], k_cache, v_cache, meta.seq_lens[:nd], meta.block_tables[:nd], scale,
                              out=out[:nd], counters=meta.decode_counters, order=meta.decode_order, window=window,
-                             sinks=sinks)
+                             sinks=sinks, softcap=softcap)
         if nd < meta.seq_lens.shape[0]:
             # Decodes come first with one token each, so the prefill part starts at token nd.
             cu = meta.cu_seqlens_q if nd == 0 else meta.cu_seqlens_q[nd:] - nd
             prefill_attention(q[nd:], k_cache, v_cache, cu, meta.seq_lens[nd:],
                               meta.block_tables[nd:], meta.max_seqlen_q, scale, out=out[nd:],
                               tile_map=meta.tile_map, block_m=meta.block_m, split_scratch=meta.split_scratch,
-                              pack=meta.pack, window=window, sinks=sinks)
+                              pack=meta.pack, window=window, sinks=sinks, softcap=softcap)
         return out
 
 
@@ -158,15 +165,21 @@ class Attention(nn.Module):
     p - W + 1 .. p only (W keys with itself: transformers' convention, masking_utils' `kv_idx > q_idx - W`).
     sinks: the layer owns one learned logit per query head of this rank (gpt-oss), which joins every softmax's
     denominator but adds no value; kept in fp32, as the kernels read it, so no step casts it. Under tensor
-    parallelism the model says which of the checkpoint's heads are this rank's (shard_sinks)."""
+    parallelism the model says which of the checkpoint's heads are this rank's (shard_sinks).
+    scale: the scores' factor, head_dim ** -0.5 unless given (Gemma's query_pre_attn_scalar ** -0.5).
+    softcap: scores s (scaled) become softcap * tanh(s / softcap) before the mask and softmax (Gemma 2's
+    attn_logit_softcapping); None for none."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None,
-                 sinks: bool = False) -> None:
+                 sinks: bool = False, scale: float | None = None, softcap: float | None = None) -> None:
         super().__init__()
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window: must be at least 1, got {sliding_window}")
+        if softcap is not None and softcap <= 0:
+            raise ValueError(f"attn_logit_softcapping: must be positive, got {softcap}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.softcap = softcap
         self.sliding_window = sliding_window
         self.sinks = None
         if sinks:
@@ -204,8 +217,9 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq, D] over the cache, which already holds this step's keys and values -> [T, Hq, D]."""
         sinks = self.sink_logits()
-        out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window, sinks)
+        out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window, sinks,
+                                  self.softcap)
         if meta.long_context is not None:
             meta.long_context.attend(self.layer_index, q, self.k_cache, self.v_cache, out, self.scale,
-                                     self.backend.chunk_attention, self.sliding_window, sinks)
+                                     self.backend.chunk_attention, self.sliding_window, sinks, self.softcap)
         return out

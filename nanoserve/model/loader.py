@@ -79,7 +79,7 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
         for pname, param in module.named_parameters(recurse=False):
             name = f"{module_name}.{pname}"
             if name.endswith("norm.weight"):
-                param.data.fill_(1.0)
+                param.data.fill_(1.0 - getattr(module, "offset", 0.0))  # a scale of 1 (Gemma's norms add 1)
                 continue
             if hasattr(param, "dummy_value"):  # a quantized layer's scales (nanoserve/quantization/)
                 param.data.fill_(param.dummy_value)

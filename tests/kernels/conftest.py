@@ -67,11 +67,13 @@ def _dense_attention(
     scale: float,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Independent check for the references: one sequence's q [q_len, Hq, D] as the last q_len positions,
     keys gathered slot by slot into contiguous tensors, fp32 SDPA with an explicit causal mask (and sliding window:
     keys after position - window only). With sinks [Hq], the softmax is written out with each head's sink logit as
-    an extra column that is dropped after it, as transformers' gpt-oss eager attention does."""
+    an extra column that is dropped after it, as transformers' gpt-oss eager attention does. With softcap, the
+    scaled scores become softcap * tanh(score / softcap) before the mask, as transformers' Gemma 2 eager attention."""
     block_size = k_cache.shape[1]
     q_len = q.shape[0]
     slots = [(int(block_table[p // block_size]), p % block_size) for p in range(seq_len)]
@@ -83,13 +85,18 @@ def _dense_attention(
     if window is not None:
         mask &= k_pos > q_pos - window
     qh, kh, vh = q.float().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    if sinks is None:
+    if sinks is None and softcap is None:
         out = torch.nn.functional.scaled_dot_product_attention(qh[None], kh[None], vh[None], attn_mask=mask,
                                                                scale=scale, enable_gqa=True)[0]
         return out.transpose(0, 1)
     group = qh.shape[0] // kh.shape[0]
     kh, vh = kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0)
-    logits = (qh @ kh.transpose(1, 2) * scale).masked_fill(~mask, float("-inf"))
+    logits = qh @ kh.transpose(1, 2) * scale
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return (logits.softmax(-1) @ vh).transpose(0, 1)
     logits = torch.cat([logits, sinks.float().to(q.device)[:, None, None].expand(-1, q_len, 1)], dim=-1)
     probs = (logits - logits.max(-1, keepdim=True).values).softmax(-1)[..., :-1]
     return (probs @ vh).transpose(0, 1)

@@ -8,7 +8,7 @@ variants come first (the compile pool starts them first).
 
 import torch
 
-from nanoserve.kernels.activation import silu_and_mul
+from nanoserve.kernels.activation import act_and_mul, silu_and_mul
 from nanoserve.kernels.chunk_attention import chunk_attention
 from nanoserve.kernels.decode_attention import decode_attention
 from nanoserve.kernels.decode_order import longest_first_order
@@ -45,7 +45,8 @@ def _cache(heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
     return _zeros(8, BLOCK_SIZE, heads, head_dim, dtype=dtype)
 
 
-def _prefill(dtype: torch.dtype, block_m: int, head_dim: int, splits: bool, window: bool, sinks: bool):
+def _prefill(dtype: torch.dtype, block_m: int, head_dim: int, splits: bool, window: bool, sinks: bool,
+             softcap: bool = False):
     """One prefill launch as the engine makes it: a device map (prefill/tile_map.py's columns) and out given."""
     def call() -> None:
         hq, hkv, tokens = 8, 2, 64
@@ -56,12 +57,12 @@ def _prefill(dtype: torch.dtype, block_m: int, head_dim: int, splits: bool, wind
                           _zeros(1, 8, dtype=I32), tokens, 0.125, out=torch.empty_like(q),
                           tile_map=_zeros(4, SPLIT_MAP_COLUMNS, dtype=I32),
                           block_m=block_m, split_scratch=scratch, window=128 if window else None,
-                          sinks=_zeros(hq, dtype=FP32) if sinks else None)
+                          sinks=_zeros(hq, dtype=FP32) if sinks else None, softcap=50.0 if softcap else None)
     return call
 
 
 def _decode(dtype: torch.dtype, batch: int, head_dim: int, num_splits: int | None, fused: bool, order: bool,
-            window: bool, sinks: bool):
+            window: bool, sinks: bool, softcap: bool = False):
     """decode_attention: unsplit (num_splits 1), split with the reduce launch, or split and merged in one (fused)."""
     def call() -> None:
         hq, hkv = 8, 2
@@ -70,7 +71,7 @@ def _decode(dtype: torch.dtype, batch: int, head_dim: int, num_splits: int | Non
                          _zeros(batch, 8, dtype=I32), 0.125, num_splits=num_splits,
                          counters=_zeros(batch * hkv, dtype=I32) if fused else None,
                          order=_zeros(batch, dtype=I64) if order else None, window=128 if window else None,
-                         sinks=_zeros(hq, dtype=FP32) if sinks else None)
+                         sinks=_zeros(hq, dtype=FP32) if sinks else None, softcap=50.0 if softcap else None)
     return call
 
 
@@ -83,22 +84,24 @@ def _rope_args(batch: int, hq: int, hkv: int, head_dim: int, norm: bool, dtype: 
 
 
 def _decode_rope(batch: int, norm: bool, num_splits: int | None, fused: bool, prefetch: bool, window: bool,
-                 sinks: bool):
+                 sinks: bool, gemma: bool = False):
+    """gemma: soft-capped scores and norms scaled by 1 + weight."""
     def call() -> None:
         hq, hkv = 16, 8
         decode_rope_attention(*_rope_args(batch, hq, hkv, 128, norm), _zeros(batch, dtype=I32),
                               _zeros(batch, 8, dtype=I32), 0.125, num_splits=num_splits,
                               counters=_zeros(batch * hkv, dtype=I32) if fused else None, prefetch=prefetch,
-                              window=128 if window else None, sinks=_zeros(hq, dtype=FP32) if sinks else None)
+                              window=128 if window else None, sinks=_zeros(hq, dtype=FP32) if sinks else None,
+                              softcap=50.0 if gemma else None, norm_offset=1.0 if gemma else 0.0)
     return call
 
 
-def _chunk(dtype: torch.dtype, rows: int, accumulate: bool, window: bool):
+def _chunk(dtype: torch.dtype, rows: int, accumulate: bool, window: bool, softcap: bool = False):
     def call() -> None:
         q = _zeros(rows, 8, 128, dtype=dtype)
         chunk_attention(q, _cache(2, 128, dtype), _cache(2, 128, dtype), torch.arange(4, dtype=I32), 64, 0, 64,
                         0.125, _zeros(rows, 8, 128, dtype=FP32), _zeros(rows, 8, dtype=FP32), accumulate,
-                        window=128 if window else None)
+                        window=128 if window else None, softcap=50.0 if softcap else None)
     return call
 
 
@@ -163,18 +166,22 @@ def _sampling() -> None:
 VARIANTS = [
     ("prefill bf16 BLOCK_M=64 D=128 splits+window+sinks", _prefill(BF16, 64, 128, True, True, True)),
     ("prefill bf16 BLOCK_M=64 D=128 plain", _prefill(BF16, 64, 128, False, False, False)),
-    ("prefill bf16 BLOCK_M=16 D=64 splits+window+sinks", _prefill(BF16, 16, 64, True, True, True)),
+    # Soft-capping (Gemma 2) rides on a variant that compiles anyway: its branch is a few instructions.
+    ("prefill bf16 BLOCK_M=16 D=64 splits+window+sinks+softcap", _prefill(BF16, 16, 64, True, True, True, True)),
     ("prefill fp32 BLOCK_M=16 D=128 splits", _prefill(FP32, 16, 128, True, False, False)),
     ("prefill fp32 BLOCK_M=64 D=64 window+sinks", _prefill(FP32, 64, 64, False, True, True)),
     ("decode_rope bf16 fused norm window+sinks", _decode_rope(2, True, 4, True, True, True, True)),
     ("decode_rope bf16 split+reduce no prefetch", _decode_rope(2, False, 4, False, False, False, False)),
     ("decode_rope bf16 unsplit", _decode_rope(2, True, 1, False, True, False, False)),
+    ("decode_rope bf16 fused gemma norm+softcap window", _decode_rope(2, True, 4, True, True, True, False, True)),
     ("decode bf16 fused order window+sinks", _decode(BF16, 2, 128, 4, True, True, True, True)),
     ("decode bf16 split+reduce", _decode(BF16, 2, 128, 4, False, False, False, False)),
+    ("decode bf16 fused window+softcap", _decode(BF16, 2, 128, 4, True, False, True, False, True)),
     ("decode bf16 batch 64 unsplit (128-key tiles)", _decode(BF16, 64, 128, 1, False, True, False, False)),
     ("decode fp32 D=64 split+reduce window", _decode(FP32, 2, 64, 4, False, False, True, False)),
     ("chunk_attention bf16 16-row accumulate window", _chunk(BF16, 1, True, True)),
     ("chunk_attention bf16 64-row", _chunk(BF16, 64, False, False)),
+    ("chunk_attention bf16 16-row accumulate window+softcap", _chunk(BF16, 1, True, True, True)),
     # fp32 takes the 16-row tile: its 64-row one alone took longer (15 s) than all the bf16 chunk variants.
     ("chunk_attention fp32 16-row accumulate", _chunk(FP32, 1, True, False)),
     *[(f"fused_moe tuned {name}", _moe(tokens, "silu", False, config))
@@ -196,13 +203,17 @@ VARIANTS = [
     ("fp8 quantize_rows static", lambda: quantize_rows(_zeros(4, 4096), _zeros(1, dtype=FP32))),
     ("qkv_rope_store bf16 norm", lambda: qkv_rope_store(*_rope_args(4, 16, 8, 128, True))),
     ("qkv_rope_store bf16 D=64", lambda: qkv_rope_store(*_rope_args(4, 4, 1, 64, False))),
+    ("qkv_rope_store bf16 gemma norm", lambda: qkv_rope_store(*_rope_args(4, 16, 8, 128, True), norm_offset=1.0)),
     ("rotary bf16", lambda: apply_rotary(_zeros(4, 8, 128), _zeros(4, 2, 128), _zeros(64, 64, dtype=FP32),
                                          _zeros(64, 64, dtype=FP32), _zeros(4, dtype=I64))),
     ("kv_store bf16", lambda: store_kvcache(_zeros(4, 2, 128), _zeros(4, 2, 128), _cache(2, 128, BF16),
                                             _cache(2, 128, BF16), _zeros(4, dtype=I64))),
     ("rms_norm bf16 residual", lambda: rms_norm(_zeros(4, 4096), _zeros(4096), 1e-6, _zeros(4, 4096))),
     ("rms_norm bf16 per-head strided", lambda: rms_norm(_zeros(4, 24, 128)[:, :16], _zeros(128), 1e-6)),
+    ("rms_norm bf16 residual gemma offset",
+     lambda: rms_norm(_zeros(4, 4096), _zeros(4096), 1e-6, _zeros(4, 4096), weight_offset=1.0)),
     ("silu_and_mul bf16", lambda: silu_and_mul(_zeros(4, 2 * 3000))),
+    ("gelu_tanh_and_mul bf16", lambda: act_and_mul(_zeros(4, 2 * 3000), "gelu_tanh")),
     ("topk_softmax renormalize", lambda: topk_softmax(_zeros(4, 128), 8, True)),
     ("topk_softmax", lambda: topk_softmax(_zeros(4, 32, dtype=FP32), 4, False)),
     ("decode_order", lambda: longest_first_order(_zeros(200, dtype=I32), _zeros(200, dtype=I64))),

@@ -47,6 +47,26 @@ def test_pieces_merge_to_full_attention(case, order, window, make_paged_kv, dens
         assert torch.isfinite(lse).all()
 
 
+@pytest.mark.parametrize("window", [None, 9])
+def test_softcap_pieces_merge_to_full_attention(window, make_paged_kv, dense_attention, gen, device):
+    """Gemma 2's soft-capped scores (cap 5: large scores, so the cap bites) in each piece, kernel and reference."""
+    from nanoserve.kernels.chunk_attention import chunk_attention, chunk_attention_ref
+
+    hq, hkv, d, bs, q_len, seq_len, cap = 4, 2, 64, 16, 11, 70, 5.0
+    k_cache, v_cache, tables = make_paged_kv([seq_len], hkv, d, bs, torch.float32, gen)
+    table = tables[0, :-(-seq_len // bs)]
+    q = (torch.randn(q_len, hq, d, generator=gen) * 3).to(device)
+    want = dense_attention(q, k_cache, v_cache, table, seq_len, d**-0.5, window, softcap=cap)
+    assert not torch.allclose(want, dense_attention(q, k_cache, v_cache, table, seq_len, d**-0.5, window), atol=1e-3)
+    pieces = [(table[2:], seq_len - 2 * bs, 2 * bs), (table[:2], 2 * bs, 0)]  # the recent keys, then older ones
+    for fn in (chunk_attention, chunk_attention_ref):
+        out, lse = torch.empty(q_len, hq, d, device=device), torch.empty(q_len, hq, device=device)
+        for i, (ids, num_keys, key_pos0) in enumerate(pieces):
+            fn(q, k_cache, v_cache, ids.contiguous(), num_keys, key_pos0, seq_len - q_len, d**-0.5, out, lse,
+               accumulate=i > 0, window=window, softcap=cap)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
 def test_ring_slot_layout(gen, device):
     """Keys and values of a block side by side ([blocks, 2, block_size, Hkv, D], as the ring's slots hold them) read
     through strided views give what the pool's layout gives."""
@@ -99,7 +119,7 @@ def test_long_context_pieces_take_the_layers_backend(backend_name, monkeypatch):
     taken = []
 
     class LongContext:
-        def attend(self, layer, q, k_cache, v_cache, out, scale, chunk_attention, window, sinks) -> None:
+        def attend(self, layer, q, k_cache, v_cache, out, scale, chunk_attention, window, sinks, softcap) -> None:
             taken.append(chunk_attention)
 
     layer = attention.Attention(2, 1, 64)

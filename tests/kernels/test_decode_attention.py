@@ -165,3 +165,28 @@ def test_decode_window_and_sinks(case, window, sinks, make_paged_kv, dense_atten
                              counters=counters, window=window, sinks=sink)
             assert torch.isfinite(out).all()
             torch.testing.assert_close(out, want, **tol[q.dtype])
+
+
+@pytest.mark.parametrize("window", [None, 17])
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], FUSED_CASES[4]], ids=range(3))
+def test_decode_softcap(case, window, make_paged_kv, dense_attention, gen, device, tol):
+    """Gemma 2's soft-capped scores (a cap of 2: the scores of random inputs reach past it), on the one-split, reduce
+    and one-launch paths, with and without a window."""
+    from nanoserve.kernels.decode_attention import decode_attention, decode_attention_ref
+
+    q, k_cache, v_cache, seq, block_tables, scale, num_splits = _inputs(case, make_paged_kv, gen, device)
+    cap = 2.0
+    want = decode_attention_ref(q, k_cache, v_cache, seq, block_tables, scale, window=window, softcap=cap)
+    uncapped = decode_attention_ref(q, k_cache, v_cache, seq, block_tables, scale, window=window)
+    assert not torch.allclose(want, uncapped, **tol[q.dtype])
+    for b, seq_len in enumerate(seq.tolist()):
+        if seq_len:
+            dense = dense_attention(q[b : b + 1], k_cache, v_cache, block_tables[b], seq_len, scale, window,
+                                    softcap=cap)
+            torch.testing.assert_close(want[b].float(), dense[0], **tol[q.dtype])
+    for splits in {1, num_splits}:
+        for counters in (None, torch.zeros(q.shape[0] * k_cache.shape[2], dtype=torch.int32, device=device)):
+            out = torch.full_like(q, float("nan"))
+            decode_attention(q, k_cache, v_cache, seq, block_tables, scale, num_splits=splits, out=out,
+                             counters=counters, window=window, softcap=cap)
+            torch.testing.assert_close(out, want, **tol[q.dtype])

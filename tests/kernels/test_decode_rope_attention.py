@@ -223,3 +223,20 @@ def test_window_and_sinks_match_unfused_references(case, window, sinks, make_pag
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, **tol[rope[0].dtype])
     torch.testing.assert_close(k_cache, k_ref, equal_nan=True, **tol[rope[0].dtype])
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[5]], ids=range(2))
+def test_softcap_and_gemma_norms_match_unfused_references(case, make_paged_kv, gen, device, tol):
+    """Gemma's pieces: soft-capped scores (Gemma 2; the new key's score capped as the cache's) and q/k norms that
+    scale by 1 + weight (Gemma 3; CASES[5] has norms)."""
+    rope, k_cache, v_cache, slots, seq, tables, splits, counters = _rope_inputs(case, make_paged_kv, gen, device)
+    scale = rope[0].shape[1] ** -0.25
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    gemma = dict(softcap=2.0, norm_offset=1.0)
+    want = decode_rope_attention_ref(*rope, k_ref, v_ref, slots, seq, tables, scale, window=17, **gemma)
+    got = decode_rope_attention(*rope, k_cache, v_cache, slots, seq, tables, scale, num_splits=splits,
+                                counters=counters, window=17, **gemma)
+    torch.testing.assert_close(got, want, **tol[rope[0].dtype])
+    torch.testing.assert_close(k_cache, k_ref, equal_nan=True, **tol[rope[0].dtype])
+    plain = decode_rope_attention_ref(*rope, k_ref.clone(), v_ref.clone(), slots, seq, tables, scale, window=17)
+    assert not torch.allclose(want, plain, **tol[rope[0].dtype])

@@ -1,9 +1,9 @@
-"""RMSNorm (+ residual), rotary and SiLU-and-mul kernels against their PyTorch references."""
+"""RMSNorm (+ residual; Gemma's 1 + weight), rotary and SiLU/GELU-and-mul kernels against their PyTorch references."""
 
 import pytest
 import torch
 
-from nanoserve.kernels.activation import silu_and_mul, silu_and_mul_ref
+from nanoserve.kernels.activation import act_and_mul, act_and_mul_ref, silu_and_mul, silu_and_mul_ref
 from nanoserve.kernels.rms_norm import rms_norm, rms_norm_ref
 from nanoserve.kernels.rotary import apply_rotary, apply_rotary_ref
 
@@ -20,6 +20,23 @@ def test_rms_norm_with_and_without_residual(device, gen, tol, dtype, hidden):
     ref = rms_norm_ref(x, w, 1e-6, res_ref)
     torch.testing.assert_close(out, ref, **tol[dtype])
     torch.testing.assert_close(res, res_ref, **tol[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rms_norm_gemma_offset(device, gen, tol, dtype):
+    """(1 + weight), multiplied in fp32 before the one rounding, as transformers' Gemma RMSNorm; not the plain norm."""
+    x = torch.randn(5, 96, generator=gen).to(device, dtype)
+    w = (torch.randn(96, generator=gen) * 0.5).to(device, dtype)
+    res = torch.randn(5, 96, generator=gen).to(device, dtype)
+    res_ref = res.clone()
+    out = rms_norm(x, w, 1e-6, res, weight_offset=1.0)
+    ref = rms_norm_ref(x, w, 1e-6, res_ref, weight_offset=1.0)
+    torch.testing.assert_close(out, ref, **tol[dtype])
+    torch.testing.assert_close(res, res_ref, **tol[dtype])
+    xf = res_ref.float()  # x + residual, the row the norm saw
+    want = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w.float())
+    torch.testing.assert_close(out.float(), want, **tol[dtype])
+    assert not torch.allclose(out, rms_norm_ref(res_ref, w, 1e-6), **tol[dtype])
 
 
 def test_rms_norm_on_strided_head_view(device, gen, tol):
@@ -52,3 +69,11 @@ def test_rotary_in_place_on_views(device, gen, tol, dtype, heads):
 def test_silu_and_mul(device, gen, tol, dtype):
     x = torch.randn(6, 2 * 1500, generator=gen).to(device, dtype)  # more than one 1024-wide block
     torch.testing.assert_close(silu_and_mul(x), silu_and_mul_ref(x), **tol[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gelu_tanh_and_mul(device, gen, tol, dtype):
+    x = (torch.randn(5, 2 * 1100, generator=gen) * 3).to(device, dtype)
+    out = act_and_mul(x, "gelu_tanh")
+    torch.testing.assert_close(out, act_and_mul_ref(x, "gelu_tanh"), **tol[dtype])
+    assert not torch.allclose(out, silu_and_mul_ref(x), **tol[dtype])

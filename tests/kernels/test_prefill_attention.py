@@ -227,3 +227,23 @@ def test_prefill_window_and_sinks(case, window, sinks, make_paged_kv, dense_atte
                             sinks=sink)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, **tol[q.dtype])
+
+
+@pytest.mark.parametrize("window", [None, 150])
+@pytest.mark.parametrize("case", [WINDOW_CASES[0], WINDOW_CASES[2]], ids=range(2))
+def test_prefill_softcap(case, window, make_paged_kv, dense_attention, gen, device, tol):
+    """Gemma 2's soft-capped scores (cap 2, which random scores pass) on mixed batches and split key ranges."""
+    from nanoserve.kernels.prefill import prefill_attention, prefill_attention_ref
+
+    q, k_cache, v_cache, cu, seq, block_tables, max_q, scale = _inputs(case, make_paged_kv, gen, device)
+    want = prefill_attention_ref(q, k_cache, v_cache, cu, seq, block_tables, max_q, scale, window=window, softcap=2.0)
+    uncapped = prefill_attention_ref(q, k_cache, v_cache, cu, seq, block_tables, max_q, scale, window=window)
+    assert not torch.allclose(want, uncapped, **tol[q.dtype])
+    for b in range(len(seq)):
+        lo, hi = int(cu[b]), int(cu[b + 1])
+        dense = dense_attention(q[lo:hi], k_cache, v_cache, block_tables[b], int(seq[b]), scale, window, softcap=2.0)
+        torch.testing.assert_close(want[lo:hi].float(), dense, **tol[q.dtype])
+    out = torch.full_like(q, float("nan"))
+    got = prefill_attention(q, k_cache, v_cache, cu, seq, block_tables, max_q, scale, out=out, window=window,
+                            softcap=2.0)
+    torch.testing.assert_close(got, want, **tol[q.dtype])

@@ -8,8 +8,9 @@ from nanoserve.kernels.qkv_rope_store import qkv_rope_store, qkv_rope_store_ref
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads,head_dim,norm", [((4, 2), 64, True), ((7, 1), 128, False), ((2, 2), 64, False),
-                                                 ((8, 1), 128, True)])
+                                                 ((8, 1), 128, True), ((4, 2), 64, "gemma")])
 def test_matches_unfused_references(device, gen, tol, dtype, heads, head_dim, norm):
+    """norm "gemma": the norms scale by 1 + weight (Gemma 3)."""
     hq, hkv = heads
     t, block_size, num_blocks = 9, 4, 6
     qkv = torch.randn(t, (hq + 2 * hkv) * head_dim, generator=gen).to(device, dtype)
@@ -26,8 +27,9 @@ def test_matches_unfused_references(device, gen, tol, dtype, heads, head_dim, no
     k_cache = torch.randn(shape, generator=gen).to(device, dtype)
     v_cache = torch.randn(shape, generator=gen).to(device, dtype)
     want = [x.clone() for x in (qkv, k_cache, v_cache)]
-    qkv_rope_store_ref(want[0], hq, hkv, positions, cos, sin, q_w, k_w, 1e-6, want[1], want[2], slots)
-    qkv_rope_store(qkv, hq, hkv, positions, cos, sin, q_w, k_w, 1e-6, k_cache, v_cache, slots)
+    offset = 1.0 if norm == "gemma" else 0.0
+    qkv_rope_store_ref(want[0], hq, hkv, positions, cos, sin, q_w, k_w, 1e-6, want[1], want[2], slots, offset)
+    qkv_rope_store(qkv, hq, hkv, positions, cos, sin, q_w, k_w, 1e-6, k_cache, v_cache, slots, offset)
     for got, ref in zip((qkv, k_cache, v_cache), want, strict=True):
         torch.testing.assert_close(got, ref, **tol[dtype])
 

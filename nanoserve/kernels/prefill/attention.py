@@ -43,6 +43,7 @@ def _prefill_attention_kernel(
     qk_scale,
     window,
     sinks_ptr,
+    softcap,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -57,6 +58,7 @@ def _prefill_attention_kernel(
     SPLITS: tl.constexpr,
     WINDOW: tl.constexpr,
     SINKS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -78,18 +80,20 @@ def _prefill_attention_kernel(
     args = (q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, split_out_ptr, split_lse_ptr, split_count_ptr,
             qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
             head * PACK // num_queries_per_kv, head, seq, start_r, kv_lo, kv_hi, first_slot, split, num_splits,
-            q_start, q_rows, pos0, window, sinks_ptr)  # fmt: skip
+            q_start, q_rows, pos0, window, sinks_ptr, softcap)  # fmt: skip
     # A tile of at most 16 live rows (a decode entry, a sequence's last rows) runs 16-row matrix products: the same
     # keys for a fraction of the work (the branch is uniform over the program; both paths are compiled in).
     # The constexprs go by name, not in `args`: compiled Triton makes a tuple of tensors of it (a string fails).
     if BLOCK_M > 16:
         if q_rows - start_r <= 16:
-            _attend_rows(*args, PACK, SPLITS, WINDOW, SINKS, DOT_PRECISION, HEAD_DIM, BLOCK_SIZE, 16, BLOCK_M, BLOCK_N)
-        else:
-            _attend_rows(*args, PACK, SPLITS, WINDOW, SINKS, DOT_PRECISION, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_M,
+            _attend_rows(*args, PACK, SPLITS, WINDOW, SINKS, SOFTCAP, DOT_PRECISION, HEAD_DIM, BLOCK_SIZE, 16, BLOCK_M,
                          BLOCK_N)
+        else:
+            _attend_rows(*args, PACK, SPLITS, WINDOW, SINKS, SOFTCAP, DOT_PRECISION, HEAD_DIM, BLOCK_SIZE, BLOCK_M,
+                         BLOCK_M, BLOCK_N)
     else:
-        _attend_rows(*args, PACK, SPLITS, WINDOW, SINKS, DOT_PRECISION, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_M, BLOCK_N)
+        _attend_rows(*args, PACK, SPLITS, WINDOW, SINKS, SOFTCAP, DOT_PRECISION, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_M,
+                     BLOCK_N)
 
 
 def prefill_attention(
@@ -108,11 +112,13 @@ def prefill_attention(
     pack: int | None = None,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [T, num_q_heads, head_dim] packed by cu_seqlens_q [B+1]; returns [T, num_q_heads, head_dim].
 
     window: a sliding window (query at p sees keys p - window + 1 .. p), None for none. sinks: fp32 [num_q_heads],
-    each head's sink logit, which joins the softmax's denominator (gpt-oss), None for none.
+    each head's sink logit, which joins the softmax's denominator (gpt-oss), None for none. softcap: scores capped
+    at softcap * tanh(score / softcap) (Gemma 2; kernels/softcap.py), None for none.
 
     out, if given, is written in place (contiguous last dim, q's shape) and returned. Rows of tokens that no
     tile covers (past cu_seqlens_q[B], as in a padded batch) are left untouched. pack: query heads per program
@@ -183,6 +189,7 @@ def prefill_attention(
         scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         window or 0,
         sinks,
+        (softcap or 0.0) * 1.4426950408889634,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -197,6 +204,7 @@ def prefill_attention(
         SPLITS=split_scratch is not None,
         WINDOW=window is not None,
         SINKS=sinks is not None,
+        SOFTCAP=softcap is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 would lose fp32 inputs' bits
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
@@ -224,6 +232,7 @@ def prefill_attention_ref(
     out: torch.Tensor | None = None,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch version of prefill_attention, in fp32, one sequence at a time."""
     group = q.shape[1] // k_cache.shape[2]
@@ -236,6 +245,8 @@ def prefill_attention_ref(
         k, v = gather_kv(k_cache, v_cache, block_tables[b], seq_len, group)
         qb = q[cu[b] : cu[b + 1]].float().transpose(0, 1)  # [H, q_len, D]
         scores = (qb @ k.transpose(1, 2)) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
         seen = k_pos <= q_pos[:, None]

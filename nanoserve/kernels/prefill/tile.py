@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.kernels.prefill.split import _publish_and_merge
+from nanoserve.kernels.softcap import softcap_scores
 
 
 @triton.jit
@@ -28,15 +29,18 @@ def _attend_tiles(
     hi,
     qk_scale,
     window,
+    softcap,
     DOT_PRECISION: tl.constexpr,
     MASKED: tl.constexpr,
     WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """Online-softmax accumulation over key tiles [lo, hi); MASKED applies causality and the end bound, WINDOW the
-    sliding window (keys after q_pos - window only), under which a row may see no key of a tile at all."""
+    sliding window (keys after q_pos - window only), under which a row may see no key of a tile at all. SOFTCAP caps
+    the scores (kernels/softcap.py; softcap in log2 units)."""
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -55,6 +59,8 @@ def _attend_tiles(
             v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :])
 
         qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP:
+            qk = softcap_scores(qk, softcap)
         if MASKED:
             causal = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
             qk = tl.where(causal, qk, float("-inf"))
@@ -79,7 +85,8 @@ def _attend_rows(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, split_out_ptr, split_lse_ptr, split_count_ptr,
     qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
     kv_head, head, seq, start_r, kv_lo, kv_hi, first_slot, split, num_splits, q_start, q_rows, pos0, window, sinks_ptr,
-    PACK: tl.constexpr, SPLITS: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    softcap, PACK: tl.constexpr, SPLITS: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr,
+    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, SLOT_ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -122,16 +129,19 @@ def _attend_rows(
         window_end = tl.minimum(tl.maximum(window_end, kv_lo), unmasked_end)
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, stride_cb, stride_ct, stride_ch,
-            kv_lo, window_end, qk_scale, window, DOT_PRECISION, False, True, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+            kv_lo, window_end, qk_scale, window, softcap, DOT_PRECISION, False, True, SOFTCAP, HEAD_DIM, BLOCK_SIZE,
+            BLOCK_N,
         )  # fmt: skip
         kv_lo = window_end
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, stride_cb, stride_ct, stride_ch,
-        kv_lo, unmasked_end, qk_scale, window, DOT_PRECISION, False, False, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+        kv_lo, unmasked_end, qk_scale, window, softcap, DOT_PRECISION, False, False, SOFTCAP, HEAD_DIM, BLOCK_SIZE,
+        BLOCK_N,
     )  # fmt: skip
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, stride_cb, stride_ct, stride_ch,
-        unmasked_end, kv_hi, qk_scale, window, DOT_PRECISION, True, WINDOW, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+        unmasked_end, kv_hi, qk_scale, window, softcap, DOT_PRECISION, True, WINDOW, SOFTCAP, HEAD_DIM, BLOCK_SIZE,
+        BLOCK_N,
     )  # fmt: skip
 
     if SINKS:
