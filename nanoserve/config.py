@@ -15,6 +15,18 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
 # config.json keys nanoserve cannot guess.
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# transformers' defaults for the fields a config.json may leave out, by model_type, where nanoserve cannot take its
+# own: Gemma 3's multimodal checkpoints (4B-27B) list in text_config only what differs from Gemma3TextConfig's.
+_TEXT_DEFAULTS = {
+    "gemma3_text": dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
+                        hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131_072,
+                        rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, query_pre_attn_scalar=256,
+                        sliding_window=4096, sliding_window_pattern=6, tie_word_embeddings=True),
+    "gemma2": dict(head_dim=256, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
+                   sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                   tie_word_embeddings=True, rms_norm_eps=1e-6),
+}
 
 
 def bundled_model_dir() -> str:
@@ -96,7 +108,7 @@ class ModelConfig:
     def from_dir(cls, model_dir: str, generation_config: str = "auto") -> "ModelConfig":
         """config.json of `model_dir`, with the eos ids of the generation_config.json that
         `generation_config` (EngineArgs') names."""
-        raw = read_config_json(model_dir)
+        raw = language_model_config(read_config_json(model_dir))
         missing = [key for key in _REQUIRED_KEYS if key not in raw]
         if missing:
             raise ValueError(f"model: config.json in {model_dir!r} has no {missing[0]!r}")
@@ -116,7 +128,7 @@ class ModelConfig:
             num_key_value_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            rope_theta=rope_theta(_global_rope(raw.get("rope_parameters")), raw),
             rope_scaling=_rope_scaling(raw),
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
@@ -144,10 +156,34 @@ def read_config_json(model_dir: str) -> dict:
     return raw
 
 
+def language_model_config(raw: dict) -> dict:
+    """The fields of the language model: a multimodal checkpoint's (Gemma3ForConditionalGeneration) text_config over
+    its top level (architectures stays the top level's), and transformers' defaults for what it leaves out."""
+    if raw.get("text_config"):
+        top = {k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}
+        raw = top | raw["text_config"] | {"architectures": raw["architectures"]}
+    return _TEXT_DEFAULTS.get(raw.get("model_type"), {}) | raw
+
+
+def _global_rope(params: dict | None) -> dict | None:
+    """The rope parameters of the full-attention layers: transformers >= 5 writes Gemma 3's per layer type."""
+    return params.get("full_attention", params) if params else params
+
+
 def _rope_scaling(raw: dict) -> dict | None:
     """rope_scaling (transformers >= 5 writes it as rope_parameters) completed as transformers completes it, with the
-    model's max_position_embeddings beside it for layers/rotary.py's formulas; None for a plain rope."""
-    params = raw.get("rope_scaling") or raw.get("rope_parameters")
+    model's max_position_embeddings beside it for layers/rotary.py's formulas; None for a plain rope. Where the
+    parameters are per layer type (Gemma 3), the full-attention layers'."""
+    return complete_rope_scaling(raw.get("rope_scaling") or _global_rope(raw.get("rope_parameters")), raw)
+
+
+def rope_theta(params: dict | None, raw: dict, default: float = 10000.0) -> float:
+    """The rope base of one rope parameters dict (transformers >= 5 keeps it there), else config.json's rope_theta."""
+    return (params or {}).get("rope_theta") or raw.get("rope_theta", default)
+
+
+def complete_rope_scaling(params: dict | None, raw: dict) -> dict | None:
+    """One rope parameters dict (rope_scaling's form) of config.json `raw`, completed as _rope_scaling says."""
     if not params:
         return None
     scaling = dict(params)

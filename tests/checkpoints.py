@@ -53,6 +53,16 @@ ARCHS = {
     # Sinks, biases, YaRN, and a 24-token window on layer 0 (full attention on layer 1): prompts outgrow it.
     "gpt_oss": dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"], head_dim=16, num_local_experts=8,
                     num_experts_per_tok=2, intermediate_size=32, sliding_window=24),
+    # Soft-capped attention (a cap of 1.5: random weights' scores reach past it) and logits, query_pre_attn_scalar,
+    # a 24-token window on layer 0 of 2, norms with random weights (transformers draws them zero, which (1 + w) hides).
+    "gemma2": dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], head_dim=32, sliding_window=24,
+                   attn_logit_softcapping=1.5, final_logit_softcapping=3.0, query_pre_attn_scalar=20,
+                   random_norms=True),
+    # q/k norms, layers 0-1 windowed (local rope base) and 2 global (linear scaling), as 5:1 is in the big ones.
+    "gemma3": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], head_dim=32, num_hidden_layers=3,
+                   sliding_window=24, sliding_window_pattern=3, query_pre_attn_scalar=24, random_norms=True,
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 20000.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}}),
 }
 
 
@@ -63,12 +73,18 @@ def write_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     spec = dict(ARCHS[arch])
     model_type = spec.pop("model_type")
+    random_norms = spec.pop("random_norms", False)
     fields = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   initializer_range=0.2, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1)
     config = AutoConfig.for_model(model_type, **(fields | spec | overrides))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if random_norms:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.normal_(0.0, 0.3)
     model.save_pretrained(path, safe_serialization=True)
     write_tokenizer(path)
     return path

@@ -37,8 +37,9 @@ def layer_sliding_window(config: ModelConfig, layer: int) -> int | None:
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, qk_norm: bool, tp: TensorParallelGroup,
-                 **attention_options) -> None:
-        """attention_options: the layer's own Attention arguments (sliding_window, sinks), if any."""
+                 norm_offset: float = 0.0, **attention_options) -> None:
+        """attention_options: the layer's own Attention arguments (sliding_window, sinks, scale, softcap), if any.
+        norm_offset: the q/k norms' (RMSNorm's offset; Gemma 3's 1.0)."""
         super().__init__()
         self.qkv_proj = QKVLinear(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
                                   config.head_dim, config.attention_bias, tp)
@@ -51,8 +52,9 @@ class LlamaAttention(nn.Module):
         o_bias = config.attention_bias and config.raw.get("model_type") not in ("qwen2", "qwen2_moe")
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, o_bias, tp)
         self.rotary = rotary
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, norm_offset) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, norm_offset) if qk_norm else None
+        self.norm_offset = norm_offset
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, **attention_options)
         if self.attn.sinks is not None:
             self.attn.shard_sinks(tp.shard(config.num_attention_heads)[0], config.num_attention_heads)
@@ -68,7 +70,8 @@ class LlamaAttention(nn.Module):
 
             out = decode_rope_attention(*self._rope_args(positions, qkv, meta), meta.seq_lens, meta.block_tables,
                                         self.attn.scale, counters=meta.decode_counters,
-                                        window=self.attn.sliding_window, sinks=self.attn.sink_logits())
+                                        window=self.attn.sliding_window, sinks=self.attn.sink_logits(),
+                                        softcap=self.attn.softcap, norm_offset=self.norm_offset)
         else:
             out = self.attn.attend(self.store(positions, qkv, meta), meta)
         return self.o_proj(out.flatten(1), meta.plan)
@@ -85,7 +88,7 @@ class LlamaAttention(nn.Module):
             # One launch for q/k norm, rotary and the KV store (four separately): decode is launch-bound.
             from nanoserve.kernels.qkv_rope_store import qkv_rope_store
 
-            qkv_rope_store(*self._rope_args(positions, qkv, meta))
+            qkv_rope_store(*self._rope_args(positions, qkv, meta), norm_offset=self.norm_offset)
             return qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -208,8 +211,9 @@ class LlamaForCausalLM(nn.Module):
         """Layer `layer`'s own Attention arguments (layers/attention.py): its sliding window."""
         return {"sliding_window": layer_sliding_window(config, layer)}
 
-    def map_checkpoint_name(self, ckpt_name: str) -> tuple[str, str | None]:
-        """The parameter a checkpoint tensor loads into, and its shard in a fused parameter (None: all of it)."""
+    def map_checkpoint_name(self, ckpt_name: str) -> tuple[str, str | None] | None:
+        """The parameter a checkpoint tensor loads into, and its shard in a fused parameter (None: all of it); None
+        for a tensor the model skips (a multimodal checkpoint's vision tower, model/gemma.py)."""
         for part, (fused, shard) in self.packed_modules.items():
             if f".{part}." in ckpt_name:
                 return ckpt_name.replace(f".{part}.", f".{fused}."), shard

@@ -112,7 +112,10 @@ def _load_weights(model: nn.Module, files: list[Path]) -> None:
             for ckpt_name in f.keys():
                 if "rotary_emb.inv_freq" in ckpt_name or (tied and ckpt_name == "lm_head.weight"):
                     continue
-                name, shard = model.map_checkpoint_name(ckpt_name)
+                mapped = model.map_checkpoint_name(ckpt_name)
+                if mapped is None:  # a part of the checkpoint the model does not serve (a vision tower)
+                    continue
+                name, shard = mapped
                 if name not in params:
                     raise ValueError(f"model: checkpoint tensor {ckpt_name!r} matches no parameter")
                 # A slice reads from the file only the rows or columns its loader indexes: this rank's share.

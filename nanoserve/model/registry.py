@@ -18,6 +18,9 @@ MODELS: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("nanoserve.model.moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("nanoserve.model.moe", "MixtralForCausalLM"),
     "GptOssForCausalLM": ("nanoserve.model.gpt_oss", "GptOssForCausalLM"),
+    "Gemma2ForCausalLM": ("nanoserve.model.gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("nanoserve.model.gemma", "Gemma3ForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("nanoserve.model.gemma", "Gemma3ForConditionalGeneration"),
 }
 
 

@@ -1,0 +1,106 @@
+"""Gemma 2 and 3 (tests/checkpoints.py's small ones, random weights, fp32) against transformers through the engine's
+hard paths: prompts longer than the 24-token window, chunked prefill whose chunks straddle it, prefix hits, preemption
+and n > 1; and Gemma 3's multimodal checkpoints, served text-only. test_models_vs_hf.py has mixed lengths and the first
+step's logits."""
+
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from nanoserve import LLM, SamplingParams
+
+NEW_TOKENS = 8
+PARAMS = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def _prompts() -> list[list[int]]:
+    """Two prompts past the window sharing their first 40 tokens (a prefix hit for the second), one inside it."""
+    g = torch.Generator().manual_seed(7)
+    shared = torch.randint(2, 384, (40,), generator=g).tolist()
+    return [shared + torch.randint(2, 384, (n,), generator=g).tolist() for n in (30, 13)] + [
+        torch.randint(2, 384, (17,), generator=g).tolist()
+    ]
+
+
+def _hf_tokens(model, prompts: list[list[int]]) -> list[list[int]]:
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        ref = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+        out.append(ref[0, len(prompt) :].tolist())
+    return out
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_hard_paths_match_transformers(arch, checkpoints):
+    path = checkpoints[arch]
+    prompts = _prompts()
+    expected = _hf_tokens(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), prompts)
+    # 16-token steps of 8-token blocks: chunks start inside and past the window. 12 blocks hold one long sequence
+    # (9-10 blocks) and not two, so running the second batch's samples together preempts some.
+    llm = LLM(str(path), block_size=8, max_num_batched_tokens=16, num_kv_blocks=12, enable_prefix_caching=True)
+    attns = [layer.self_attn.attn for layer in llm.engine.runner.model.model.layers]
+    if arch == "gemma2":
+        assert [(a.sliding_window, a.softcap, a.scale) for a in attns] == [(24, 1.5, 20**-0.5), (None, 1.5, 20**-0.5)]
+    else:
+        assert [(a.sliding_window, a.softcap) for a in attns] == [(24, None), (24, None), (None, None)]
+    first = llm.generate(prompts[:1], PARAMS, use_tqdm=False)[0]
+    assert first.outputs[0].token_ids == expected[0]
+    rest = llm.generate(
+        prompts[1:] + prompts[:1],
+        SamplingParams(n=2, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert rest[0].num_cached_tokens >= 32  # the shared 40 tokens' whole blocks
+    assert llm.engine.scheduler.num_preemptions > 0
+    for out, want in zip(rest, expected[1:] + expected[:1], strict=True):
+        assert [o.token_ids for o in out.outputs] == [want, want]
+
+
+def test_multimodal_checkpoint_serves_its_language_model(tmp_path, caplog):
+    """Gemma3ForConditionalGeneration as transformers writes it (text_config, weights under model.language_model.*,
+    a vision tower and projector beside them): the language model's tokens, and a start-up line that says so."""
+    from checkpoints import VOCAB, write_tokenizer
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        initializer_range=0.2,
+        sliding_window=16,
+        sliding_window_pattern=2,
+        query_pre_attn_scalar=32,
+        max_position_embeddings=256,
+    )
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        image_token_index=VOCAB - 1,
+        boi_token_index=VOCAB - 3,
+        eoi_token_index=VOCAB - 2,
+    )
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "language_model" in name and "norm" in name:
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(tmp_path)
+    write_tokenizer(tmp_path)
+    prompts = [p[:35] for p in _prompts()[:2]]
+    expected = _hf_tokens(model, prompts)
+    with caplog.at_level(logging.WARNING, logger="nanoserve.model.gemma"):
+        llm = LLM(str(tmp_path), num_kv_blocks=32)
+    assert "vision tower" in caplog.text and "skipped" in caplog.text
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)] == expected
