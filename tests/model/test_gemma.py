@@ -104,3 +104,39 @@ def test_multimodal_checkpoint_serves_its_language_model(tmp_path, caplog):
         llm = LLM(str(tmp_path), num_kv_blocks=32)
     assert "vision tower" in caplog.text and "skipped" in caplog.text
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)] == expected
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the kernels; on a GPU they run anyway")
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_triton_kernels_give_the_reference_tokens(arch, tmp_path, monkeypatch):
+    """The model's wiring of soft-capping, the scale, windows and the (1 + w) q/k norms into the GPU kernels: the
+    attention layers on TritonBackend (prefill, decode and, for every all-decode step the plan fuses, decode attention
+    with rotary and the KV store; run by the interpreter over the CPU caches) give the PyTorch backend's tokens."""
+    from checkpoints import write_checkpoint
+
+    from nanoserve.kernels import decode_rope_attention as module
+    from nanoserve.layers.attention import TritonBackend
+    from nanoserve.layers.step_plan import KernelPlanner
+
+    path = write_checkpoint(tmp_path / arch, arch, head_dim=64)  # the kernels take head_dim 64 or 128
+    prompts = [p[:30] for p in _prompts()[:2]]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def generate(triton: bool) -> list[list[int]]:
+        llm = LLM(str(path), num_kv_blocks=16, block_size=8, max_num_seqs=2)
+        if triton:
+            for layer in llm.engine.runner.attn_layers:
+                layer.backend = TritonBackend
+        return [
+            o.outputs[0].token_ids
+            for batch in (prompts[:1], prompts)
+            for o in llm.generate(batch, params, use_tqdm=False)
+        ]
+
+    reference = generate(False)
+    plan, calls = KernelPlanner.plan, []
+    monkeypatch.setattr(KernelPlanner, "plan", lambda self, *a, **kw: plan(self, *a, **{**kw, "triton": True}))
+    original = module.decode_rope_attention
+    monkeypatch.setattr(module, "decode_rope_attention", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    assert generate(True) == reference
+    assert calls
