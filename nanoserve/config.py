@@ -388,9 +388,9 @@ class EngineConfig:
 def _check_kernel_shapes(args: EngineArgs, model: ModelConfig) -> None:
     """What the Triton attention kernels take (kernels/decode_attention.py, kernels/prefill/): refused at
     start, naming the field, rather than by an assert inside the first step."""
-    if model.head_dim not in (64, 128):
+    if model.head_dim not in (64, 128, 256):
         raise ValueError(f"model: head_dim {model.head_dim} is not supported on CUDA (the attention kernels take "
-                         "64 or 128)")
+                         "64, 128 or 256)")
     if args.block_size < 8:
         raise ValueError(f"block_size: must be at least 8 on CUDA, got {args.block_size}")
 

@@ -50,7 +50,7 @@ def plan_split_launch(dtype: torch.dtype, out: torch.Tensor, k_cache: torch.Tens
     window: a sliding window, which bounds the keys the splits share out."""
     batch, num_q_heads, head_dim = out.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    assert head_dim in (64, 128), "head_dim must be 64 or 128"
+    assert head_dim in (64, 128, 256), "head_dim must be 64, 128 or 256"
     assert block_size >= 8 and block_size & (block_size - 1) == 0, "block_size must be a power of 2 >= 8"
     assert num_q_heads % num_kv_heads == 0 and out.stride(2) == 1
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -79,6 +79,10 @@ def plan_split_launch(dtype: torch.dtype, out: torch.Tensor, k_cache: torch.Tens
     # much in fp32): on an H100, 3 % faster at batch 128 and 256, and the throughput recipe's run 2.7 % shorter
     # (probes at 275aa23).
     block_n, num_stages = (128, 3) if batch >= _LARGE_BATCH and k_cache.element_size() == 2 else (_BLOCK_N, 2)
+    if head_dim == 256:
+        # Gemma 2's and Gemma 3 1B-12B's heads: two stages of 64-key 16-bit K/V tiles take 128 KB of shared memory
+        # (32-key ones in fp32), where 128-key tiles in three would need 384 KB. Not measured on a GPU yet.
+        block_n, num_stages = (_BLOCK_N if k_cache.element_size() == 2 else 32), 2
     options = dict(
         SPLIT=split, FUSED=fused,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",  # tf32 would lose fp32 inputs' bits

@@ -84,11 +84,11 @@ def _rope_args(batch: int, hq: int, hkv: int, head_dim: int, norm: bool, dtype: 
 
 
 def _decode_rope(batch: int, norm: bool, num_splits: int | None, fused: bool, prefetch: bool, window: bool,
-                 sinks: bool, gemma: bool = False):
+                 sinks: bool, gemma: bool = False, head_dim: int = 128):
     """gemma: soft-capped scores and norms scaled by 1 + weight."""
     def call() -> None:
         hq, hkv = 16, 8
-        decode_rope_attention(*_rope_args(batch, hq, hkv, 128, norm), _zeros(batch, dtype=I32),
+        decode_rope_attention(*_rope_args(batch, hq, hkv, head_dim, norm), _zeros(batch, dtype=I32),
                               _zeros(batch, 8, dtype=I32), 0.125, num_splits=num_splits,
                               counters=_zeros(batch * hkv, dtype=I32) if fused else None, prefetch=prefetch,
                               window=128 if window else None, sinks=_zeros(hq, dtype=FP32) if sinks else None,
@@ -96,11 +96,12 @@ def _decode_rope(batch: int, norm: bool, num_splits: int | None, fused: bool, pr
     return call
 
 
-def _chunk(dtype: torch.dtype, rows: int, accumulate: bool, window: bool, softcap: bool = False):
+def _chunk(dtype: torch.dtype, rows: int, accumulate: bool, window: bool, softcap: bool = False,
+           head_dim: int = 128):
     def call() -> None:
-        q = _zeros(rows, 8, 128, dtype=dtype)
-        chunk_attention(q, _cache(2, 128, dtype), _cache(2, 128, dtype), torch.arange(4, dtype=I32), 64, 0, 64,
-                        0.125, _zeros(rows, 8, 128, dtype=FP32), _zeros(rows, 8, dtype=FP32), accumulate,
+        q = _zeros(rows, 8, head_dim, dtype=dtype)
+        chunk_attention(q, _cache(2, head_dim, dtype), _cache(2, head_dim, dtype), torch.arange(4, dtype=I32), 64, 0,
+                        64, 0.125, _zeros(rows, 8, head_dim, dtype=FP32), _zeros(rows, 8, dtype=FP32), accumulate,
                         window=128 if window else None, softcap=50.0 if softcap else None)
     return call
 
@@ -166,22 +167,26 @@ def _sampling() -> None:
 VARIANTS = [
     ("prefill bf16 BLOCK_M=64 D=128 splits+window+sinks", _prefill(BF16, 64, 128, True, True, True)),
     ("prefill bf16 BLOCK_M=64 D=128 plain", _prefill(BF16, 64, 128, False, False, False)),
-    # Soft-capping (Gemma 2) rides on a variant that compiles anyway: its branch is a few instructions.
-    ("prefill bf16 BLOCK_M=16 D=64 splits+window+sinks+softcap", _prefill(BF16, 16, 64, True, True, True, True)),
+    # head_dim 256 (Gemma 2, Gemma 3 1B-12B): the tile rules that keep shared memory in bounds, with Gemma's
+    # soft-capping and (1 + w) q/k norms (a few instructions each; at head_dim 128 they compile the same way).
+    ("prefill bf16 BLOCK_M=64 D=256 splits+window+softcap", _prefill(BF16, 64, 256, True, True, False, True)),
+    ("decode bf16 batch 64 D=256 split+reduce window+softcap", _decode(BF16, 64, 256, 2, False, False, True, False,
+                                                                       True)),
+    ("decode_rope bf16 D=256 fused gemma norm+softcap window",
+     _decode_rope(2, True, 4, True, True, True, False, True, 256)),
+    ("chunk_attention bf16 D=256 64-row window+softcap", _chunk(BF16, 64, False, True, True, 256)),
+    ("prefill bf16 BLOCK_M=16 D=64 splits+window+sinks", _prefill(BF16, 16, 64, True, True, True)),
     ("prefill fp32 BLOCK_M=16 D=128 splits", _prefill(FP32, 16, 128, True, False, False)),
     ("prefill fp32 BLOCK_M=64 D=64 window+sinks", _prefill(FP32, 64, 64, False, True, True)),
     ("decode_rope bf16 fused norm window+sinks", _decode_rope(2, True, 4, True, True, True, True)),
     ("decode_rope bf16 split+reduce no prefetch", _decode_rope(2, False, 4, False, False, False, False)),
     ("decode_rope bf16 unsplit", _decode_rope(2, True, 1, False, True, False, False)),
-    ("decode_rope bf16 fused gemma norm+softcap window", _decode_rope(2, True, 4, True, True, True, False, True)),
     ("decode bf16 fused order window+sinks", _decode(BF16, 2, 128, 4, True, True, True, True)),
     ("decode bf16 split+reduce", _decode(BF16, 2, 128, 4, False, False, False, False)),
-    ("decode bf16 fused window+softcap", _decode(BF16, 2, 128, 4, True, False, True, False, True)),
     ("decode bf16 batch 64 unsplit (128-key tiles)", _decode(BF16, 64, 128, 1, False, True, False, False)),
     ("decode fp32 D=64 split+reduce window", _decode(FP32, 2, 64, 4, False, False, True, False)),
     ("chunk_attention bf16 16-row accumulate window", _chunk(BF16, 1, True, True)),
     ("chunk_attention bf16 64-row", _chunk(BF16, 64, False, False)),
-    ("chunk_attention bf16 16-row accumulate window+softcap", _chunk(BF16, 1, True, True, True)),
     # fp32 takes the 16-row tile: its 64-row one alone took longer (15 s) than all the bf16 chunk variants.
     ("chunk_attention fp32 16-row accumulate", _chunk(FP32, 1, True, False)),
     *[(f"fused_moe tuned {name}", _moe(tokens, "silu", False, config))

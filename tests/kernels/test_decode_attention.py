@@ -167,8 +167,7 @@ def test_decode_window_and_sinks(case, window, sinks, make_paged_kv, dense_atten
             torch.testing.assert_close(out, want, **tol[q.dtype])
 
 
-@pytest.mark.parametrize("window", [None, 17])
-@pytest.mark.parametrize("case", [CASES[1], CASES[3], FUSED_CASES[4]], ids=range(3))
+@pytest.mark.parametrize("case,window", [(CASES[1], None), (CASES[3], 17), (FUSED_CASES[4], 17)], ids=range(3))
 def test_decode_softcap(case, window, make_paged_kv, dense_attention, gen, device, tol):
     """Gemma 2's soft-capped scores (a cap of 2: the scores of random inputs reach past it), on the one-split, reduce
     and one-launch paths, with and without a window."""
@@ -190,3 +189,22 @@ def test_decode_softcap(case, window, make_paged_kv, dense_attention, gen, devic
             decode_attention(q, k_cache, v_cache, seq, block_tables, scale, num_splits=splits, out=out,
                              counters=counters, window=window, softcap=cap)
             torch.testing.assert_close(out, want, **tol[q.dtype])
+
+
+@pytest.mark.parametrize("case", [(torch.float16, 256, 4, 2, 16, [70, 1, 130], 3),
+                                  (torch.float32, 256, 2, 1, 16, [200, 65], 2)], ids=range(2))
+def test_head_dim_256(case, make_paged_kv, dense_attention, gen, device, tol):
+    """Gemma 2's and Gemma 3 1B-12B's heads (their own tile rule, decode_launch.py): one split, the reduce launch and
+    the one-launch merge against the reference, which is checked against dense attention."""
+    from nanoserve.kernels.decode_attention import decode_attention, decode_attention_ref
+
+    q, k_cache, v_cache, seq, block_tables, scale, num_splits = _inputs(case, make_paged_kv, gen, device)
+    want = decode_attention_ref(q, k_cache, v_cache, seq, block_tables, scale, window=40)
+    dense = dense_attention(q[:1], k_cache, v_cache, block_tables[0], int(seq[0]), scale, 40)
+    torch.testing.assert_close(want[0].float(), dense[0], **tol[q.dtype])
+    for splits, counters in ((1, None), (num_splits, None),
+                             (num_splits, torch.zeros(q.shape[0] * k_cache.shape[2], dtype=torch.int32,
+                                                      device=device))):
+        got = decode_attention(q, k_cache, v_cache, seq, block_tables, scale, num_splits=splits, counters=counters,
+                               window=40)
+        torch.testing.assert_close(got, want, **tol[q.dtype])

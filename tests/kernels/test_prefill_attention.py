@@ -247,3 +247,17 @@ def test_prefill_softcap(case, window, make_paged_kv, dense_attention, gen, devi
     got = prefill_attention(q, k_cache, v_cache, cu, seq, block_tables, max_q, scale, out=out, window=window,
                             softcap=2.0)
     torch.testing.assert_close(got, want, **tol[q.dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_head_dim_256(dtype, make_paged_kv, dense_attention, gen, device, tol):
+    """Gemma 2's and Gemma 3 1B-12B's heads (32-key tiles, prefill_block_n): a mixed batch, one entry's keys split."""
+    from nanoserve.kernels.prefill import prefill_attention, prefill_attention_ref
+
+    case = (dtype, 256, 4, 2, 16, [(20, 300), (33, 33), (1, 9)])
+    q, k_cache, v_cache, cu, seq, block_tables, max_q, scale = _inputs(case, make_paged_kv, gen, device)
+    want = prefill_attention_ref(q, k_cache, v_cache, cu, seq, block_tables, max_q, scale, softcap=3.0)
+    dense = dense_attention(q[:20], k_cache, v_cache, block_tables[0], 300, scale, softcap=3.0)
+    torch.testing.assert_close(want[:20].float(), dense, **tol[dtype])
+    got = prefill_attention(q, k_cache, v_cache, cu, seq, block_tables, max_q, scale, softcap=3.0)
+    torch.testing.assert_close(got, want, **tol[dtype])

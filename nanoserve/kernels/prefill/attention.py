@@ -143,7 +143,7 @@ def prefill_attention(
     batch = seq_lens.shape[0]
     group = num_q_heads // num_kv_heads
     pack = group if pack is None else pack
-    assert head_dim in (64, 128), "head_dim must be 64 or 128"
+    assert head_dim in (64, 128, 256), "head_dim must be 64, 128 or 256"
     assert block_size >= 8 and block_size & (block_size - 1) == 0, "block_size must be a power of 2 >= 8"
     assert num_q_heads % num_kv_heads == 0 and group % pack == 0
     assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()

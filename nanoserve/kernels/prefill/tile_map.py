@@ -64,6 +64,10 @@ def prefill_block_n(head_dim: int, element_size: int, block_m: int) -> int:
     # head_dim 128 and 20% slower at head_dim 64. Smaller tiles keep 64: two stages of 128-key K/V tiles take
     # 128 KB of shared memory, one program per SM, where 64-key ones let two or three share one (as
     # prefill_programs_per_sm assumes). fp32 128x128 tiles overflow shared memory.
+    # head_dim 256 (Gemma 2, Gemma 3 1B-12B): 32-key tiles keep two stages of K/V at 64 KB in 16 bits (128 KB in
+    # fp32); not measured on a GPU yet.
+    if head_dim == 256:
+        return 32
     return 128 if head_dim == 128 and element_size == 2 and block_m == 128 else 64
 
 
