@@ -137,3 +137,21 @@ def test_triton_kernels_give_the_reference_tokens(arch, tmp_path, monkeypatch):
     monkeypatch.setattr(module, "decode_rope_attention", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     assert generate(True) == reference
     assert calls
+
+
+@pytest.mark.usefixtures("one_thread_per_rank")  # module-scoped: this test is the module's last
+def test_two_ranks_give_one_ranks_tokens(checkpoints):
+    """Gemma 2 under tensor parallelism on gloo: its final soft-capping runs on the gathered logits, its scaled
+    embedding on the all-reduced lookup; chunked prefill and a prefix hit on the way."""
+    prompts = _prompts()
+    engine = dict(block_size=8, max_num_batched_tokens=16, num_kv_blocks=32, enable_prefix_caching=True)
+    want = [
+        o.outputs[0].token_ids
+        for o in LLM(str(checkpoints["gemma2"]), **engine).generate(prompts, PARAMS, use_tqdm=False)
+    ]
+    llm = LLM(str(checkpoints["gemma2"]), tensor_parallel_size=2, **engine)
+    try:
+        assert llm.engine.runner.model.lm_head.weight.shape[0] == 384 // 2
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)] == want
+    finally:
+        llm.shutdown()
