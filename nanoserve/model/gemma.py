@@ -106,7 +106,9 @@ class GemmaModel(nn.Module):
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.embed_scale = config.hidden_size**0.5
+        # sqrt(hidden_size) rounded to the model's dtype (the default dtype while the model is built), as transformers
+        # multiplies by it: sqrt(3584) is 59.75 in bf16. A Python float, so that CUDA graphs capture no tensor of it.
+        self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=torch.get_default_dtype()).item()
         self.layers = nn.ModuleList(
             GemmaDecoderLayer(config, rotaries[kind], qk_norm, tp, attention_options(i))
             for i, kind in enumerate(layer_types)
@@ -114,9 +116,7 @@ class GemmaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        # The factor in the activations' dtype (sqrt(3584) is 59.75 in bf16), as transformers multiplies.
-        x, residual = x * torch.tensor(self.embed_scale, dtype=x.dtype), None
+        x, residual = self.embed_tokens(input_ids) * self.embed_scale, None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
         x, _ = self.norm(x, residual)
