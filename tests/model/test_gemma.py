@@ -139,6 +139,38 @@ def test_triton_kernels_give_the_reference_tokens(arch, tmp_path, monkeypatch):
     assert calls
 
 
+@pytest.mark.parametrize("name", ["gemma-2-9b", "gemma-3-27b"])
+def test_published_configs_read_as_transformers_reads_them(name):
+    """The bench configs (published config.json files: Gemma 3's multimodal one lists in text_config only what
+    differs from the defaults, and rope_theta, rope_local_base_freq, sliding_window_pattern in the old form): the
+    fields nanoserve takes equal the ones transformers' config resolves to."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from nanoserve.config import ModelConfig
+    from nanoserve.model.gemma import Gemma3ForCausalLM, gemma_layer_types
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / name
+    hf = AutoConfig.from_pretrained(path)
+    hf = getattr(hf, "text_config", hf)
+    ours = ModelConfig.from_dir(str(path))
+    fields = ("vocab_size", "hidden_size", "num_hidden_layers", "head_dim", "max_position_embeddings", "sliding_window")
+    assert [getattr(ours, f) for f in fields] == [getattr(hf, f) for f in fields]
+    assert gemma_layer_types(ours) == hf.layer_types
+    for key in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+        assert ours.raw.get(key) == getattr(hf, key)
+    if name == "gemma-3-27b":
+        ropes = hf.rope_parameters
+        assert ours.rope_theta == ropes["full_attention"]["rope_theta"] == 1e6
+        assert ours.rope_scaling["rope_type"] == ropes["full_attention"]["rope_type"] == "linear"
+        assert ours.rope_scaling["factor"] == ropes["full_attention"]["factor"] == 8.0
+        rotaries = Gemma3ForCausalLM.rotaries(None, ours, 16)
+        local = 1.0 / ropes["sliding_attention"]["rope_theta"] ** (torch.arange(0, 128, 2).float() / 128)
+        torch.testing.assert_close(rotaries["sliding_attention"].cos_half[5], (5 * local).cos())
+        assert hf.rope_parameters["sliding_attention"]["rope_type"] == "default"
+
+
 @pytest.mark.usefixtures("one_thread_per_rank")  # module-scoped: this test is the module's last
 def test_two_ranks_give_one_ranks_tokens(checkpoints):
     """Gemma 2 under tensor parallelism on gloo: its final soft-capping runs on the gathered logits, its scaled
