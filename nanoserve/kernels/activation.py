@@ -12,6 +12,18 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @triton.jit
+def act_mul(gate, up, ACTIVATION: tl.constexpr):
+    """act(gate) * up in fp32 (the fused GEMVs' prologues use it too, kernels/gemv.py and silu_mul_gemv.py)."""
+    if ACTIVATION == "gelu_tanh":
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2 / pi) (...)
+        # tanh(z) = 2 sigmoid(2z) - 1: one formula the interpreter and every Triton version have.
+        act = 0.5 * gate * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))
+    else:
+        act = gate * tl.sigmoid(gate)
+    return act * up
+
+
+@triton.jit
 def _act_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr,
                         USE_PDL: tl.constexpr):
     wait_for_prior_grids(USE_PDL)
@@ -21,13 +33,8 @@ def _act_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, ACTIVATION: t
     row = x_ptr + t.to(tl.int64) * stride_x
     gate = tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(row + inter + offs, mask=mask, other=0.0).to(tl.float32)
-    if ACTIVATION == "gelu_tanh":
-        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2 / pi) (...)
-        # tanh(z) = 2 sigmoid(2z) - 1: one formula the interpreter and every Triton version have.
-        act = 0.5 * gate * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))
-    else:
-        act = gate * tl.sigmoid(gate)
-    tl.store(out_ptr + t.to(tl.int64) * stride_o + offs, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    out = act_mul(gate, up, ACTIVATION)
+    tl.store(out_ptr + t.to(tl.int64) * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def act_and_mul(x: torch.Tensor, activation: str = "silu") -> torch.Tensor:

@@ -11,7 +11,8 @@ graph capture).
 
 Two variants fold the elementwise kernel that would otherwise run just before the GEMM into how it reads x,
 since at batch 1 each launch costs about as much as streaming a small layer's weight: skinny_norm_linear
-(residual add + RMSNorm, for qkv_proj and gate_up_proj) and skinny_silu_mul_linear (SiLU-and-mul, for down_proj).
+(residual add + RMSNorm, for qkv_proj and gate_up_proj; Gemma's 1 + weight too) and skinny_silu_mul_linear
+(SiLU-and-mul, or Gemma's tanh-GELU-and-mul, for down_proj).
 The activation rows are a few KB, so every program recomputing them from L1/L2 costs little next to its
 slab of the weight.
 """
@@ -22,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.activation import silu_and_mul_ref
+from nanoserve.kernels.activation import act_and_mul_ref, act_mul
 from nanoserve.kernels.pdl import launch_dependents, use_pdl, wait_for_prior_grids, wait_for_prior_grids_only
 from nanoserve.kernels.rms_norm import rms_norm_ref
 
@@ -60,7 +61,8 @@ def _residual_sum(x_ptrs, r_ptrs, mask, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.c
 @triton.jit
 def _skinny_linear_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm,
                           stride_rm, stride_wn, stride_om, eps, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                          SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
+                          NORM_OFFSET: tl.constexpr, SILU_MUL: tl.constexpr, ACTIVATION: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
                           DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           LATE_DEPENDENTS: tl.constexpr):
@@ -117,14 +119,18 @@ def _skinny_linear_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, b_ptr,
             # Rounded where the standalone RMSNorm kernel rounds: its normalized row, then its output.
             h = _residual_sum(x_ptrs, r_ptrs, k_mask[None, :], HAS_RESIDUAL, EVEN_K)
             norm_w = _load(norm_w_ptrs, k_mask, EVEN_K).to(tl.float32)
-            x = ((h * rstd).to(act_dtype).to(tl.float32) * norm_w[None, :]).to(act_dtype)
+            if NORM_OFFSET != 0.0:
+                # Gemma's norm (kernels/rms_norm.py's weight_offset): scaled in fp32, rounded once.
+                x = (h * rstd * (norm_w[None, :] + NORM_OFFSET)).to(act_dtype)
+            else:
+                x = ((h * rstd).to(act_dtype).to(tl.float32) * norm_w[None, :]).to(act_dtype)
             r_ptrs += BLOCK_K
             norm_w_ptrs += BLOCK_K
         elif SILU_MUL:
-            # x holds [gate | up] with K columns each; silu(gate) * up in fp32, rounded as the standalone kernel.
+            # x holds [gate | up] with K columns each; act(gate) * up in fp32, rounded as the standalone kernel.
             gate = _load(x_ptrs, k_mask[None, :], EVEN_K).to(tl.float32)
             up = _load(x_ptrs + K, k_mask[None, :], EVEN_K).to(tl.float32)
-            x = (gate * tl.sigmoid(gate) * up).to(act_dtype)
+            x = act_mul(gate, up, ACTIVATION).to(act_dtype)
         else:
             x = _load(x_ptrs, k_mask[None, :], EVEN_K)
         if USE_DOT:
@@ -216,10 +222,11 @@ def _config(m: int, n: int, k: int, elem_size: int) -> _Config:
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, cfg: _Config, *,
             norm: tuple[torch.Tensor | None, torch.Tensor, float, torch.Tensor | None] | None = None,
-            silu_mul: bool = False, late_dependents: bool = False) -> None:
-    """One launch of the kernel; `norm` = (residual, norm weight, eps, residual out) adds the RMSNorm prologue,
-    `silu_mul` the SiLU-and-mul one (x then holds [gate | up], 2K columns). late_dependents: see
-    skinny_norm_linear."""
+            norm_offset: float = 0.0, silu_mul: bool = False, activation: str = "silu",
+            late_dependents: bool = False) -> None:
+    """One launch of the kernel; `norm` = (residual, norm weight, eps, residual out) adds the RMSNorm prologue
+    (scaling by norm_offset + weight), `silu_mul` the act-and-mul one (x then holds [gate | up], 2K columns;
+    activation "silu" or "gelu_tanh"). late_dependents: see skinny_norm_linear."""
     m = x.shape[0]
     n, k = weight.shape
     residual, norm_weight, eps, residual_out = norm if norm is not None else (None, None, 0.0, None)
@@ -228,7 +235,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight,
         residual_out if residual_out is not None else x, weight, bias if bias is not None else weight, out, m, n, k,
         x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0), out.stride(0), eps,
-        NORM=norm is not None, HAS_RESIDUAL=residual is not None, SILU_MUL=silu_mul, HAS_BIAS=bias is not None,
+        NORM=norm is not None, HAS_RESIDUAL=residual is not None, NORM_OFFSET=float(norm_offset), SILU_MUL=silu_mul,
+        ACTIVATION=activation, HAS_BIAS=bias is not None,
         USE_DOT=cfg.use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # tf32 would lose bits
         EVEN_K=k % cfg.block_k == 0, USE_PDL=pdl, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         LATE_DEPENDENTS=late_dependents and not cfg.use_dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -272,10 +280,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                        weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       out: torch.Tensor | None = None, late_dependents: bool = False,
+                       out: torch.Tensor | None = None, late_dependents: bool = False, weight_offset: float = 0.0,
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm(x + residual) @ weight.T (+ bias) in one launch, and x + residual: the next residual, in a new
-    tensor (`residual` is left as it is). Without a residual, RMSNorm(x) @ weight.T and x itself.
+    tensor (`residual` is left as it is). Without a residual, RMSNorm(x) @ weight.T and x itself. weight_offset:
+    the norm scales by weight_offset + norm_weight (Gemma: 1.0; kernels/rms_norm.py).
 
     late_dependents (CUDA-core path only): under PDL the next kernel's programs start once this kernel's have
     streamed their weight, not as soon as they pass their wait. The CUDA-core path hides memory latency with many
@@ -300,19 +309,21 @@ def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
                              f"got {tuple(residual.shape)}")
         residual_out = torch.empty(m, k, dtype=x.dtype, device=x.device)
     _launch(x, weight, bias, out, _config(m, weight.shape[0], k, x.element_size()),
-            norm=(residual, norm_weight, eps, residual_out), late_dependents=late_dependents)
+            norm=(residual, norm_weight, eps, residual_out), norm_offset=weight_offset, late_dependents=late_dependents)
     return out, residual_out if residual_out is not None else x
 
 
 def skinny_silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, activation: str = "silu") -> torch.Tensor:
     """(SiLU(gate) * up) @ weight.T (+ bias) in one launch, for x = [gate | up] of shape [M, 2K] and weight [N, K];
-    rounds the product to x's dtype first, as kernels/activation.py does."""
+    rounds the product to x's dtype first, as kernels/activation.py does. activation "gelu_tanh": Gemma's GELU
+    in SiLU's place."""
     if x.dim() != 2 or x.shape[1] % 2:
         raise ValueError(f"x must be [M, 2K] (gate | up), got shape {tuple(x.shape)}")
     m, k = x.shape[0], x.shape[1] // 2
     out = _check(x, k, weight, bias, out)
-    _launch(x, weight, bias, out, _config(m, weight.shape[0], k, x.element_size()), silu_mul=True)
+    _launch(x, weight, bias, out, _config(m, weight.shape[0], k, x.element_size()), silu_mul=True,
+            activation=activation)
     return out
 
 
@@ -330,16 +341,18 @@ def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 def skinny_norm_linear_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                            weight: torch.Tensor, bias: torch.Tensor | None = None,
-                           out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           out: torch.Tensor | None = None,
+                           weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The unfused computation: the add+RMSNorm reference, then skinny_linear_ref."""
     if residual is None:
-        return skinny_linear_ref(rms_norm_ref(x, norm_weight, eps).to(x.dtype), weight, bias, out), x
+        normed = rms_norm_ref(x, norm_weight, eps, weight_offset=weight_offset).to(x.dtype)
+        return skinny_linear_ref(normed, weight, bias, out), x
     residual = residual.clone()  # rms_norm_ref writes x + residual into it
-    normed = rms_norm_ref(x, norm_weight, eps, residual).to(x.dtype)
+    normed = rms_norm_ref(x, norm_weight, eps, residual, weight_offset).to(x.dtype)
     return skinny_linear_ref(normed, weight, bias, out), residual
 
 
 def skinny_silu_mul_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                               out: torch.Tensor | None = None) -> torch.Tensor:
-    """The unfused computation: the SiLU-and-mul reference, then skinny_linear_ref."""
-    return skinny_linear_ref(silu_and_mul_ref(x), weight, bias, out)
+                               out: torch.Tensor | None = None, activation: str = "silu") -> torch.Tensor:
+    """The unfused computation: the act-and-mul reference, then skinny_linear_ref."""
+    return skinny_linear_ref(act_and_mul_ref(x, activation), weight, bias, out)

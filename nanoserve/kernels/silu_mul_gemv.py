@@ -1,4 +1,5 @@
-"""One row of SiLU-and-mul, then a projection too large for the skinny GEMM (Llama-3.1-8B's down_proj, 117 MB).
+"""One row of SiLU-and-mul (or Gemma's tanh-GELU-and-mul), then a projection too large for the skinny GEMM
+(Llama-3.1-8B's down_proj, 117 MB).
 
 At batch 1 such a weight went to cuBLAS, after SiLU-and-mul as a kernel of its own, and cuBLAS then reduced its
 K splits in a second kernel. Here one launch streams the weight: each program owns 16-row blocks and walks them in
@@ -17,10 +18,10 @@ gate_up stays on cuBLAS.
 """
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from nanoserve.kernels.activation import act_and_mul_ref, act_mul
 from nanoserve.kernels.pdl import use_pdl, wait_for_prior_grids
 
 BLOCK_N, BLOCK_K, NUM_WARPS, PROGRAMS_PER_SM = 16, 512, 8, 2
@@ -56,7 +57,8 @@ def _accumulate(acc, x, w, t, pid, G, out_ptr, N, offs_n, K_TILES: tl.constexpr,
 
 @triton.jit
 def _silu_mul_gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, K_TILES: tl.constexpr, EVEN_K: tl.constexpr,
-                          USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          ACTIVATION: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
     pid, G = tl.program_id(0), tl.num_programs(0)
     total = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, G) * K_TILES  # this program's tiles
     offs_n = tl.arange(0, BLOCK_N)
@@ -77,15 +79,16 @@ def _silu_mul_gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, K_TILES: tl.constexpr, EV
         in_k = cols < K
         gate = tl.load(x_ptr + cols, mask=in_k, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + K + cols, mask=in_k, other=0.0).to(tl.float32)
-        x = (gate * tl.sigmoid(gate) * up).to(x_ptr.dtype.element_ty)  # rounded as the standalone kernel rounds
+        x = act_mul(gate, up, ACTIVATION).to(x_ptr.dtype.element_ty)  # rounded as the standalone kernel rounds
         acc = _accumulate(acc, x, w, t, pid, G, out_ptr, N, offs_n, K_TILES, BLOCK_N, BLOCK_K)
         w = w_ahead
         w_ahead = w_next
 
 
-def silu_mul_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def silu_mul_gemv(x: torch.Tensor, weight: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """(SiLU(gate) * up) @ weight.T for one row x = [gate | up] of shape [1, 2K] and weight [N, K] -> [1, N], in x's
-    dtype, accumulated in fp32; the product is rounded to x's dtype first, as kernels/activation.py rounds it."""
+    dtype, accumulated in fp32; the product is rounded to x's dtype first, as kernels/activation.py rounds it.
+    activation "gelu_tanh": Gemma's GELU in SiLU's place."""
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] % 2 or not x.is_contiguous():
         raise ValueError(f"x must be one contiguous row [1, 2K] (gate | up), got shape {tuple(x.shape)}")
     k = x.shape[1] // 2
@@ -99,12 +102,12 @@ def silu_mul_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     programs = min(triton.cdiv(n, BLOCK_N), PROGRAMS_PER_SM * sms)
     pdl = use_pdl(x)
     _silu_mul_gemv_kernel[(programs,)](x, weight, out, n, k, K_TILES=triton.cdiv(k, BLOCK_K),
-                                       EVEN_K=k % BLOCK_K == 0, USE_PDL=pdl, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                                       EVEN_K=k % BLOCK_K == 0, ACTIVATION=activation, USE_PDL=pdl,
+                                       BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                                        num_warps=NUM_WARPS, launch_pdl=pdl)
     return out
 
 
-def silu_mul_gemv_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The unfused computation in fp32: SiLU-and-mul rounded to x's dtype, then the projection."""
-    gate, up = x.float().chunk(2, dim=-1)
-    return ((F.silu(gate) * up).to(x.dtype).float() @ weight.float().T).to(x.dtype)
+def silu_mul_gemv_ref(x: torch.Tensor, weight: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """The unfused computation in fp32: act-and-mul rounded to x's dtype, then the projection."""
+    return (act_and_mul_ref(x.float(), activation).to(x.dtype).float() @ weight.float().T).to(x.dtype)

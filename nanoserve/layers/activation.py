@@ -6,6 +6,8 @@ from torch import nn
 
 
 class SiluAndMul(nn.Module):
+    activation = "silu"  # the fused kernels' name for it (kernels/activation.py)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             from nanoserve.kernels.activation import silu_and_mul
@@ -17,6 +19,8 @@ class SiluAndMul(nn.Module):
 
 class GeluTanhAndMul(nn.Module):
     """GELU with the tanh approximation (transformers' gelu_pytorch_tanh)."""
+
+    activation = "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:

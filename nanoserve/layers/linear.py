@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from nanoserve.distributed.group import TensorParallelGroup
-from nanoserve.layers.activation import SiluAndMul
+from nanoserve.layers.activation import GeluTanhAndMul, SiluAndMul
 from nanoserve.layers.norm import RMSNorm
 from nanoserve.layers.step_plan import KernelPlan
 
@@ -67,25 +67,26 @@ class Linear(nn.Linear):
             from nanoserve.kernels.gemv import skinny_norm_linear
 
             return skinny_norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias,
-                                      late_dependents=self.starts_next_late(plan))
+                                      late_dependents=self.starts_next_late(plan), weight_offset=norm.offset)
         if residual is None:
             return self(norm(x), plan), x
         x, residual = norm(x, residual)
         return self(x, plan), residual
 
-    def forward_silu_mul(self, x: torch.Tensor, act: SiluAndMul, plan: KernelPlan) -> torch.Tensor:
-        """self(act(x)) for x = [gate | up]: silu(gate) * up projected."""
+    def forward_silu_mul(self, x: torch.Tensor, act: SiluAndMul | GeluTanhAndMul, plan: KernelPlan) -> torch.Tensor:
+        """self(act(x)) for x = [gate | up]: silu(gate) * up projected (Gemma's GELU in SiLU's place for
+        GeluTanhAndMul)."""
         if self.quant_method is not None:
             # Linear's forward, not self's: a row-parallel layer reduces what this returns (forward_silu_mul).
             return Linear.forward(self, act(x), plan)
         if plan.takes_fused_prologue(self.weight):
             from nanoserve.kernels.gemv import skinny_silu_mul_linear
 
-            return skinny_silu_mul_linear(x, self.weight, self.bias)
+            return skinny_silu_mul_linear(x, self.weight, self.bias, activation=act.activation)
         if plan.takes_silu_mul_gemv(self.weight, self.bias):
             from nanoserve.kernels.silu_mul_gemv import silu_mul_gemv
 
-            return silu_mul_gemv(x, self.weight)
+            return silu_mul_gemv(x, self.weight, act.activation)
         return self(act(x), plan)
 
 
@@ -129,7 +130,7 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor, plan: KernelPlan) -> torch.Tensor:
         return self._reduce(super().forward(x, plan))
 
-    def forward_silu_mul(self, x: torch.Tensor, act: SiluAndMul, plan: KernelPlan) -> torch.Tensor:
+    def forward_silu_mul(self, x: torch.Tensor, act: SiluAndMul | GeluTanhAndMul, plan: KernelPlan) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward_silu_mul(x, act, plan)
         return self._reduce(super().forward_silu_mul(x, act, plan))

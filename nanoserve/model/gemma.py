@@ -85,6 +85,8 @@ class GemmaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As LlamaDecoderLayer.forward: the residual add runs inside the next norm (the fused add + norm), here
         input_layernorm and pre_feedforward_layernorm; the post-norms see their branch's output alone."""
+        if meta.plan.fused_prologues:
+            return self.fused_forward(positions, x, residual, meta)
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
@@ -92,6 +94,19 @@ class GemmaDecoderLayer(nn.Module):
         x = self.post_attention_layernorm(self.self_attn(positions, x, meta))
         x, residual = self.pre_feedforward_layernorm(x, residual)
         return self.post_feedforward_layernorm(self.mlp(x, meta.plan)), residual
+
+    def fused_forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward with the add + norm before qkv_proj and gate_up_proj run by those GEMMs and GELU-and-mul by
+        down_proj, where the plan fuses them (one-row graphs; LlamaDecoderLayer.fused_forward has the why). The
+        post-norms stay kernels of their own: nothing after them would take them as a prologue."""
+        plan, attn = meta.plan, self.self_attn
+        qkv, residual = attn.qkv_proj.forward_norm(x, residual, self.input_layernorm, plan)
+        x = self.post_attention_layernorm(attn.attend(positions, qkv, meta))
+        gate_up, residual = self.mlp.gate_up_proj.forward_norm(x, residual, self.pre_feedforward_layernorm, plan)
+        x = self.mlp.down_proj.forward_silu_mul(gate_up, self.mlp.act, plan)
+        return self.post_feedforward_layernorm(x), residual
 
 
 class GemmaModel(nn.Module):

@@ -111,11 +111,12 @@ def _gemv(m: int, n: int, k: int, dtype: torch.dtype = BF16, bias: bool = False,
     """The skinny GEMM (kernels/gemv.py): m, n, k pick its path (CUDA cores or tensor cores) and tiles."""
     def call() -> None:
         w, b = _zeros(n, k, dtype=dtype), _zeros(n, dtype=dtype) if bias else None
-        if prologue == "norm":
+        if prologue in ("norm", "gemma_norm"):  # Gemma's: 1 + weight
             skinny_norm_linear(_zeros(m, k, dtype=dtype), _zeros(m, k, dtype=dtype), _zeros(k, dtype=dtype), 1e-6,
-                               w, b, late_dependents=late_dependents)
-        elif prologue == "silu_mul":
-            skinny_silu_mul_linear(_zeros(m, 2 * k, dtype=dtype), w, b)
+                               w, b, late_dependents=late_dependents, weight_offset=float(prologue == "gemma_norm"))
+        elif prologue in ("silu_mul", "gelu_tanh"):
+            skinny_silu_mul_linear(_zeros(m, 2 * k, dtype=dtype), w, b,
+                                   activation="silu" if prologue == "silu_mul" else prologue)
         else:
             skinny_linear(_zeros(m, k, dtype=dtype), w, b)
     return call
@@ -200,7 +201,10 @@ VARIANTS = [
     ("gemv bf16 M=1 norm+residual late dependents", _gemv(1, 512, 1024, prologue="norm", late_dependents=True)),
     ("gemv bf16 M=16 norm+residual tensor cores", _gemv(16, 4096, 1024, prologue="norm")),
     ("gemv bf16 M=1 silu_mul", _gemv(1, 512, 1000, prologue="silu_mul")),
+    ("gemv bf16 M=1 gemma norm+residual", _gemv(1, 512, 1024, prologue="gemma_norm")),
+    ("gemv bf16 M=1 gelu_tanh_mul", _gemv(1, 512, 1000, prologue="gelu_tanh")),
     ("silu_mul_gemv bf16", lambda: silu_mul_gemv(_zeros(1, 2048), _zeros(512, 1024))),
+    ("silu_mul_gemv bf16 gelu_tanh", lambda: silu_mul_gemv(_zeros(1, 2048), _zeros(512, 1024), "gelu_tanh")),
     ("fp8_block_linear M=1 FP8 dot", _fp8_linear(1, (128, 128))),
     ("fp8_block_linear M=200 FP8 dot", _fp8_linear(200, (128, 128))),
     ("fp8_block_linear M=32 upcast (16-wide K blocks)", _fp8_linear(32, (16, 16))),

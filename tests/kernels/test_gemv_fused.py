@@ -75,6 +75,26 @@ def test_silu_mul_linear(device, gen, tol, m, k, n, dtype):
     torch.testing.assert_close(got, skinny_silu_mul_linear_ref(x, w, bias), **tol[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 16])  # the CUDA cores, the tensor cores
+def test_gemma_prologues(device, gen, tol, m, dtype):
+    """Gemma's: the norm scales by 1 + weight (one rounding, kernels/rms_norm.py's weight_offset) and GELU (tanh)
+    gates up_proj; against the references, which differ from the Llama forms."""
+    k, n = 1000, 33 if m == 1 else 65
+    x, residual, norm_w = _norm_inputs(m, k, dtype, device, gen)
+    w, b = _weights(k, n, dtype, device, gen)
+    assert gemv.tensor_cores_at(m, w) == (m == 16)
+    got, new_residual = skinny_norm_linear(x, residual, norm_w - 1, 1e-6, w, b, weight_offset=1.0)
+    want, want_residual = skinny_norm_linear_ref(x, residual, norm_w - 1, 1e-6, w, b, weight_offset=1.0)
+    torch.testing.assert_close(got, want, **tol[dtype])
+    torch.testing.assert_close(new_residual, want_residual, atol=0, rtol=0)
+    assert not torch.allclose(got, skinny_norm_linear_ref(x, residual, norm_w - 1, 1e-6, w, b)[0], **tol[dtype])
+    gate_up = torch.randn(m, 2 * k, generator=gen).to(device, dtype)
+    got = skinny_silu_mul_linear(gate_up, w, b, activation="gelu_tanh")
+    torch.testing.assert_close(got, skinny_silu_mul_linear_ref(gate_up, w, b, activation="gelu_tanh"), **tol[dtype])
+    assert not torch.allclose(got, skinny_silu_mul_linear_ref(gate_up, w, b), **tol[dtype])
+
+
 @pytest.mark.parametrize("use_dot", [False, True])
 def test_prologues_on_both_paths_with_strided_rows(device, gen, tol, use_dot):
     """Both code paths at M = 1, 2, 3 and 16 whichever the shape rule picks, on row-strided inputs (views into

@@ -139,6 +139,43 @@ def test_triton_kernels_give_the_reference_tokens(arch, tmp_path, monkeypatch):
     assert calls
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="counts Python calls, which graph replays skip")
+def test_one_row_graphs_fuse_gemmas_prologues(checkpoints, monkeypatch):
+    """Gemma 3 with graph capture faked for its one-row steps (layers/step_plan.py's plan): each layer hands its
+    (1 + w) add + norms to qkv_proj's and gate_up_proj's GEMVs and GELU-and-mul to down_proj's, and the tokens are
+    the unfused model's. The GEMVs run as their references here (the interpreter takes about a second a launch);
+    tests/kernels/test_gemv_fused.py holds the kernels to those."""
+    from nanoserve.kernels import gemv
+    from nanoserve.layers.step_plan import KernelPlanner
+
+    prompts = [_prompts()[2][:9]]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    def generate() -> list[list[int]]:
+        llm = LLM(str(checkpoints["gemma3"]), num_kv_blocks=16, max_num_seqs=1)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    reference = generate()
+    calls = []
+
+    def norm_linear(x, residual, norm_w, eps, w, b, late_dependents=False, weight_offset=0.0):
+        calls.append(("norm", weight_offset))
+        return gemv.skinny_norm_linear_ref(x, residual, norm_w, eps, w, b, weight_offset=weight_offset)
+
+    def act_linear(x, w, b, activation="silu"):
+        calls.append(("act", activation))
+        return gemv.skinny_silu_mul_linear_ref(x, w, b, activation=activation)
+
+    monkeypatch.setattr(gemv, "skinny_norm_linear", norm_linear)
+    monkeypatch.setattr(gemv, "skinny_silu_mul_linear", act_linear)
+    monkeypatch.setattr(gemv, "skinny_linear", gemv.skinny_linear_ref)
+    plan = KernelPlanner.plan
+    monkeypatch.setattr(KernelPlanner, "plan", lambda self, *a, **kw: plan(self, *a, **{**kw, "graph": True}))
+    assert generate() == reference
+    # 2 one-row decode steps x 3 layers: two (1 + w) norms and one GELU-and-mul each.
+    assert sorted(calls) == [("act", "gelu_tanh")] * 6 + [("norm", 1.0)] * 12
+
+
 @pytest.mark.parametrize("name", ["gemma-2-9b", "gemma-3-27b"])
 def test_published_configs_read_as_transformers_reads_them(name):
     """The bench configs (published config.json files: Gemma 3's multimodal one lists in text_config only what
