@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from nanoserve.quantization.detect import detect_quantization
+from nanoserve.quantization.mxfp4 import MXFP4Scheme
 from nanoserve.quantization.scheme import FP8Scheme
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -279,7 +280,8 @@ class EngineConfig:
     # What set max_model_len, for the start-up summary: the model's limit, the user, or the KV pool.
     max_model_len_source: str = "the model's max_position_embeddings"
     chat_template: str | None = None  # the template's text (args.chat_template may name a file)
-    quantization: FP8Scheme | None = None  # what config.json's quantization_config and args.quantization ask for
+    # What config.json's quantization_config and args.quantization ask for.
+    quantization: FP8Scheme | MXFP4Scheme | None = None
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> "EngineConfig":
@@ -389,10 +391,15 @@ def _check_tensor_parallel(args: EngineArgs, model: ModelConfig) -> None:
         raise ValueError(f"tensor_parallel_size: {tp} does not divide the model's {', '.join(uneven)}")
 
 
-def _check_quantization(scheme: FP8Scheme, model: ModelConfig, tp_size: int) -> None:
-    """Refuse, naming the field, a model this scheme cannot split: stacked shards (q/k/v, gate/up) must each
-    be whole blocks of rows, and under tensor parallelism each rank's input columns of o_proj and down_proj
-    whole blocks of columns."""
+def _check_quantization(scheme: FP8Scheme | MXFP4Scheme, model: ModelConfig, tp_size: int) -> None:
+    """Refuse, naming the field, a model this scheme cannot run or split: MXFP4 is gpt-oss's; with FP8, stacked
+    shards (q/k/v, gate/up) must each be whole blocks of rows, and under tensor parallelism each rank's input
+    columns of o_proj and down_proj whole blocks of columns."""
+    if isinstance(scheme, MXFP4Scheme):
+        if model.architecture != "GptOssForCausalLM":
+            raise ValueError(f"quantization_config.quant_method: 'mxfp4' is supported for gpt-oss's experts "
+                             f"(GptOssForCausalLM), not {model.architecture}")
+        return
     if model.moe is not None:
         raise ValueError(f"quantization: {model.architecture} is a mixture-of-experts model; quantized "
                          "experts are not supported yet")

@@ -9,16 +9,18 @@ Formats read:
 - quant_method "fp8": `weight_block_size` [rows, columns] with `weight_scale_inv` tensors and dynamic activations
   (Qwen3-FP8, DeepSeek-V3); without a block size, per-tensor `weight_scale` with static `input_scale` or dynamic
   activations. Its `ignored_layers` / `modules_to_not_convert`.
+- quant_method "mxfp4": gpt-oss's experts as OpenAI ships them (mxfp4.py says how they run).
 - `quantization="fp8"` on an unquantized checkpoint: its linear weights quantized while loading (scheme.py says how).
 """
 
+from nanoserve.quantization.mxfp4 import MXFP4Scheme
 from nanoserve.quantization.scheme import FP8Scheme
 
-SUPPORTED_METHODS = ("compressed-tensors", "fp8")
+SUPPORTED_METHODS = ("compressed-tensors", "fp8", "mxfp4")
 _SUPPORTED = ", ".join(SUPPORTED_METHODS)
 
 
-def detect_quantization(raw_config: dict, flag: str | None) -> FP8Scheme | None:
+def detect_quantization(raw_config: dict, flag: str | None) -> FP8Scheme | MXFP4Scheme | None:
     """The scheme of a model whose config.json is raw_config, run with EngineArgs.quantization = flag; None:
     unquantized."""
     if flag is not None and flag not in SUPPORTED_METHODS:
@@ -39,6 +41,8 @@ def detect_quantization(raw_config: dict, flag: str | None) -> FP8Scheme | None:
     if flag is not None and flag != method:
         raise ValueError(f"quantization: {flag!r} does not match the checkpoint's quantization_config.quant_method "
                          f"{method!r}")
+    if method == "mxfp4":
+        return MXFP4Scheme()
     return _compressed_tensors(qc) if method == "compressed-tensors" else _fp8(qc)
 
 

@@ -18,6 +18,7 @@ from torch import nn
 from nanoserve.layers.linear import Linear
 from nanoserve.quantization.fp8_linear import Fp8LinearMethod
 from nanoserve.quantization.fp8_math import FP8
+from nanoserve.quantization.mxfp4 import MXFP4Scheme
 from nanoserve.quantization.scheme import FP8Scheme
 
 
@@ -43,9 +44,16 @@ def quantized_layers(model: nn.Module, scheme: FP8Scheme) -> Iterator[Linear]:
         yield module
 
 
-def prepare_model(model: nn.Module, scheme: FP8Scheme, dummy: bool) -> None:
+def prepare_model(model: nn.Module, scheme: FP8Scheme | MXFP4Scheme, dummy: bool) -> None:
     """Before the weights are filled: the fp8 parameters and their loaders, where the checkpoint (or the dummy
-    initialization) provides them."""
+    initialization) provides them; MXFP4 experts told to expect blocks and scales (random weights stay in the
+    dtype the experts run in)."""
+    if isinstance(scheme, MXFP4Scheme):
+        if not dummy:
+            for module in model.modules():
+                if hasattr(module, "expect_mxfp4"):
+                    module.expect_mxfp4()
+        return
     if not (scheme.serialized or dummy):
         return
     method = Fp8LinearMethod(scheme)
@@ -53,9 +61,11 @@ def prepare_model(model: nn.Module, scheme: FP8Scheme, dummy: bool) -> None:
         method.create_weights(layer)
 
 
-def finish_model(model: nn.Module, scheme: FP8Scheme) -> None:
+def finish_model(model: nn.Module, scheme: FP8Scheme | MXFP4Scheme) -> None:
     """After the weights are filled: unquantized ones quantized (a scheme quantized at load), every layer's
     scales in their runtime form and its quant_method set."""
+    if isinstance(scheme, MXFP4Scheme):
+        return
     method = Fp8LinearMethod(scheme)
     for layer in quantized_layers(model, scheme):
         if layer.weight.dtype != FP8:
