@@ -187,7 +187,7 @@ def test_auto_rule(qk_norm, fused_rows):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="counts Python calls, which graph replays skip; on a GPU "
                     "tests/gpu/test_decode_rope_gpu.py checks the model's tokens")
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "phi3"])  # phi3: partial rotary, 48 of 64 dims
 def test_model_fuses_where_planned(tmp_path, monkeypatch, arch):
     """A model on the CPU whose one-sequence decode steps are planned as if on the Triton kernels, so that they take
     the fused launch (run by the interpreter over the PyTorch backend's caches): it runs exactly there, in every
