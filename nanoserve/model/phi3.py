@@ -12,8 +12,9 @@ q/k/v and gate/up packed in the checkpoint, partial rotary and LongRoPE.
   original_max_position_embeddings; layers/rotary.py picks the factors once from max_model_len.
 - sliding_window in every layer when config.json sets one, as transformers' Phi-3 applies it: a query sees W keys,
   itself included. Phi-3-mini-4k's 2047 therefore means 2047 keys (Microsoft's original code, through flash-attn's
-  window_size=(2047, 2047), saw 2048; transformers and vLLM see 2047). The 128k models' windows (262144) are longer
-  than any context they run and are dropped (None), which changes no result and skips the window's masking.
+  window_size=(2047, 2047), saw 2048; transformers 5, which the tests check tokens against, sees 2047). The 128k
+  models' windows (262144) are longer than any context they run and are dropped (None), which changes no result and
+  skips the window's masking.
 - tie_word_embeddings (Phi-4-mini): as every model of llama.py.
 """
 

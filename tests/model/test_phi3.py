@@ -87,8 +87,11 @@ def test_legacy_longrope_names_match_transformers_tables(legacy_type, tmp_path):
     up to the original length and long_factor past it. (transformers 5 no longer loads an "su" config whose
     rope_scaling lacks original_max_position_embeddings; it is compared with the same config named longrope.)"""
     g = torch.Generator().manual_seed(1)
-    scaling = {"type": legacy_type, "short_factor": (1 + torch.rand(24, generator=g)).tolist(),
-               "long_factor": (1 + 3 * torch.rand(24, generator=g)).tolist()}
+    scaling = {
+        "type": legacy_type,
+        "short_factor": (1 + torch.rand(24, generator=g)).tolist(),
+        "long_factor": (1 + 3 * torch.rand(24, generator=g)).tolist(),
+    }
     config = _config_dir(tmp_path, rope_scaling=scaling, sliding_window=None)
     assert config.rope_scaling["rope_type"] == "longrope"
     hf_dir = tmp_path / "hf"
