@@ -153,6 +153,9 @@ def _rope_scaling(raw: dict) -> dict | None:
         return None
     scaling = dict(params)
     kind = scaling.setdefault("rope_type", scaling.get("type", "default"))
+    if raw.get("model_type") == "phi3" and kind in ("su", "yarn"):
+        # transformers' Phi3Config reads the names early Phi-3 checkpoints used ("su" for LongRoPE) as longrope.
+        kind = scaling["rope_type"] = "longrope"
     if kind == "default":
         return None
     if kind in ("llama3", "yarn", "longrope"):

@@ -121,7 +121,8 @@ def _load_weights(model: nn.Module, files: list[Path]) -> None:
                     getattr(param, "weight_loader", load_whole)(param, tensor, shard)
                 except ValueError as e:
                     raise ValueError(f"model: {ckpt_name!r} {e}") from None
-                loaded.add(name if shard is None else f"{name}:{shard}")
+                # A packed tensor ("q+k+v") fills several shards.
+                loaded.update([name] if shard is None else [f"{name}:{part}" for part in shard.split("+")])
     missing, fused = [], set()
     for name, module in model.named_modules():
         for pname, shards in module.expected_shards().items() if hasattr(module, "expected_shards") else ():

@@ -28,7 +28,7 @@ from nanoserve import LLM, EngineArgs, SamplingParams
 from nanoserve.distributed.group import TensorParallelGroup
 from nanoserve.model.loader import load_model
 
-ARCH_NAMES = ["llama", "mistral", "qwen2", "qwen3"]
+ARCH_NAMES = ["llama", "mistral", "qwen2", "qwen3", "phi3"]
 VOCAB = 384
 BLOCK = 16
 # Chunked prefill (32-token steps) and a pool of 10 blocks (160 tokens): one long sequence fits, several don't.
@@ -142,7 +142,8 @@ class TestTwoRanksEqualOne:
         # Half of the vocabulary's rows, half of the heads on rank 0.
         model = tp2.engine.runner.model
         assert model.lm_head.weight.shape[0] == VOCAB // 2
-        assert model.model.layers[0].self_attn.num_heads == 2
+        whole = tp1.engine.runner.model
+        assert model.model.layers[0].self_attn.num_heads == whole.model.layers[0].self_attn.num_heads // 2
 
     def test_greedy_mixed_batch_with_prefix_hits_chunks_and_preemption(self, tp1, tp2):
         want, preempted1, hits1 = run_mixed(tp1)
@@ -399,6 +400,24 @@ def test_loader_shard_of_tied_qk_norm_model(checkpoints, monkeypatch):
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert torch.equal(model.lm_head.weight, full["model.embed_tokens.weight"][VOCAB // 2:])
     assert elements_read((VOCAB, 64), reads["model.embed_tokens.weight"])[0] == set(range(VOCAB // 2, VOCAB))
+
+
+def test_loader_shard_of_packed_phi3(tmp_path, monkeypatch):
+    """Phi-3's packed qkv_proj ("q+k+v") and gate_up_proj ("gate+up"): rank 1 of 2 holds its q heads, its kv head
+    and its share of gate and of up, read as row ranges of the packed tensors."""
+    d = write_checkpoint(tmp_path / "phi3", "phi3", num_attention_heads=4, num_key_value_heads=2, rope_scaling=None)
+    model, reads, whole = load_shard(d, 1, 2, monkeypatch)
+    full = read_checkpoint(d)
+    assert whole == []
+    hd, p = 32, "model.layers.0."
+    qkv, gate_up = full[p + "self_attn.qkv_proj.weight"], full[p + "mlp.gate_up_proj.weight"]
+    assert qkv.shape == ((4 + 2 * 2) * hd, 128) and gate_up.shape == (2 * 128, 128)
+    want = torch.cat([qkv[2 * hd:4 * hd], qkv[(4 + 1) * hd:(4 + 2) * hd], qkv[(6 + 1) * hd:(6 + 2) * hd]])
+    assert torch.equal(model.model.layers[0].self_attn.qkv_proj.weight, want)
+    assert elements_read(tuple(qkv.shape), reads[p + "self_attn.qkv_proj.weight"])[0] == (
+        set(range(2 * hd, 4 * hd)) | set(range(5 * hd, 6 * hd)) | set(range(7 * hd, 8 * hd)))
+    assert torch.equal(model.model.layers[0].mlp.gate_up_proj.weight, torch.cat([gate_up[64:128], gate_up[192:]]))
+    assert torch.equal(model.model.layers[0].self_attn.o_proj.weight, full[p + "self_attn.o_proj.weight"][:, 64:])
 
 
 # -- 4. uneven shapes and node layouts are refused before anything starts ----------------------------------------
