@@ -24,7 +24,7 @@ forever; `timeout` bounds a wait in any case.
 import os
 import time
 from dataclasses import dataclass
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 
 import numpy as np
@@ -97,15 +97,18 @@ class ShmBroadcast:
         """Reader `reader` (0 .. num_readers - 1)'s end of the writer's ring."""
         if not 0 <= reader < handle.num_readers:
             raise ValueError(f"ShmBroadcast: reader {reader} of {handle.num_readers}")
-        # Python's resource tracker would unlink the segment when this process exits (it only tracks creators
-        # since 3.13): the writer owns it.
-        shm = shared_memory.SharedMemory(name=handle.name)
+        # Not registered with Python's resource tracker, which would unlink the segment when this process exits, or
+        # (a tracker shared with the writer, as spawned children share it) drop the writer's registration: the
+        # writer owns it. track= exists from Python 3.13.
         try:
-            from multiprocessing import resource_tracker
-
-            resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
-        except (ImportError, AttributeError, KeyError):
-            pass
+            shm = shared_memory.SharedMemory(name=handle.name, track=False)
+        except TypeError:
+            register = resource_tracker.register
+            resource_tracker.register = lambda name, rtype: None
+            try:
+                shm = shared_memory.SharedMemory(name=handle.name)
+            finally:
+                resource_tracker.register = register
         return cls(shm, handle, reader)
 
     # -- writer ------------------------------------------------------------------------------------------------

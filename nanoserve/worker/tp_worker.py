@@ -106,7 +106,12 @@ def run_worker(config: EngineConfig, rank: int, init_method: str, ring_handle: S
     with torch.inference_mode():
         while (step := StepInputs.recv(tp)) is not None:
             _, logits = runner.execute(step, prev_tokens)
-            if logits is not None:  # rank 0's samples, for the next step's pending tokens
+            if logits is None:
+                continue
+            # Rank 0's samples, for the next step's pending tokens: drawn here as rank 0 draws them, or its broadcast.
+            if step.replica_call >= 0:
+                prev_tokens = runner.sampler.sample_replica(logits, step.temperatures, step.replica_call)
+            else:
                 prev_tokens = tp.broadcast(torch.empty(logits.shape[0], dtype=torch.int64, device=config.device))
     runner.release_graphs()
     dist.destroy_process_group()

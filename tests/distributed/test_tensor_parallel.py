@@ -200,9 +200,14 @@ class TestTwoRanksEqualOne:
             assert gc.cumulative_logprob == pytest.approx(wc.cumulative_logprob, abs=10 * LOGPROB_TOL)
 
 
-def test_async_scheduling_equals_sync(checkpoints):
-    """With async scheduling a decode's input token is the previous step's sample, still on the device: rank 0
-    broadcasts its samples, and the workers take the pending tokens from them."""
+def test_async_scheduling_equals_sync(checkpoints, monkeypatch):
+    """With async scheduling a decode's input token is the previous step's sample, still on the device: the workers
+    draw greedy steps' samples themselves from the same logits (no collective), and take seeded ones from rank 0's
+    broadcast."""
+    broadcasts = []
+    real_broadcast = TensorParallelGroup.broadcast
+    monkeypatch.setattr(TensorParallelGroup, "broadcast",
+                        lambda self, x: broadcasts.append(1) or real_broadcast(self, x))
     d = str(checkpoints["llama"])
     sync = LLM(d, async_scheduling=False, **SMALL_ENGINE)
     want, _, _ = run_mixed(sync)
@@ -214,7 +219,9 @@ def test_async_scheduling_equals_sync(checkpoints):
         got, preempted, hits = run_mixed(llm)
         assert preempted > 0 and hits > 0
         assert token_ids(got) == token_ids(want)
+        assert not broadcasts  # greedy: every rank drew the samples itself
         assert token_ids(llm.generate(mixed_prompts()[:3], seeded, use_tqdm=False)) == token_ids(want_seeded)
+        assert broadcasts  # a request's own seed: rank 0's generator only
         assert llm.engine.in_flight is None and not llm.engine.has_unfinished_requests()
     finally:
         llm.shutdown()
