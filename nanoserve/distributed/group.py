@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from nanoserve.distributed.shm_broadcast import ShmBroadcast
+from nanoserve.distributed.symm_all_reduce import SymmAllReduce
 
 
 @dataclass
@@ -29,6 +30,8 @@ class TensorParallelGroup:
     # and gloo for the ranks that do not read the ring (other nodes; all of them when there is no ring).
     host_ring: ShmBroadcast | None = None
     host_group: dist.ProcessGroup | None = None  # None: no rank takes them through gloo
+    # GPUs with peer access: small all-reduces over symmetric memory (distributed/symm_all_reduce.py), NCCL above.
+    symm: SymmAllReduce | None = None
 
     def shard(self, total: int) -> tuple[int, int]:
         """(start, size) of this rank's equal share of `total` rows (config.py checked that it divides)."""
@@ -38,6 +41,8 @@ class TensorParallelGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place (a row-parallel layer's partial outputs)."""
         if self.size > 1:
+            if self.symm is not None and self.symm.fits(x):
+                return self.symm.all_reduce(x)
             dist.all_reduce(x, group=self.group)
         return x
 

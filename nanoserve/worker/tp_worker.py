@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from nanoserve.config import EngineConfig
+from nanoserve.distributed import symm_all_reduce
 from nanoserve.distributed.group import TensorParallelGroup
 from nanoserve.distributed.shm_broadcast import ShmBroadcast, ShmHandle
 from nanoserve.worker.model_runner import ModelRunner
@@ -61,6 +62,9 @@ def init_rank(config: EngineConfig, rank: int, init_method: str,
     cpu_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
     tp = TensorParallelGroup(rank, size, dist.group.WORLD, cpu_group)
     _connect_host_messages(tp, ring, size // nnodes, nnodes)
+    if config.device.type == "cuda":
+        tp.symm = symm_all_reduce.connect(tp.group, cpu_group, config.device, size // nnodes, nnodes,
+                                          disabled=config.args.disable_custom_all_reduce)
     return config, tp
 
 
@@ -114,6 +118,7 @@ def run_worker(config: EngineConfig, rank: int, init_method: str, ring_handle: S
             else:
                 prev_tokens = tp.broadcast(torch.empty(logits.shape[0], dtype=torch.int64, device=config.device))
     runner.release_graphs()
+    _release_symm(tp)
     dist.destroy_process_group()
     # Not a normal interpreter exit: a gloo thread still freeing the last broadcast's tensor needs the GIL while
     # the interpreter shuts down, and aborted the process ("terminate called without an active exception", exit 1)
@@ -121,6 +126,13 @@ def run_worker(config: EngineConfig, rank: int, init_method: str, ring_handle: S
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _release_symm(tp: TensorParallelGroup) -> None:
+    """Free the symmetric buffers before the group they were made with goes, once no kernel reads them."""
+    if tp.symm is not None:
+        torch.cuda.synchronize()
+        tp.symm = None
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -231,6 +243,7 @@ class TensorParallelWorkers:
             # tensor-parallel engine (TensorParallelWorkers.start says so). gloo's needs no peer.
             if delivered or self.config.device.type != "cuda":
                 release_graphs()
+                _release_symm(self.tp)
                 dist.destroy_process_group()
         finally:
             for p in self.processes:
