@@ -533,11 +533,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_second_node_from_worker_command(checkpoints, tmp_path):
-    d = str(checkpoints["mistral"])
+@pytest.mark.parametrize(("size", "arch"), [(2, "mistral"), (4, "qwen3")])
+def test_second_node_from_worker_command(checkpoints, tmp_path, size, arch):
+    """Two "nodes": rank 0 alone on node 0 (its step messages all go through gloo), or with rank 1 beside it (the
+    shared-memory ring for rank 1, gloo for ranks 2 and 3 on node 1)."""
+    d = str(checkpoints[arch])
     want = token_ids(LLM(d, num_kv_blocks=64).generate(PROMPTS, GREEDY, use_tqdm=False))
     init = f"tcp://127.0.0.1:{free_port()}"
-    node = ["--tensor-parallel-size", "2", "--nnodes", "2", "--distributed-init-method", init,
+    node = ["--tensor-parallel-size", str(size), "--nnodes", "2", "--distributed-init-method", init,
             "--num-kv-blocks", "64"]
     log_path = tmp_path / "worker.log"
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -547,10 +550,12 @@ def test_second_node_from_worker_command(checkpoints, tmp_path):
                                    "--node-rank", "1", *node], stdout=log, stderr=subprocess.STDOUT, env=env)
     llm = None
     try:
-        llm = LLM(d, tensor_parallel_size=2, nnodes=2, node_rank=0, distributed_init_method=init,
+        llm = LLM(d, tensor_parallel_size=size, nnodes=2, node_rank=0, distributed_init_method=init,
                   num_kv_blocks=64)
-        assert llm.engine.runner.workers.processes == []  # rank 1 is the other node's
-        assert llm.engine.runner.tp.size == 2
+        tp = llm.engine.runner.tp
+        assert len(llm.engine.runner.workers.processes) == size // 2 - 1  # the rest are the other node's
+        assert tp.size == size
+        assert (tp.host_ring is not None) == (size > 2) and tp.host_group is not None
         assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
         assert worker.poll() is None
         llm.shutdown()
