@@ -143,28 +143,24 @@ class ShmBroadcast:
     # -- reader ------------------------------------------------------------------------------------------------
     def read(self, timeout: float | None = None) -> bytearray | None:
         """The next message (a copy: its slots are released before this returns), or None once the writer stopped."""
-        total, first = self._take(timeout)
-        if total == _STOP:
-            return None
-        out = bytearray(total)
-        out[: len(first)] = first
-        at = len(first)
-        while at < total:
-            _, chunk = self._take(timeout)
-            out[at : at + len(chunk)] = chunk
-            at += len(chunk)
-        return out
-
-    def _take(self, timeout: float | None) -> tuple[int, bytes]:
         assert self.reader is not None, "the writer cannot read"
-        k = self._next
-        slot = (k - 1) % self.handle.num_slots
-        self._wait(lambda: self._written[slot] >= k, timeout, "the writer's next message")
-        total, n = self._data[slot, :_CHUNK_HEADER].view(np.int64).tolist()
-        chunk = self._data[slot, _CHUNK_HEADER : _CHUNK_HEADER + n].tobytes()
-        self._acked[slot, self.reader] = k  # after the copy: releases the slot
-        self._next = k + 1
-        return total, chunk
+        out, at = None, 0
+        while True:
+            k = self._next
+            slot = (k - 1) % self.handle.num_slots
+            self._wait(lambda slot=slot, k=k: self._written[slot] >= k, timeout, "the writer's next message")
+            total, n = self._data[slot, :_CHUNK_HEADER].view(np.int64).tolist()
+            if total == _STOP:
+                out = None
+            else:
+                if out is None:
+                    out = bytearray(total)
+                out[at : at + n] = self._data[slot, _CHUNK_HEADER : _CHUNK_HEADER + n].data  # straight from the slot
+                at += n
+            self._acked[slot, self.reader] = k  # after the copy: releases the slot
+            self._next = k + 1
+            if out is None or at >= total:
+                return out
 
     # -- both --------------------------------------------------------------------------------------------------
     def _wait(self, ready, timeout: float | None, what: str) -> None:
