@@ -102,10 +102,9 @@ def connect(
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=cpu_group)
     rank = dist.get_rank(group)
     if ok.item() == 0:
-        if rank == 0:
-            logger.info(
-                "tensor parallel: NCCL for every all-reduce (%s)", reason or "another rank cannot use symmetric memory"
-            )
+        if rank == 0:  # a warning unless asked for: it costs batch-1 latency
+            log = logger.info if disabled or nnodes > 1 else logger.warning
+            log("tensor parallel: NCCL for every all-reduce (%s)", reason or "another rank cannot use symmetric memory")
         return None
     import torch.distributed._symmetric_memory as symm_mem
 
