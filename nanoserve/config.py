@@ -231,6 +231,8 @@ class EngineArgs:
     enable_expert_parallel: bool = _arg(False, "mixture-of-experts models under tensor parallelism: each rank holds "
                                                "whole experts (num_experts / tensor_parallel_size of them) instead "
                                                "of a slice of every expert")
+    disable_custom_all_reduce: bool = _arg(False, "tensor parallel on GPUs: NCCL for every all-reduce, instead of "
+                                                   "peer-to-peer (symmetric memory) ones for small messages")
     seed: int = _arg(0, "seed of random weights (--load-format dummy) and of sampling without a seed")
     # The server only (AsyncEngine): run the engine in a process of its own, so that its host work
     # (scheduling, detokenizing, building outputs) does not share a GIL with the HTTP event loop.

@@ -201,9 +201,14 @@ class TestTwoRanksEqualOne:
             assert gc.cumulative_logprob == pytest.approx(wc.cumulative_logprob, abs=10 * LOGPROB_TOL)
 
 
-def test_async_scheduling_equals_sync(checkpoints):
-    """With async scheduling a decode's input token is the previous step's sample, still on the device: rank 0
-    broadcasts its samples, and the workers take the pending tokens from them."""
+def test_async_scheduling_equals_sync(checkpoints, monkeypatch):
+    """With async scheduling a decode's input token is the previous step's sample, still on the device: the workers
+    draw greedy steps' samples themselves from the same logits (no collective), and take seeded ones from rank 0's
+    broadcast."""
+    broadcasts = []
+    real_broadcast = TensorParallelGroup.broadcast
+    monkeypatch.setattr(TensorParallelGroup, "broadcast",
+                        lambda self, x: broadcasts.append(1) or real_broadcast(self, x))
     d = str(checkpoints["llama"])
     sync = LLM(d, async_scheduling=False, **SMALL_ENGINE)
     want, _, _ = run_mixed(sync)
@@ -215,7 +220,9 @@ def test_async_scheduling_equals_sync(checkpoints):
         got, preempted, hits = run_mixed(llm)
         assert preempted > 0 and hits > 0
         assert token_ids(got) == token_ids(want)
+        assert not broadcasts  # greedy: every rank drew the samples itself
         assert token_ids(llm.generate(mixed_prompts()[:3], seeded, use_tqdm=False)) == token_ids(want_seeded)
+        assert broadcasts  # a request's own seed: rank 0's generator only
         assert llm.engine.in_flight is None and not llm.engine.has_unfinished_requests()
     finally:
         llm.shutdown()
@@ -545,11 +552,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_second_node_from_worker_command(checkpoints, tmp_path):
-    d = str(checkpoints["mistral"])
+@pytest.mark.parametrize(("size", "arch"), [(2, "mistral"), (4, "qwen3")])
+def test_second_node_from_worker_command(checkpoints, tmp_path, size, arch):
+    """Two "nodes": rank 0 alone on node 0 (its step messages all go through gloo), or with rank 1 beside it (the
+    shared-memory ring for rank 1, gloo for ranks 2 and 3 on node 1)."""
+    d = str(checkpoints[arch])
     want = token_ids(LLM(d, num_kv_blocks=64).generate(PROMPTS, GREEDY, use_tqdm=False))
     init = f"tcp://127.0.0.1:{free_port()}"
-    node = ["--tensor-parallel-size", "2", "--nnodes", "2", "--distributed-init-method", init,
+    node = ["--tensor-parallel-size", str(size), "--nnodes", "2", "--distributed-init-method", init,
             "--num-kv-blocks", "64"]
     log_path = tmp_path / "worker.log"
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -559,10 +569,12 @@ def test_second_node_from_worker_command(checkpoints, tmp_path):
                                    "--node-rank", "1", *node], stdout=log, stderr=subprocess.STDOUT, env=env)
     llm = None
     try:
-        llm = LLM(d, tensor_parallel_size=2, nnodes=2, node_rank=0, distributed_init_method=init,
+        llm = LLM(d, tensor_parallel_size=size, nnodes=2, node_rank=0, distributed_init_method=init,
                   num_kv_blocks=64)
-        assert llm.engine.runner.workers.processes == []  # rank 1 is the other node's
-        assert llm.engine.runner.tp.size == 2
+        tp = llm.engine.runner.tp
+        assert len(llm.engine.runner.workers.processes) == size // 2 - 1  # the rest are the other node's
+        assert tp.size == size
+        assert (tp.host_ring is not None) == (size > 2) and tp.host_group is not None
         assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
         assert worker.poll() is None
         llm.shutdown()
