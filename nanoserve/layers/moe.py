@@ -95,7 +95,13 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         moe = fused_moe_ref
         if x.is_cuda and self.use_kernel:
-            from nanoserve.kernels.fused_moe import fused_moe as moe
+            from nanoserve.kernels.moe_gemv import takes_gemv
+
+            # The step's size is fixed when a graph is captured, so the path is too.
+            if takes_gemv(x.shape[0], topk_ids.shape[1]):
+                from nanoserve.kernels.moe_gemv import moe_gemv as moe
+            else:
+                from nanoserve.kernels.fused_moe import fused_moe as moe
         return moe(x, self.w13, self.w2, topk_weights, topk_ids, expert_start=self.expert_start,
                    w13_bias=self.w13_bias, w2_bias=self.w2_bias, activation=self.activation)
 

@@ -19,6 +19,7 @@ from nanoserve.kernels.fused_moe import CONFIG_DIR, MoeConfig, fused_moe, fused_
 from nanoserve.kernels.gemv import skinny_linear, skinny_norm_linear, skinny_silu_mul_linear
 from nanoserve.kernels.kv_store import store_kvcache
 from nanoserve.kernels.moe_align import moe_align_block_size
+from nanoserve.kernels.moe_gemv import moe_gemv
 from nanoserve.kernels.moe_routing import topk_softmax
 from nanoserve.kernels.prefill.attention import prefill_attention
 from nanoserve.kernels.prefill.split_scratch import SplitScratch
@@ -134,6 +135,17 @@ def _moe(tokens: int, activation: str, bias: bool, config: MoeConfig | None = No
     return call
 
 
+def _moe_gemv(tokens: int, top_k: int, hidden: int, inter: int, activation: str, bias: bool):
+    """moe_gemv (gate/up and down GEMVs): dims the tiles divide or not, top_k a power of two or padded to one."""
+    def call() -> None:
+        e = 8
+        biases = dict(w13_bias=_zeros(e, 2 * inter), w2_bias=_zeros(e, hidden)) if bias else {}
+        moe_gemv(_zeros(tokens, hidden), _zeros(e, 2 * inter, hidden), _zeros(e, hidden, inter),
+                 _zeros(tokens, top_k, dtype=FP32), _zeros(tokens, top_k, dtype=I32), activation=activation,
+                 **biases)
+    return call
+
+
 def _tuned_moe_configs() -> list[tuple[str, int, MoeConfig]]:
     """Each measured table's (fused_moe_configs/) configs for its least and most tokens, with a token count that
     takes the same alignment path."""
@@ -185,6 +197,8 @@ VARIANTS = [
       for name, tokens, config in _tuned_moe_configs()],
     ("fused_moe bf16 decode rule silu", _moe(4, "silu", False)),
     ("fused_moe bf16 prefill rule swigluoai+bias", _moe(512, "swigluoai", True)),
+    ("moe_gemv bf16 top-8 silu", _moe_gemv(1, 8, 512, 256, "silu", False)),
+    ("moe_gemv bf16 top-3 ragged swigluoai+bias", _moe_gemv(2, 3, 320, 320, "swigluoai", True)),
     ("moe_align 8192 pairs (count/layout/scatter)", lambda: moe_align_block_size(_zeros(4096, 2, dtype=I64), 8, 64)),
     ("gemv bf16 M=1 CUDA cores", _gemv(1, 512, 1024)),
     ("gemv bf16 M=1 CUDA cores K>=3072 bias", _gemv(1, 1024, 3072, bias=True)),
