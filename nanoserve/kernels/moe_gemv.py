@@ -67,6 +67,7 @@ def _gate_up_kernel(
     x_ptr,
     w_ptr,
     b_ptr,
+    norm_w_ptr,
     ids_ptr,
     out_ptr,
     num_pairs,
@@ -80,6 +81,8 @@ def _gate_up_kernel(
     stride_wn,
     stride_be,
     stride_op,
+    eps,
+    NORM: tl.constexpr,
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -89,7 +92,7 @@ def _gate_up_kernel(
 ):
     """out[pair, n] = act(x[t] @ w[e, n] + b[e, n], x[t] @ w[e, N + n] + b[e, N + n]) for N = I, e = pair's expert.
     Program pid: pair pid % num_pairs, rows (pid // num_pairs) * BLOCK_N on (pairs vary fastest, so the programs
-    of two tokens that share an expert read its rows together)."""
+    of two tokens that share an expert read its rows together). NORM: x[t] is RMSNorm(x[t]) with weight norm_w."""
     pid = tl.program_id(0)
     pair = pid % num_pairs
     wait_for_prior_grids(USE_PDL)  # the expert ids are the router's output
@@ -110,13 +113,27 @@ def _gate_up_kernel(
     up = _load(up_ptrs, 0, K, cols, cols, False, BLOCK_K, EVEN_K)
     gate_ahead = _load(gate_ptrs, BLOCK_K, K, cols, cols, False, BLOCK_K, EVEN_K)
     up_ahead = _load(up_ptrs, BLOCK_K, K, cols, cols, False, BLOCK_K, EVEN_K)
+    if NORM:
+        # Prologue RMSNorm while those tiles load: every program walks its token's row once for the rms (a few KB,
+        # from L2 after the first), then normalizes each slice as it uses it.
+        sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            r = tl.load(x_row + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
+            sum_sq += r * r
+        rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / K + eps)
     # The K reduction waits until after the walk: reducing each tile would cost a cross-warp exchange per step.
     acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         gate_next = _load(gate_ptrs, k0 + 2 * BLOCK_K, K, cols, cols, False, BLOCK_K, EVEN_K)
         up_next = _load(up_ptrs, k0 + 2 * BLOCK_K, K, cols, cols, False, BLOCK_K, EVEN_K)
-        x = tl.load(x_row + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)[None, :]
+        in_k = k0 + offs_k < K
+        x = tl.load(x_row + k0 + offs_k, mask=in_k, other=0.0)
+        if NORM:
+            # Rounded where the standalone RMSNorm (kernels/rms_norm.py) rounds: the normalized row, then its output.
+            norm_w = tl.load(norm_w_ptr + k0 + offs_k, mask=in_k, other=0.0).to(tl.float32)
+            x = ((x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32) * norm_w).to(x.dtype)
+        x = x.to(tl.float32)[None, :]
         acc_gate += gate.to(tl.float32) * x
         acc_up += up.to(tl.float32) * x
         gate, gate_ahead = gate_ahead, gate_next
@@ -211,8 +228,10 @@ def moe_gemv_gate_up(
     topk_ids: torch.Tensor,
     expert_start: int,
     activation: str,
+    norm: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
-    """Step 1: act(gate, up) of every pair, [T * top_k, I] indexed by pair (rows of other ranks' pairs unwritten)."""
+    """Step 1: act(gate, up) of every pair, [T * top_k, I] indexed by pair (rows of other ranks' pairs unwritten).
+    norm = (weight, eps): of RMSNorm(x) instead of x."""
     num_tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     num_pairs = topk_ids.numel()
@@ -224,6 +243,7 @@ def moe_gemv_gate_up(
         x,
         w13,
         w13_bias if w13_bias is not None else w13,
+        norm[0] if norm is not None else x,
         topk_ids.reshape(-1),
         h,
         num_pairs,
@@ -237,6 +257,8 @@ def moe_gemv_gate_up(
         w13.stride(1),
         w13_bias.stride(0) if w13_bias is not None else 0,
         h.stride(0),
+        norm[1] if norm is not None else 0.0,
+        NORM=norm is not None,
         ACTIVATION=activation,
         HAS_BIAS=w13_bias is not None,
         EVEN_K=hidden % block_k == 0,
@@ -306,15 +328,22 @@ def moe_gemv(
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     activation: str = "silu",
+    norm: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """fused_moe for steps of up to MAX_PAIRS (token, expert) pairs, in two launches: x [T, H] -> [T, H], as
     moe_reference.fused_moe_ref (fp32 accumulation, the intermediate rounded to x's dtype; the top-k outputs
-    summed in fp32 before the one rounding)."""
+    summed in fp32 before the one rounding).
+
+    norm = (weight [H], eps): the experts of RMSNorm(x) with that weight, normalized inside the gate/up launch (the
+    decoder layer's norm before its MoE block, whose own launch would cost as much as a tenth of the layer's experts
+    at batch 1), rounded as kernels/rms_norm.py rounds."""
     check_moe_args(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation)
+    if norm is not None and (norm[0].shape != (x.shape[1],) or not norm[0].is_contiguous()):
+        raise ValueError(f"norm weight must be contiguous of shape ({x.shape[1]},), got {tuple(norm[0].shape)}")
     num_tokens, top_k = topk_ids.shape
     if num_tokens * top_k > MAX_PAIRS:
         raise ValueError(f"moe_gemv takes up to {MAX_PAIRS} (token, expert) pairs, got {num_tokens} x {top_k}")
     if num_tokens == 0:
         return torch.empty_like(x)
-    h = moe_gemv_gate_up(x, w13, w13_bias, topk_ids, expert_start, activation)
+    h = moe_gemv_gate_up(x, w13, w13_bias, topk_ids, expert_start, activation, norm)
     return moe_gemv_down(h, w2, w2_bias, topk_weights, topk_ids, expert_start)

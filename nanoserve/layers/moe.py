@@ -92,18 +92,32 @@ class FusedMoE(nn.Module):
             rows = slice(0, local_i) if proj == "gate" else slice(local_i, 2 * local_i)
             param.data[e, rows].copy_(loaded[start:start + local_i])
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        moe = fused_moe_ref
-        if x.is_cuda and self.use_kernel:
-            from nanoserve.kernels.moe_gemv import takes_gemv
+    def takes_gemv(self, x: torch.Tensor) -> bool:
+        """Whether forward runs x through the decode GEMVs (kernels/moe_gemv.py): a CUDA step of a token or two. The
+        step's size is fixed when a graph is captured, so the path is too."""
+        if not (x.is_cuda and self.use_kernel):
+            return False
+        from nanoserve.kernels.moe_gemv import takes_gemv
 
-            # The step's size is fixed when a graph is captured, so the path is too.
-            if takes_gemv(x.shape[0], topk_ids.shape[1]):
-                from nanoserve.kernels.moe_gemv import moe_gemv as moe
-            else:
-                from nanoserve.kernels.fused_moe import fused_moe as moe
-        return moe(x, self.w13, self.w2, topk_weights, topk_ids, expert_start=self.expert_start,
-                   w13_bias=self.w13_bias, w2_bias=self.w2_bias, activation=self.activation)
+        return takes_gemv(x.shape[0], self.top_k)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                norm: RMSNorm | None = None) -> torch.Tensor:
+        """norm: the experts of norm(x), normalized inside the gate/up GEMV where takes_gemv (else by norm)."""
+        kw = dict(expert_start=self.expert_start, w13_bias=self.w13_bias, w2_bias=self.w2_bias,
+                  activation=self.activation)
+        if self.takes_gemv(x):
+            from nanoserve.kernels.moe_gemv import moe_gemv
+
+            return moe_gemv(x, self.w13, self.w2, topk_weights, topk_ids,
+                            norm=(norm.weight, norm.eps) if norm is not None else None, **kw)
+        if norm is not None:
+            x = norm(x)
+        if x.is_cuda and self.use_kernel:
+            from nanoserve.kernels.fused_moe import fused_moe
+
+            return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, **kw)
+        return fused_moe_ref(x, self.w13, self.w2, topk_weights, topk_ids, **kw)
 
 
 class SparseMoeBlock(nn.Module):
@@ -130,6 +144,14 @@ class SparseMoeBlock(nn.Module):
 
     def forward_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
                      plan: KernelPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """self(norm(x + residual)) and the next residual: the decoder layer's fused path, unfused here."""
+        """self(norm(x + residual)) and the next residual: the decoder layer's fused path. Where the plan fuses the
+        router's prologue (a one-row graph) and the experts take the GEMVs, no launch of its own normalizes x: the
+        router's GEMV adds the residual and normalizes (Linear.forward_norm), and the experts' gate/up GEMV
+        normalizes the sum it returns again. A shared expert would need the normalized row itself."""
+        if (self.shared_expert is None and plan.takes_fused_prologue(self.gate.weight)
+                and self.experts.takes_gemv(x)):
+            logits, residual = self.gate.forward_norm(x, residual, norm, plan)
+            topk_weights, topk_ids = route(logits, self.top_k, self.renormalize)
+            return self.tp.all_reduce(self.experts(residual, topk_weights, topk_ids, norm)), residual
         x, residual = norm(x, residual)
         return self(x, plan), residual

@@ -116,3 +116,60 @@ def test_fused_moe_in_a_cuda_graph(num_tokens):
     want = fused_moe_ref(x, w13, w2, weights, ids)
     torch.testing.assert_close(out, want, **BF16_TOL)
     assert not torch.allclose(out, first, **BF16_TOL)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2])
+def test_moe_gemv_qwen3_30b_a3b(num_tokens):
+    """The decode GEMVs (kernels/moe_gemv.py) at Qwen3-30B-A3B's shape, whole and as rank 1 of 2 under tensor
+    parallelism (I = 384: other tiles); the same bits on a second run (the sum over top-k has a fixed order)."""
+    from nanoserve.kernels.moe_gemv import moe_gemv
+    from nanoserve.kernels.moe_reference import fused_moe_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    e, h, i, k = QWEN3_30B_A3B.values()
+    for inter in (i, i // 2):
+        w13, w2, _, _ = _weights(e, h, inter, gen)
+        x = torch.randn(num_tokens, h, generator=gen, device="cuda").bfloat16()
+        weights, ids = _routing(num_tokens, e, k, gen)
+        out = moe_gemv(x, w13, w2, weights, ids.int())
+        torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, weights, ids), **BF16_TOL)
+        assert torch.equal(out, moe_gemv(x, w13, w2, weights, ids.int()))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 4])
+def test_moe_gemv_gpt_oss_biases_and_expert_parallel(num_tokens):
+    """gpt-oss-20b's experts (swigluoai, biases, dims no tile divides) as rank 1 of 2 under expert parallelism."""
+    from nanoserve.kernels.moe_gemv import moe_gemv
+    from nanoserve.kernels.moe_reference import fused_moe_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    e, h, i, k = GPT_OSS_20B.values()
+    w13, w2, b13, b2 = _weights(e // 2, h, i, gen, bias=True)
+    x = torch.randn(num_tokens, h, generator=gen, device="cuda").bfloat16()
+    weights, ids = _routing(num_tokens, e, k, gen)
+    kw = dict(expert_start=e // 2, w13_bias=b13, w2_bias=b2, activation="swigluoai")
+    out = moe_gemv(x, w13, w2, weights, ids, **kw)
+    torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, weights, ids, **kw), **BF16_TOL)
+
+
+def test_moe_gemv_fp32_in_a_cuda_graph():
+    """fp32 (the GPU engine tests' dtype), captured at one token and replayed with a new routing and input."""
+    from nanoserve.kernels.moe_gemv import moe_gemv
+    from nanoserve.kernels.moe_reference import fused_moe_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13, w2, b13, b2 = (t.float() for t in _weights(64, 1024, 512, gen, bias=True))
+    x = torch.randn(1, 1024, generator=gen, device="cuda")
+    weights, ids = _routing(1, 64, 8, gen)
+    first = moe_gemv(x, w13, w2, weights, ids, w13_bias=b13, w2_bias=b2)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_gemv(x, w13, w2, weights, ids, w13_bias=b13, w2_bias=b2)
+    new_weights, new_ids = _routing(1, 64, 8, gen)
+    weights.copy_(new_weights)
+    ids.copy_(new_ids)
+    x.copy_(torch.randn(1, 1024, generator=gen, device="cuda"))
+    graph.replay()
+    want = fused_moe_ref(x, w13, w2, weights, ids, w13_bias=b13, w2_bias=b2)
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(out, first, atol=1e-4, rtol=1e-4)

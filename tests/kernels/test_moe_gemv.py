@@ -118,3 +118,52 @@ def test_size_rule_and_bad_arguments(device, gen):
     with pytest.raises(ValueError, match="activation"):
         moe_gemv(x[:1], w13, w2, weights[:1], ids[:1], activation="gelu")
     assert moe_gemv(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, 48)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_norm_prologue(device, gen, dtype):
+    """norm=(weight, eps): the experts of RMSNorm(x), rounded as the standalone norm rounds."""
+    from nanoserve.kernels.rms_norm import rms_norm_ref
+
+    x = (torch.randn(2, 48, generator=gen) * 3).to(device, dtype)
+    norm_w = (torch.rand(48, generator=gen) + 0.5).to(device, dtype)
+    w13, w2, b13, b2 = _weights(16, 48, 40, dtype, device, gen, bias=True)
+    ids, weights = _routing(2, 8, 16, gen, device)
+    kw = dict(w13_bias=b13, w2_bias=b2)
+    out = moe_gemv(x, w13, w2, weights, ids, norm=(norm_w, 1e-6), **kw)
+    normed = rms_norm_ref(x, norm_w, 1e-6).to(dtype)
+    ref = fused_moe_ref(normed.float(), w13.float(), w2.float(), weights, ids, w13_bias=b13.float(), w2_bias=b2.float())
+    torch.testing.assert_close(out.float(), ref, **MOE_TOL[dtype])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU tests/gpu/test_moe_gpu.py runs the engine's path")
+def test_block_at_one_row_normalizes_inside_the_kernels(gen, monkeypatch):
+    """SparseMoeBlock.forward_norm at one row in a (faked) graph: the router's GEMV adds the residual and normalizes,
+    the experts' GEMVs normalize again, and no norm runs on its own; the output and the next residual are the
+    unfused block's (the CPU reference, eager)."""
+    from nanoserve.distributed.group import TensorParallelGroup
+    from nanoserve.kernels import moe_gemv as kernels
+    from nanoserve.layers.moe import FusedMoE, SparseMoeBlock
+    from nanoserve.layers.norm import RMSNorm
+    from nanoserve.layers.step_plan import EAGER, KernelPlan
+
+    experts = FusedMoE(16, 48, 40, TensorParallelGroup(), False, top_k=8)
+    block = SparseMoeBlock(experts, renormalize=True, router_bias=True)
+    norm = RMSNorm(48)
+    with torch.no_grad():
+        for p in [*block.parameters(), *norm.parameters()]:
+            p.copy_(torch.randn(p.shape, generator=gen) * (p.shape[-1] ** -0.5 if p.dim() > 1 else 1))
+    x, residual = torch.randn(1, 48, generator=gen), torch.randn(1, 48, generator=gen)
+    want, want_residual = block.forward_norm(x, residual.clone(), norm, EAGER)
+
+    calls = []
+    original = kernels.moe_gemv
+    monkeypatch.setattr(kernels, "moe_gemv", lambda *a, **kw: calls.append(kw["norm"]) or original(*a, **kw))
+    monkeypatch.setattr(FusedMoE, "takes_gemv", lambda self, x: kernels.takes_gemv(x.shape[0], self.top_k))
+    monkeypatch.setattr(RMSNorm, "forward", lambda *a: pytest.fail("the norm ran on its own"))
+    got, got_residual = block.forward_norm(
+        x, residual.clone(), norm, KernelPlan(skinny_gemm=True, fused_prologues=True)
+    )
+    assert calls and calls[0][0] is norm.weight
+    torch.testing.assert_close(got_residual, want_residual, atol=0, rtol=0)
+    torch.testing.assert_close(got, want, **MOE_TOL[torch.float32])
