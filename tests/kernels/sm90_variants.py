@@ -135,14 +135,15 @@ def _moe(tokens: int, activation: str, bias: bool, config: MoeConfig | None = No
     return call
 
 
-def _moe_gemv(tokens: int, top_k: int, hidden: int, inter: int, activation: str, bias: bool):
-    """moe_gemv (gate/up and down GEMVs): dims the tiles divide or not, top_k a power of two or padded to one."""
+def _moe_gemv(tokens: int, top_k: int, hidden: int, inter: int, activation: str, bias: bool, norm: bool = False):
+    """moe_gemv (gate/up and down GEMVs): dims the tiles divide or not, top_k a power of two or padded to one, with the
+    RMSNorm prologue or without."""
     def call() -> None:
         e = 8
         biases = dict(w13_bias=_zeros(e, 2 * inter), w2_bias=_zeros(e, hidden)) if bias else {}
         moe_gemv(_zeros(tokens, hidden), _zeros(e, 2 * inter, hidden), _zeros(e, hidden, inter),
                  _zeros(tokens, top_k, dtype=FP32), _zeros(tokens, top_k, dtype=I32), activation=activation,
-                 **biases)
+                 norm=(_zeros(hidden), 1e-6) if norm else None, **biases)
     return call
 
 
@@ -197,7 +198,8 @@ VARIANTS = [
       for name, tokens, config in _tuned_moe_configs()],
     ("fused_moe bf16 decode rule silu", _moe(4, "silu", False)),
     ("fused_moe bf16 prefill rule swigluoai+bias", _moe(512, "swigluoai", True)),
-    ("moe_gemv bf16 top-8 silu", _moe_gemv(1, 8, 512, 256, "silu", False)),
+    ("moe_gemv bf16 top-8 silu", _moe_gemv(2, 8, 512, 256, "silu", False)),
+    ("moe_gemv bf16 top-8 silu norm", _moe_gemv(1, 8, 512, 256, "silu", False, norm=True)),
     ("moe_gemv bf16 top-3 ragged swigluoai+bias", _moe_gemv(2, 3, 320, 320, "swigluoai", True)),
     ("moe_align 8192 pairs (count/layout/scatter)", lambda: moe_align_block_size(_zeros(4096, 2, dtype=I64), 8, 64)),
     ("gemv bf16 M=1 CUDA cores", _gemv(1, 512, 1024)),
