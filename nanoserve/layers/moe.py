@@ -133,6 +133,8 @@ class SparseMoeBlock(nn.Module):
         self.experts = experts
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert is not None else None
+        # kernels/moe_routing.py's router_topk: zero between launches (each launch leaves it so).
+        self.register_buffer("router_counter", torch.zeros(1, dtype=torch.int32), persistent=False)
 
     def forward(self, x: torch.Tensor, plan: KernelPlan) -> torch.Tensor:
         topk_weights, topk_ids = route(self.gate(x, plan), self.top_k, self.renormalize)
@@ -145,13 +147,17 @@ class SparseMoeBlock(nn.Module):
     def forward_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
                      plan: KernelPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """self(norm(x + residual)) and the next residual: the decoder layer's fused path. Where the plan fuses the
-        router's prologue (a one-row graph) and the experts take the GEMVs, no launch of its own normalizes x: the
-        router's GEMV adds the residual and normalizes (Linear.forward_norm), and the experts' gate/up GEMV
-        normalizes the sum it returns again. A shared expert would need the normalized row itself."""
-        if (self.shared_expert is None and plan.takes_fused_prologue(self.gate.weight)
-                and self.experts.takes_gemv(x)):
-            logits, residual = self.gate.forward_norm(x, residual, norm, plan)
-            topk_weights, topk_ids = route(logits, self.top_k, self.renormalize)
+        router's prologue (a one-row graph) and the experts take the GEMVs, no launch of its own normalizes x: one
+        launch adds the residual, normalizes, runs the router's GEMV and the top-k (kernels/moe_routing.py's
+        router_topk), and the experts' gate/up GEMV normalizes the sum it returns again. A shared expert would need
+        the normalized row itself."""
+        if (self.shared_expert is None and self.gate.quant_method is None and x.shape[0] == 1
+                and plan.takes_fused_prologue(self.gate.weight) and self.experts.takes_gemv(x)):
+            from nanoserve.kernels.moe_routing import router_topk
+
+            topk_weights, topk_ids, residual = router_topk(x, residual, norm.weight, norm.eps, self.gate.weight,
+                                                           self.gate.bias, self.top_k, self.renormalize,
+                                                           self.router_counter)
             return self.tp.all_reduce(self.experts(residual, topk_weights, topk_ids, norm)), residual
         x, residual = norm(x, residual)
         return self(x, plan), residual

@@ -173,3 +173,34 @@ def test_moe_gemv_fp32_in_a_cuda_graph():
     want = fused_moe_ref(x, w13, w2, weights, ids, w13_bias=b13, w2_bias=b2)
     torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(out, first, atol=1e-4, rtol=1e-4)
+
+
+def test_router_topk_in_a_cuda_graph():
+    """router_topk (norm, router GEMV and top-k in one launch; the last of its programs takes the top-k) replayed
+    from a graph with new inputs, fp32 against the three steps it replaces: the counter protocol must hand every
+    program's logits to the last one, and leave the counter zero for the next replay."""
+    from nanoserve.kernels.moe_reference import topk_softmax_ref
+    from nanoserve.kernels.moe_routing import router_topk
+    from nanoserve.kernels.rms_norm import rms_norm_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    e, h, _, k = QWEN3_30B_A3B.values()
+    x, residual = (torch.randn(1, h, generator=gen, device="cuda") for _ in range(2))
+    norm_w = torch.rand(h, generator=gen, device="cuda") + 0.5
+    w = torch.randn(e, h, generator=gen, device="cuda") * h**-0.5
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    router_topk(x, residual, norm_w, 1e-6, w, None, k, True, counter)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        weights, ids, res_out = router_topk(x, residual, norm_w, 1e-6, w, None, k, True, counter)
+    for _ in range(20):
+        x.copy_(torch.randn(1, h, generator=gen, device="cuda") * 3)
+        residual.copy_(torch.randn(1, h, generator=gen, device="cuda"))
+        graph.replay()
+        want_res = residual.clone()
+        logits = rms_norm_ref(x, norm_w, 1e-6, want_res) @ w.T
+        want_weights, want_ids = topk_softmax_ref(logits, k, True)
+        assert counter.item() == 0
+        torch.testing.assert_close(res_out, want_res)
+        assert torch.equal(ids.long(), want_ids)
+        torch.testing.assert_close(weights, want_weights, rtol=1e-4, atol=1e-5)

@@ -59,7 +59,7 @@ def test_bf16_mostly_agrees(ckpt):
 def test_batch_one_decode_takes_the_gemvs(ckpt, monkeypatch):
     """One and two sequences decode through kernels/moe_gemv.py (the test models route 2 of 8 experts: up to 8
     tokens a step take it) inside CUDA graphs, token for token as the eager PyTorch path, fp32. At one row the
-    post-attention norm runs inside the router's and the experts' GEMVs, but for Qwen2-MoE (its shared expert)."""
+    post-attention norm runs inside router_topk and the experts' GEMVs, but for Qwen2-MoE (its shared expert)."""
     from nanoserve.kernels import moe_gemv
 
     calls = []

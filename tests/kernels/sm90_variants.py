@@ -20,7 +20,7 @@ from nanoserve.kernels.gemv import skinny_linear, skinny_norm_linear, skinny_sil
 from nanoserve.kernels.kv_store import store_kvcache
 from nanoserve.kernels.moe_align import moe_align_block_size
 from nanoserve.kernels.moe_gemv import moe_gemv
-from nanoserve.kernels.moe_routing import topk_softmax
+from nanoserve.kernels.moe_routing import router_topk, topk_softmax
 from nanoserve.kernels.prefill.attention import prefill_attention
 from nanoserve.kernels.prefill.split_scratch import SplitScratch
 from nanoserve.kernels.prefill.tile_map import SPLIT_MAP_COLUMNS
@@ -230,6 +230,11 @@ VARIANTS = [
     ("rms_norm bf16 residual", lambda: rms_norm(_zeros(4, 4096), _zeros(4096), 1e-6, _zeros(4, 4096))),
     ("rms_norm bf16 per-head strided", lambda: rms_norm(_zeros(4, 24, 128)[:, :16], _zeros(128), 1e-6)),
     ("silu_and_mul bf16", lambda: silu_and_mul(_zeros(4, 2 * 3000))),
+    ("router_topk bf16 residual renormalize", lambda: router_topk(_zeros(1, 2048), _zeros(1, 2048), _zeros(2048), 1e-6,
+                                                                  _zeros(128, 2048), None, 8, True,
+                                                                  _zeros(1, dtype=I32))),
+    ("router_topk bf16 bias ragged", lambda: router_topk(_zeros(1, 2880), None, _zeros(2880), 1e-6, _zeros(32, 2880),
+                                                         _zeros(32), 4, True, _zeros(1, dtype=I32))),
     ("topk_softmax renormalize", lambda: topk_softmax(_zeros(4, 128), 8, True)),
     ("topk_softmax", lambda: topk_softmax(_zeros(4, 32, dtype=FP32), 4, False)),
     ("decode_order", lambda: longest_first_order(_zeros(200, dtype=I32), _zeros(200, dtype=I64))),

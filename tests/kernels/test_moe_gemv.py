@@ -138,17 +138,19 @@ def test_norm_prologue(device, gen, dtype):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU tests/gpu/test_moe_gpu.py runs the engine's path")
 def test_block_at_one_row_normalizes_inside_the_kernels(gen, monkeypatch):
-    """SparseMoeBlock.forward_norm at one row in a (faked) graph: the router's GEMV adds the residual and normalizes,
-    the experts' GEMVs normalize again, and no norm runs on its own; the output and the next residual are the
-    unfused block's (the CPU reference, eager)."""
+    """SparseMoeBlock.forward_norm at one row in a (faked) graph: router_topk adds the residual, normalizes, routes,
+    the experts' GEMVs normalize again, and no norm, router GEMV or top-k runs on its own; the output and the next
+    residual are the unfused block's (the CPU reference, eager)."""
     from nanoserve.distributed.group import TensorParallelGroup
     from nanoserve.kernels import moe_gemv as kernels
-    from nanoserve.layers.moe import FusedMoE, SparseMoeBlock
+    from nanoserve.kernels import moe_routing
+    from nanoserve.layers import moe
+    from nanoserve.layers.linear import Linear
     from nanoserve.layers.norm import RMSNorm
     from nanoserve.layers.step_plan import EAGER, KernelPlan
 
-    experts = FusedMoE(16, 48, 40, TensorParallelGroup(), False, top_k=8)
-    block = SparseMoeBlock(experts, renormalize=True, router_bias=True)
+    experts = moe.FusedMoE(16, 48, 40, TensorParallelGroup(), False, top_k=8)
+    block = moe.SparseMoeBlock(experts, renormalize=True, router_bias=True)
     norm = RMSNorm(48)
     with torch.no_grad():
         for p in [*block.parameters(), *norm.parameters()]:
@@ -157,13 +159,16 @@ def test_block_at_one_row_normalizes_inside_the_kernels(gen, monkeypatch):
     want, want_residual = block.forward_norm(x, residual.clone(), norm, EAGER)
 
     calls = []
-    original = kernels.moe_gemv
-    monkeypatch.setattr(kernels, "moe_gemv", lambda *a, **kw: calls.append(kw["norm"]) or original(*a, **kw))
-    monkeypatch.setattr(FusedMoE, "takes_gemv", lambda self, x: kernels.takes_gemv(x.shape[0], self.top_k))
-    monkeypatch.setattr(RMSNorm, "forward", lambda *a: pytest.fail("the norm ran on its own"))
-    got, got_residual = block.forward_norm(
-        x, residual.clone(), norm, KernelPlan(skinny_gemm=True, fused_prologues=True)
-    )
-    assert calls and calls[0][0] is norm.weight
+    for module, name in ((kernels, "moe_gemv"), (moe_routing, "router_topk")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+    monkeypatch.setattr(moe.FusedMoE, "takes_gemv", lambda self, x: kernels.takes_gemv(x.shape[0], self.top_k))
+    for cls, what in ((RMSNorm, "the norm"), (Linear, "the router's GEMV")):
+        monkeypatch.setattr(cls, "forward", lambda *a, _w=what: pytest.fail(f"{_w} ran on its own"))
+    monkeypatch.setattr(moe, "route", lambda *a: pytest.fail("the top-k ran on its own"))
+    plan = KernelPlan(skinny_gemm=True, fused_prologues=True)
+    got, got_residual = block.forward_norm(x, residual.clone(), norm, plan)
+    assert calls == ["router_topk", "moe_gemv"]
     torch.testing.assert_close(got_residual, want_residual, atol=0, rtol=0)
     torch.testing.assert_close(got, want, **MOE_TOL[torch.float32])
+    assert block.router_counter.item() == 0
