@@ -83,13 +83,14 @@ def _normed_slice(x_ptr, res_ptr, norm_w_ptr, k0, offs_k, K, rstd, HAS_RESIDUAL:
 def _router_topk_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, b_ptr, logits_ptr, weights_ptr, ids_ptr,
                         counter_ptr, num_experts, K, eps, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                         TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr,
-                        BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     rows = tl.minimum(offs_n, num_experts - 1)  # rows past E read the last again; the store drops them
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * K + offs_k[None, :]
+    # The first weight tile streams while the kernels before this one finish: no kernel writes weights.
+    w = tl.load(w_ptrs, mask=(offs_k < K)[None, :], other=0.0)
     wait_for_prior_grids(USE_PDL)
     sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -101,8 +102,9 @@ def _router_topk_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, b_ptr, l
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         _, x = _normed_slice(x_ptr, res_ptr, norm_w_ptr, k0, offs_k, K, rstd, HAS_RESIDUAL)
-        w = tl.load(w_ptrs + k0, mask=(k0 + offs_k < K)[None, :], other=0.0)
+        w_next = tl.load(w_ptrs + k0 + BLOCK_K, mask=(k0 + BLOCK_K + offs_k < K)[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
+        w = w_next
     logits = tl.sum(acc, axis=1)
     if HAS_BIAS:
         logits += tl.load(b_ptr + rows).to(tl.float32)

@@ -41,7 +41,8 @@ def test_no_tokens():
 
 
 @pytest.mark.parametrize("num_experts, top_k, hidden, dtype, residual, bias, renormalize",
-                         [(128, 8, 96, torch.float32, True, False, True), (32, 4, 64, torch.float32, False, True, True),
+                         [(64, 8, 96, torch.float32, True, False, True),
+                          (16, 4, 1100, torch.float32, False, True, True),  # two weight tiles a program
                           (60, 4, 80, torch.float16, True, True, False)])
 def test_router_topk(num_experts, top_k, hidden, dtype, residual, bias, renormalize):
     """router_topk (norm, router GEMV and top-k in one launch) as the three steps it replaces, twice on one counter:
