@@ -1,6 +1,7 @@
 """Times the small-batch paths of one MoE layer's experts on this GPU: kernels/moe_gemv.py under each of its tile
 rules against fused_moe's grouped GEMMs (its measured table or default rule), in CUDA graphs of 8 calls with their
-own routings, as scripts/tune_fused_moe.py times. For choosing moe_gemv's MAX_PAIRS, TILE_ELEMENTS and NUM_WARPS.
+own routings, as scripts/tune_fused_moe.py times. For choosing moe_gemv's MAX_PAIRS, TILE_ELEMENTS, NUM_WARPS and
+DOWN_WEIGHTS_BEFORE_WAIT (the `_late_down` column: off).
 Prints per token count the microseconds a call and the bandwidth over the bytes of the experts its tokens touched
 (distinct experts, each read once); one JSON line last.
 
@@ -55,9 +56,9 @@ def main() -> None:
         row["fused_moe_us"] = tuner.time_us(
             [lambda x=x, r=r: fused_moe(x, w13, w2, r[1], r[0], **kw) for x, r in zip(xs, routings, strict=True)]
         )
-        for tile, warps in GEMV_RULES:
-            mg.TILE_ELEMENTS, mg.NUM_WARPS = tile, warps
-            row[f"gemv_tile{tile}_warps{warps}_us"] = tuner.time_us(
+        for tile, warps, early in [(t, w, True) for t, w in GEMV_RULES] + [(4096, 4, False)]:
+            mg.TILE_ELEMENTS, mg.NUM_WARPS, mg.DOWN_WEIGHTS_BEFORE_WAIT = tile, warps, early
+            row[f"gemv_tile{tile}_warps{warps}{'' if early else '_late_down'}_us"] = tuner.time_us(
                 [lambda x=x, r=r: mg.moe_gemv(x, w13, w2, r[1], r[0], **kw) for x, r in zip(xs, routings, strict=True)]
             )
         for key in [k for k in row if k.endswith("_us")]:

@@ -16,6 +16,13 @@ Pairs routed to other ranks' experts (expert parallelism) are skipped: their gat
 down masks their rows, so their weights are never read. No host sync and buffers sized from the shapes alone, so a
 decode step captured in a CUDA graph replays for any routing.
 
+Under PDL (kernels/pdl.py) down loads its first weight tiles before its wait, so that its stream starts while gate/up's
+last programs drain, not after. Which tiles depends on the expert ids, which the router wrote, and pdl.py's rule lets
+nothing before the wait read what an earlier kernel wrote. The router is two launches back, though: down's programs
+start only once every gate/up program has passed its own wait, that is once the router has finished and its writes
+are visible GPU-wide, so the ids are final; they are read through L2, the point of coherence. The activations (gate/
+up's output) are read after the wait as the rule says. DOWN_WEIGHTS_BEFORE_WAIT = False puts every load after it.
+
 Which path a step takes is decided by its size alone (takes_gemv): up to MAX_PAIRS pairs. The GEMVs read one expert
 slab per pair where the grouped GEMMs read one per distinct expert, so tokens that share an expert read it twice;
 programs of the same rows of different pairs are adjacent in the grid, so such a second read is mostly an L2 hit.
@@ -35,6 +42,9 @@ MAX_PAIRS = 16
 # two more tiles loaded ahead of it keeps about 24 KB in flight per program at 4 warps.
 TILE_ELEMENTS = 4096
 NUM_WARPS = 4
+# Down's first weight tiles load before its PDL wait, while gate/up's last programs still run (the docstring has why
+# that is safe); False: after it, as pdl.py's rule has every kernel.
+DOWN_WEIGHTS_BEFORE_WAIT = True
 _OAI_ALPHA = tl.constexpr(SWIGLU_OAI_ALPHA)
 _OAI_LIMIT = tl.constexpr(SWIGLU_OAI_LIMIT)
 
@@ -176,6 +186,7 @@ def _down_kernel(
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr,
+    EARLY_WEIGHTS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -187,20 +198,26 @@ def _down_kernel(
     offs_j = tl.arange(0, K_PAD)
     offs_k = tl.arange(0, BLOCK_K)
     rows = tl.minimum(offs_n, N - 1)
-    wait_for_prior_grids(USE_PDL)  # h is gate/up's output, the expert ids and weights the router's
+    if not EARLY_WEIGHTS:
+        wait_for_prior_grids(USE_PDL)
     pairs = t * TOP_K + offs_j
-    expert = tl.load(ids_ptr + pairs, mask=offs_j < TOP_K, other=-1).to(tl.int32) - expert_start
+    # Read through L2 (.cg): with EARLY_WEIGHTS this is before the wait (the module docstring has why that is safe),
+    # and an L1 line of an earlier kernel's tensor at the same address would be stale.
+    expert = tl.load(ids_ptr + pairs, mask=offs_j < TOP_K, other=-1, cache_modifier=".cg").to(tl.int32)
+    expert -= expert_start
     local = (offs_j < TOP_K) & (expert >= 0) & (expert < num_experts)
     # Other ranks' pairs read nothing: neither weights nor their rows of h, which gate/up never wrote.
     expert = tl.where(local, expert, 0).to(tl.int64)
-    routing = tl.load(topk_w_ptr + pairs, mask=local, other=0.0).to(tl.float32)
     w_ptrs = (
         w_ptr + expert[:, None, None] * stride_we + rows[None, :, None].to(tl.int64) * stride_wn + offs_k[None, None, :]
     )
-    h_ptrs = h_ptr + pairs.to(tl.int64)[:, None] * stride_hp + offs_k[None, :]
     w_mask = local[:, None, None]
     w = _load(w_ptrs, 0, K, offs_k[None, None, :], w_mask, True, BLOCK_K, EVEN_K)
     w_ahead = _load(w_ptrs, BLOCK_K, K, offs_k[None, None, :], w_mask, True, BLOCK_K, EVEN_K)
+    if EARLY_WEIGHTS:
+        wait_for_prior_grids(USE_PDL)  # h is gate/up's output
+    routing = tl.load(topk_w_ptr + pairs, mask=local, other=0.0).to(tl.float32)
+    h_ptrs = h_ptr + pairs.to(tl.int64)[:, None] * stride_hp + offs_k[None, :]
     acc = tl.zeros([K_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         w_next = _load(w_ptrs, k0 + 2 * BLOCK_K, K, offs_k[None, None, :], w_mask, True, BLOCK_K, EVEN_K)
@@ -278,8 +295,11 @@ def moe_gemv_down(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     expert_start: int,
+    after_gate_up: bool = False,
 ) -> torch.Tensor:
-    """Step 2: [T, H], each token's pairs of experts [expert_start, + E) times their routing weights, summed."""
+    """Step 2: [T, H], each token's pairs of experts [expert_start, + E) times their routing weights, summed.
+    after_gate_up: launched right after moe_gemv_gate_up on the same topk_ids, which lets its weights load before
+    its PDL wait (DOWN_WEIGHTS_BEFORE_WAIT; the module docstring has why)."""
     num_tokens, top_k = topk_ids.shape
     num_experts, hidden, inter = w2.shape
     out = torch.empty(num_tokens, hidden, dtype=h.dtype, device=h.device)
@@ -309,6 +329,7 @@ def moe_gemv_down(
         HAS_BIAS=w2_bias is not None,
         EVEN_K=inter % block_k == 0,
         USE_PDL=pdl,
+        EARLY_WEIGHTS=pdl and after_gate_up and DOWN_WEIGHTS_BEFORE_WAIT,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=NUM_WARPS,
@@ -346,4 +367,4 @@ def moe_gemv(
     if num_tokens == 0:
         return torch.empty_like(x)
     h = moe_gemv_gate_up(x, w13, w13_bias, topk_ids, expert_start, activation, norm)
-    return moe_gemv_down(h, w2, w2_bias, topk_weights, topk_ids, expert_start)
+    return moe_gemv_down(h, w2, w2_bias, topk_weights, topk_ids, expert_start, after_gate_up=True)
