@@ -366,5 +366,8 @@ def moe_gemv(
         raise ValueError(f"moe_gemv takes up to {MAX_PAIRS} (token, expert) pairs, got {num_tokens} x {top_k}")
     if num_tokens == 0:
         return torch.empty_like(x)
+    # Made contiguous up front, so that no copy kernel runs between the two launches (down reads the ids before its
+    # PDL wait: they must come from before gate/up).
+    topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
     h = moe_gemv_gate_up(x, w13, w13_bias, topk_ids, expert_start, activation, norm)
     return moe_gemv_down(h, w2, w2_bias, topk_weights, topk_ids, expert_start, after_gate_up=True)
