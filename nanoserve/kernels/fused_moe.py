@@ -297,8 +297,9 @@ def moe_sum(y: torch.Tensor, topk_ids: torch.Tensor, expert_start: int, num_expe
 
 
 def check_moe_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-           topk_ids: torch.Tensor, w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None,
-           activation: str) -> None:
+                   topk_ids: torch.Tensor, w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None,
+                   activation: str) -> None:
+    """fused_moe's and moe_gemv's arguments, each wrong one named in a ValueError."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation: {activation!r} is not supported")
     if x.dim() != 2 or x.stride(1) != 1:

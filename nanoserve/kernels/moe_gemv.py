@@ -298,8 +298,8 @@ def moe_gemv_down(
     after_gate_up: bool = False,
 ) -> torch.Tensor:
     """Step 2: [T, H], each token's pairs of experts [expert_start, + E) times their routing weights, summed.
-    after_gate_up: launched right after moe_gemv_gate_up on the same topk_ids, which lets its weights load before
-    its PDL wait (DOWN_WEIGHTS_BEFORE_WAIT; the module docstring has why)."""
+    after_gate_up: launched right after moe_gemv_gate_up on the same contiguous topk_ids (no kernel between), which
+    lets its weights load before its PDL wait (DOWN_WEIGHTS_BEFORE_WAIT; the module docstring has why)."""
     num_tokens, top_k = topk_ids.shape
     num_experts, hidden, inter = w2.shape
     out = torch.empty(num_tokens, hidden, dtype=h.dtype, device=h.device)
