@@ -69,8 +69,8 @@ def test_moe_gemv(device, gen, num_tokens, top_k, num_experts, hidden, inter, dt
 def test_biases_and_activations(device, gen, dtype, activation, bias):
     # Inputs scaled up so that swigluoai's clamps (at +-7) cut into gate and up.
     x = (torch.randn(2, 48, generator=gen) * (4 if activation == "swigluoai" else 1)).to(device, dtype)
-    w13, w2, b13, b2 = _weights(16, 48, 40, dtype, device, gen, bias=bias)
-    ids, weights = _routing(2, 8, 16, gen, device)
+    w13, w2, b13, b2 = _weights(8, 48, 40, dtype, device, gen, bias=bias)
+    ids, weights = _routing(2, 4, 8, gen, device)
     _check(x, w13, w2, weights, ids, w13_bias=b13, w2_bias=b2, activation=activation)
 
 
@@ -127,8 +127,8 @@ def test_norm_prologue(device, gen, dtype):
 
     x = (torch.randn(2, 48, generator=gen) * 3).to(device, dtype)
     norm_w = (torch.rand(48, generator=gen) + 0.5).to(device, dtype)
-    w13, w2, b13, b2 = _weights(16, 48, 40, dtype, device, gen, bias=True)
-    ids, weights = _routing(2, 8, 16, gen, device)
+    w13, w2, b13, b2 = _weights(8, 48, 40, dtype, device, gen, bias=True)
+    ids, weights = _routing(2, 2, 8, gen, device)
     kw = dict(w13_bias=b13, w2_bias=b2)
     out = moe_gemv(x, w13, w2, weights, ids, norm=(norm_w, 1e-6), **kw)
     normed = rms_norm_ref(x, norm_w, 1e-6).to(dtype)
