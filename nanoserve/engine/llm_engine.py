@@ -1,6 +1,7 @@
 """LLMEngine: add requests, step the scheduler and the model, and hand back outputs."""
 
 import atexit
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -16,6 +17,8 @@ from nanoserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from nanoserve.layers.sampler import SamplerOutput
 from nanoserve.outputs import CompletionOutput, Logprob, RequestOutput
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.spec_decode.ngram import NgramProposer
+from nanoserve.spec_decode.stats import SpecDecodeStats
 from nanoserve.structured.backend import GrammarCompiler
 from nanoserve.structured.manager import StructuredOutputManager
 from nanoserve.worker.kv_cache import prefix_load_pays
@@ -58,6 +61,14 @@ class LLMEngine(EngineFrontend):
         self.step_hooks: list[Callable[[list[RequestOutput]], list[RequestOutput]]] = []  # add_step_hook
         asked = config.args.async_scheduling
         self.async_scheduling = config.device.type == "cuda" if asked is None else asked
+        # Speculative decoding (spec_decode/): a proposal reads the tokens the last step sampled, so the host must
+        # have them before it schedules: its steps are synchronous.
+        self.proposer: NgramProposer | None = None
+        self.spec_stats: SpecDecodeStats | None = None
+        if (spec := config.speculative) is not None:
+            self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
+            self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens)
+            self.async_scheduling = False
         self.in_flight: LaunchedStep | None = None
         self.last_batch: SchedulerOutput | None = None  # the batch the last step() scheduled (the web page shows it)
         # Structured output (nanoserve/structured/): grammars compiled off this loop, token masks, matcher states.
@@ -154,6 +165,8 @@ class LLMEngine(EngineFrontend):
         if self.in_flight is not None and self.scheduler.needs_host_tokens:
             outputs = self._process(self.in_flight, final_only)
             self.in_flight = None
+        if self.proposer is not None:
+            self._propose()
         batch = self.last_batch = self.scheduler.schedule()
         launched = self._launch(batch) if batch.scheduled else None
         if self.in_flight is not None:
@@ -166,6 +179,23 @@ class LLMEngine(EngineFrontend):
         for hook in self.step_hooks:
             outputs = hook(outputs)
         return outputs
+
+    def _propose(self) -> None:
+        """Drafts for the running samples about to decode, capped so that no sample can emit past max_tokens or
+        max_model_len. Not for a constrained sample (a draft would need its grammar's masks at every position)."""
+        rows, caps = [], []
+        for seq in self.scheduler.running:
+            if seq.num_tokens - seq.num_computed_tokens != 1 or seq.num_pending or seq.cpu_blocks is not None or \
+                    seq.grammar is not None or seq.params.structured_outputs is not None:
+                continue
+            # A verify step emits accepted drafts + 1 tokens.
+            cap = min(seq.request.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+            if cap >= 1:
+                rows.append(seq)
+                caps.append(cap)
+        if rows:
+            for seq, drafts in zip(rows, self.proposer.propose(rows, caps), strict=True):
+                seq.spec_token_ids = drafts
 
     def _launch(self, batch: SchedulerOutput) -> LaunchedStep:
         now = time.monotonic()
@@ -189,6 +219,8 @@ class LLMEngine(EngineFrontend):
         touched: dict[str, Request] = {}
         failed: list[RequestOutput] = []
         row = 0
+        # A speculative verify step's rows emit counts[r] tokens each, one row's after the other's.
+        firsts = list(itertools.accumulate(sampled.counts, initial=0)) if sampled.counts is not None else None
         for entry in launched.batch.scheduled:
             request = entry.seq.request
             rows = range(row, row + len(entry.sample_seqs))
@@ -198,7 +230,7 @@ class LLMEngine(EngineFrontend):
                     continue
                 if sampled.failed and (errors := [sampled.failed[r] for r in rows if r in sampled.failed]):
                     raise errors[0]
-                if self._append_sampled(entry, launched, sampled, rows):
+                if self._append_sampled(entry, launched, sampled, rows, firsts):
                     touched[request.request_id] = request
             except Exception as exc:
                 touched.pop(request.request_id, None)
@@ -217,7 +249,7 @@ class LLMEngine(EngineFrontend):
         return outputs
 
     def _append_sampled(self, entry: ScheduledSeq, launched: LaunchedStep, sampled: SamplerOutput,
-                        rows: range) -> bool:
+                        rows: range, firsts: list[int] | None) -> bool:
         """Append one scheduled entry's sampled tokens; returns whether any sample got one."""
         seq = entry.seq
         request = seq.request
@@ -233,9 +265,25 @@ class LLMEngine(EngineFrontend):
                 s.num_stale -= 1
                 continue
             s.num_pending -= 1
-            self._append_token(s, sampled.token_ids[r], sampled.logprobs[r])
+            if firsts is None:
+                self._append_token(s, sampled.token_ids[r], sampled.logprobs[r])
+            else:
+                self._append_verified(s, entry, sampled, range(firsts[r], firsts[r + 1]))
             appended = True
         return appended
+
+    def _append_verified(self, seq: Sequence, entry: ScheduledSeq, sampled: SamplerOutput, at: range) -> None:
+        """A speculative step's tokens for one sample: its accepted drafts and the token after them, each through the
+        stop checks (none is appended past a stop, eos or max_tokens); then its lookahead slots past them are free."""
+        if entry.draft_token_ids:
+            self.spec_stats.observe(len(entry.draft_token_ids), len(at) - 1)
+        for i in at:
+            self._append_token(seq, sampled.token_ids[i], sampled.logprobs[i])
+            if seq.is_finished:
+                return
+        # The KV of every token but the last is in the cache now; a rejected draft's slot is written over next step.
+        seq.num_computed_tokens = len(seq.token_ids) - 1
+        self.block_manager.trim(seq)
 
     def _append_token(self, seq: Sequence, token: int, logprobs) -> None:
         if seq.is_finished:
