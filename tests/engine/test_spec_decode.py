@@ -130,9 +130,29 @@ def test_seeded_sampling_is_reproducible(spec):
     assert run(spec, prompts, params) == first
 
 
-def test_metrics_count_drafts(spec):
-    stats = spec.engine.spec_stats
-    assert stats.num_drafts > 0
-    assert stats.num_accepted_tokens == sum(stats.accepted_per_pos) <= stats.num_draft_tokens
-    assert stats.accepted_per_pos == sorted(stats.accepted_per_pos, reverse=True)  # a prefix of the drafts
-    assert 1 < stats.mean_acceptance_length <= 1 + 4
+def test_metrics_reach_prometheus_under_vllm_names(spec):
+    from types import SimpleNamespace
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from nanoserve.runtime.engine_core import EngineStats
+    from nanoserve.server.metrics import ServerMetrics
+
+    run(spec, repeating_prompts())  # greedy: drafts are accepted
+    counts = spec.engine.spec_stats
+    assert counts.num_accepted_tokens == sum(counts.accepted_per_pos) <= counts.num_draft_tokens
+    assert counts.accepted_per_pos == sorted(counts.accepted_per_pos, reverse=True)  # a prefix of the drafts
+    assert 1 < counts.mean_acceptance_length <= 1 + 4
+    engine = spec.engine
+    stats = EngineStats.of(engine, 0)
+    client = SimpleNamespace(stats=stats, num_waiting_in=lambda s: 0, engine=engine)
+    text = ServerMetrics(client, "m").render().decode()
+    samples = {(s.name, s.labels.get("position")): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples if s.name.startswith("vllm:spec")}
+    assert samples[("vllm:spec_decode_num_drafts_total", None)] == counts.num_drafts > 0
+    assert samples[("vllm:spec_decode_num_draft_tokens_total", None)] == counts.num_draft_tokens
+    assert samples[("vllm:spec_decode_num_accepted_tokens_total", None)] == counts.num_accepted_tokens > 0
+    assert [samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", str(p))] for p in range(4)] == \
+        counts.accepted_per_pos
+    engine.spec_stats.observe(1, 1)  # the snapshot is a copy: later counts do not change it
+    assert stats.spec_decode.num_drafts == counts.num_drafts - 1
