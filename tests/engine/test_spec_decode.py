@@ -156,3 +156,15 @@ def test_metrics_reach_prometheus_under_vllm_names(spec):
         counts.accepted_per_pos
     engine.spec_stats.observe(1, 1)  # the snapshot is a copy: later counts do not change it
     assert stats.spec_decode.num_drafts == counts.num_drafts - 1
+
+
+def test_constrained_requests_beside_drafted_ones(spec, reference):
+    """A sample under a grammar is not drafted for; its mask still reaches its own row of a verify step."""
+    from nanoserve.structured.params import StructuredOutputs
+
+    choice = SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputs(choice=["alpha", "beta"]))
+    before = accepted(spec)
+    outs = spec.generate(repeating_prompts() + ["Hello"], [GREEDY] * 3 + [choice], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs[:3]] == reference
+    assert outs[3].outputs[0].text in ("alpha", "beta") and outs[3].outputs[0].finish_reason == "stop"
+    assert accepted(spec) > before
