@@ -1,7 +1,6 @@
 """LLMEngine: add requests, step the scheduler and the model, and hand back outputs."""
 
 import atexit
-import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -219,8 +218,6 @@ class LLMEngine(EngineFrontend):
         touched: dict[str, Request] = {}
         failed: list[RequestOutput] = []
         row = 0
-        # A speculative verify step's rows emit counts[r] tokens each, one row's after the other's.
-        firsts = list(itertools.accumulate(sampled.counts, initial=0)) if sampled.counts is not None else None
         for entry in launched.batch.scheduled:
             request = entry.seq.request
             rows = range(row, row + len(entry.sample_seqs))
@@ -230,7 +227,7 @@ class LLMEngine(EngineFrontend):
                     continue
                 if sampled.failed and (errors := [sampled.failed[r] for r in rows if r in sampled.failed]):
                     raise errors[0]
-                if self._append_sampled(entry, launched, sampled, rows, firsts):
+                if self._append_sampled(entry, launched, sampled, rows):
                     touched[request.request_id] = request
             except Exception as exc:
                 touched.pop(request.request_id, None)
@@ -249,7 +246,7 @@ class LLMEngine(EngineFrontend):
         return outputs
 
     def _append_sampled(self, entry: ScheduledSeq, launched: LaunchedStep, sampled: SamplerOutput,
-                        rows: range, firsts: list[int] | None) -> bool:
+                        rows: range) -> bool:
         """Append one scheduled entry's sampled tokens; returns whether any sample got one."""
         seq = entry.seq
         request = seq.request
@@ -265,10 +262,10 @@ class LLMEngine(EngineFrontend):
                 s.num_stale -= 1
                 continue
             s.num_pending -= 1
-            if firsts is None:
+            if sampled.offsets is None:
                 self._append_token(s, sampled.token_ids[r], sampled.logprobs[r])
-            else:
-                self._append_verified(s, entry, sampled, range(firsts[r], firsts[r + 1]))
+            else:  # a speculative step: its accepted drafts and one more
+                self._append_verified(s, entry, sampled, range(sampled.offsets[r], sampled.offsets[r + 1]))
             appended = True
         return appended
 

@@ -57,9 +57,16 @@ class SamplerOutput:
     # Per row, when logprobs were asked: (top ids, top logprobs, sampled logprob, sampled rank).
     logprobs: list[tuple[list[int], list[float], float, int] | None]
     failed: dict[int, Exception] = field(default_factory=dict)  # row -> what raised while sampling it alone
-    # Speculative verification (spec_decode/rejection.py): how many tokens each row emits, token_ids and logprobs
-    # holding them row after row. None: one each.
-    counts: list[int] | None = None
+    # Speculative verification (spec_decode/rejection.py): row r emits token_ids[offsets[r]:offsets[r + 1]] (and
+    # those logprobs). None: one token a row.
+    offsets: list[int] | None = None
+
+    @property
+    def counts(self) -> list[int]:
+        """Tokens each row emits."""
+        if self.offsets is None:
+            return [1] * len(self.token_ids)
+        return [b - a for a, b in zip(self.offsets, self.offsets[1:], strict=False)]
 
 
 @dataclass

@@ -91,7 +91,7 @@ def verify(
     masks: AllowedTokens | None = None,
 ) -> SamplerOutput:
     """The tokens each of `seqs` emits from its 1 + len(drafts[i]) rows of `logits` (in order), read to the host.
-    SamplerOutput.counts gives each sequence's count (accepted drafts + 1), token_ids and logprobs hold them."""
+    SamplerOutput.offsets says where each sequence's tokens (accepted drafts, then one more) lie in token_ids."""
     device = logits.device
     rows: list[DraftPosition] = []
     first_row: list[int] = []
@@ -133,17 +133,17 @@ def verify(
     out = sampler.token_logprobs(raw_logprobs, emitted, params).result()
     accepted_host = accepted.tolist()
     keep: list[int] = []
-    counts: list[int] = []
+    offsets = [0]
     for start, seq_drafts in zip(first_row, drafts, strict=True):
         count = 1
         while count <= len(seq_drafts) and accepted_host[start + count - 1]:
             count += 1
-        counts.append(count)
+        offsets.append(offsets[-1] + count)
         keep += range(start, start + count)
     seq_failed: dict[int, Exception] = {}
     for r, exc in failed.items():
         seq_failed.setdefault(seq_of_row[r], exc)
-    return SamplerOutput([out.token_ids[r] for r in keep], [out.logprobs[r] for r in keep], seq_failed, counts)
+    return SamplerOutput([out.token_ids[r] for r in keep], [out.logprobs[r] for r in keep], seq_failed, offsets)
 
 
 def _seeded_draws(
