@@ -153,6 +153,9 @@ def test_metrics_reach_prometheus_under_vllm_names(spec):
     assert samples[("vllm:spec_decode_num_accepted_tokens_total", None)] == counts.num_accepted_tokens > 0
     assert [samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", str(p))] for p in range(4)] == \
         counts.accepted_per_pos
+    from nanoserve.server.engine_view import snapshot
+
+    assert snapshot(client, stats, "ok")["spec_mean_acceptance_length"] == counts.mean_acceptance_length > 1
     engine.spec_stats.observe(1, 1)  # the snapshot is a copy: later counts do not change it
     assert stats.spec_decode.num_drafts == counts.num_drafts - 1
 
