@@ -171,3 +171,19 @@ def test_constrained_requests_beside_drafted_ones(spec, reference):
     assert [o.outputs[0].token_ids for o in outs[:3]] == reference
     assert outs[3].outputs[0].text in ("alpha", "beta") and outs[3].outputs[0].finish_reason == "stop"
     assert accepted(spec) > before
+
+
+def test_bench_serve_reads_acceptance_from_metrics(spec):
+    from types import SimpleNamespace
+
+    from nanoserve.bench.serve import spec_counts_in
+    from nanoserve.runtime.engine_core import EngineStats
+    from nanoserve.server.metrics import ServerMetrics
+
+    engine = spec.engine
+    client = SimpleNamespace(stats=EngineStats.of(engine, 0), num_waiting_in=lambda s: 0, engine=engine)
+    counts = engine.spec_stats
+    assert spec_counts_in(ServerMetrics(client, "m").render().decode()) == \
+        (counts.num_drafts, counts.num_accepted_tokens)
+    plain = SimpleNamespace(stats=EngineStats(), num_waiting_in=lambda s: 0, engine=engine)
+    assert spec_counts_in(ServerMetrics(plain, "m").render().decode()) is None
