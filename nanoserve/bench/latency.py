@@ -39,9 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-output-len", type=int, default=64,
                    help="tokens the transformers baseline decodes (it is slow)")
     p.add_argument("--prompt-period", type=at_least_one, default=None,
-                   help="prompts repeat a random stretch of this many tokens: with --speculative-config ngram, every "
-                        "step then drafts (on random weights, drafts are rejected: the JSON line's ms_per_step is a "
-                        "verify step's cost); None: random ids throughout")
+                   help="prompts repeat a random stretch of this many tokens: a workload that copies its input, "
+                        "for --speculative-config ngram on a model that goes on repeating (the bundled one does); "
+                        "None: random ids throughout")
+    p.add_argument("--draft-every-step", action="store_true",
+                   help="with --speculative-config: every decoding step drafts its k tokens (the last token "
+                        "repeated, in place of the n-gram lookup): on random weights they are rejected, so "
+                        "ms_per_step is the cost of a verify step of k + 1 tokens")
     p.add_argument("--profile", action="store_true",
                    help="after the timed runs, profile --profile-steps decode steps of one more run")
     p.add_argument("--profile-steps", type=at_least_one, default=32, help="decode steps profiled")
@@ -52,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     bw, _ = ceilings_at_start(args)
     llm = LLM(**vars(args))
     engine, cfg = llm.engine, llm.engine.config
+    if ns.draft_every_step:
+        if engine.proposer is None:
+            p.error("--draft-every-step needs --speculative-config")
+        engine.proposer = RepeatLastToken(cfg.speculative.num_speculative_tokens)
     fit_lengths(ns, RECIPE, lambda n: n["input_len"] + n["output_len"], cfg.max_model_len, "latency",
                 floors={"output_len": 2})  # a decode step's time is the gap between two tokens
     rng = np.random.default_rng(ns.seed)
@@ -85,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = engine.spec_stats
         drafts = spec.num_drafts - spec_before.num_drafts
         accepted = spec.num_accepted_tokens - spec_before.num_accepted_tokens
-        result |= {"speculative_config": cfg.args.speculative_config,
+        result |= {"speculative_config": cfg.args.speculative_config, "draft_every_step": ns.draft_every_step,
                    "ms_per_step": round(float(np.median(per_step)) * 1e3, 3), "spec_num_drafts": drafts,
                    "spec_draft_tokens_per_draft": round((spec.num_draft_tokens - spec_before.num_draft_tokens)
                                                         / max(drafts, 1), 2),
@@ -112,6 +120,20 @@ def main(argv: list[str] | None = None) -> int:
         result |= {"hf_ms_per_token": round(hf_step * 1e3, 3), "speedup_vs_hf": round(hf_step / step_s, 2)}
     emit(result)
     return 0
+
+
+class RepeatLastToken:
+    """A proposer (spec_decode/proposer.py) that drafts k copies of the last token at every step, whatever the
+    tokens: a measurement's stand-in for a method whose drafts always come."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def propose(self, rows, max_tokens) -> list[list[int]]:
+        return [[row.token_ids[-1]] * min(self.k, cap) for row, cap in zip(rows, max_tokens, strict=True)]
+
+    def release(self, seq_id: int) -> None:
+        pass
 
 
 def profile_decode(engine, prompts: list[list[int]], num_steps: int, trace: str | None) -> dict:

@@ -17,6 +17,7 @@ from nanoserve.layers.sampler import SamplerOutput
 from nanoserve.outputs import CompletionOutput, Logprob, RequestOutput
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.spec_decode.ngram import NgramProposer
+from nanoserve.spec_decode.proposer import Proposer
 from nanoserve.spec_decode.stats import SpecDecodeStats
 from nanoserve.structured.backend import GrammarCompiler
 from nanoserve.structured.manager import StructuredOutputManager
@@ -62,7 +63,7 @@ class LLMEngine(EngineFrontend):
         self.async_scheduling = config.device.type == "cuda" if asked is None else asked
         # Speculative decoding (spec_decode/): a proposal reads the tokens the last step sampled, so the host must
         # have them before it schedules: its steps are synchronous.
-        self.proposer: NgramProposer | None = None
+        self.proposer: Proposer | None = None  # spec_decode/proposer.py: n-gram now, a draft model later
         self.spec_stats: SpecDecodeStats | None = None
         if (spec := config.speculative) is not None:
             self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
