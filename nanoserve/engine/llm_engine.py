@@ -132,6 +132,8 @@ class LLMEngine(EngineFrontend):
             return None
         for seq in self.scheduler.abort_request(request):
             seq.finish_reason = reason
+            if self.proposer is not None:
+                self.proposer.release(seq.seq_id)
         request.aborted = True
         request.metrics.finished_time = time.monotonic()
         return self._output(request)
@@ -308,6 +310,8 @@ class LLMEngine(EngineFrontend):
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.scheduler.finish(seq)
+        if self.proposer is not None:
+            self.proposer.release(seq.seq_id)
 
     def _add_logprobs(self, seq: Sequence, token: int, logprobs) -> None:
         top_ids, top_values, chosen, rank = logprobs

@@ -9,7 +9,7 @@ import torch
 from nanoserve.layers.sampler import Sampler
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.spec_decode.config import SpeculativeConfig
-from nanoserve.spec_decode.ngram import ngram_lookup
+from nanoserve.spec_decode.ngram import NgramProposer, ngram_lookup
 from nanoserve.spec_decode.rejection import rejection_sample, verify
 
 VOCAB = 6
@@ -93,6 +93,19 @@ def test_ngram_lookup():
     assert ngram_lookup(torch.tensor([7, 7, 7, 7, 7]).numpy(), 2, 1, 3) == [7, 7, 7]  # a repeat: a full draft
     assert ngram_lookup(torch.tensor([1, 2, 8]).numpy(), 3, 1, 2) == []
     assert ngram_lookup(torch.tensor([4, 8, 1, 2, 8, 4, 8]).numpy(), 2, 2, 1) == [1]  # not the 1-gram's later hit
+
+
+def test_ngram_proposer_keeps_each_sequence_in_step():
+    """The proposer grows its copy of a sequence's tokens as they come: it drafts as a fresh lookup would."""
+    proposer = NgramProposer(3, 3, 1)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 5, (10,), generator=g).tolist()
+    for step in range(60):
+        drafts = proposer.propose([SimpleNamespace(seq_id=7, token_ids=ids)], [2 if step % 5 == 0 else 3])[0]
+        assert drafts == ngram_lookup(torch.tensor(ids).numpy(), 3, 1, 2 if step % 5 == 0 else 3)
+        ids = ids + torch.randint(0, 5, (1 + step % 3,), generator=g).tolist()
+    proposer.release(7)
+    assert proposer.tokens == {}
 
 
 @pytest.mark.parametrize("raw, message", [

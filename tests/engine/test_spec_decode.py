@@ -66,6 +66,7 @@ def test_random_checkpoint_through_prefix_hits_chunks_and_preemption(llama_dir, 
     assert spec.engine.block_manager.prefix_hits > 0
     assert accepted(spec) > 0
     assert spec.engine.block_manager.num_free_blocks == 12  # every lookahead block given back
+    assert spec.engine.proposer.tokens == {}  # what it kept of each sequence, dropped when it finished
     again = spec.generate(repeating_prompts()[1], GREEDY, use_tqdm=False)[0]
     assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == reference[1]
 
