@@ -68,6 +68,9 @@ class LLMEngine(EngineFrontend):
         if (spec := config.speculative) is not None:
             self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
             self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens)
+            if asked:
+                logger.warning("async_scheduling: off with speculative_config (a proposal reads the last sampled "
+                               "token on the host)")
             self.async_scheduling = False
         self.in_flight: LaunchedStep | None = None
         self.last_batch: SchedulerOutput | None = None  # the batch the last step() scheduled (the web page shows it)
