@@ -10,6 +10,7 @@ import torch
 from nanoserve.quantization.detect import detect_quantization
 from nanoserve.quantization.mxfp4 import MXFP4Scheme
 from nanoserve.quantization.scheme import FP8Scheme
+from nanoserve.spec_decode.config import SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # The other names vLLM's --dtype takes.
@@ -181,6 +182,21 @@ def _eos_ids(generation_config_dir: str | None, raw: dict) -> list[int]:
     return ids
 
 
+def _check_speculative(args: "EngineArgs") -> SpeculativeConfig | None:
+    """The speculative config, and a refusal of what it cannot run with yet, naming the flag."""
+    if args.speculative_config is None:
+        return None
+    spec = SpeculativeConfig.from_dict(args.speculative_config)
+    # The verify step's samples vary in count per sequence, which the ranks' broadcast of samples does not carry.
+    if args.tensor_parallel_size > 1:
+        raise ValueError("speculative_config: not supported with tensor_parallel_size > 1 yet")
+    # Long-context mode streams the KV through a ring per chunk, and the CPU tier's swaps were not tried with
+    # lookahead slots.
+    if args.kv_offload_gb:
+        raise ValueError("speculative_config: not supported with kv_offload_gb > 0 (the CPU KV tier) yet")
+    return spec
+
+
 def _arg(default, help: str):
     """An EngineArgs field with the one-line help its command-line flag shows."""
     return field(default=default, metadata={"help": help})
@@ -262,6 +278,9 @@ class EngineArgs:
                                           "the checkpoint is")
     pdl: bool = _arg(True, "CUDA: launch kernels with programmatic dependent launch on compute capability 9.0+ "
                            "(--no-pdl to measure what it gives or rule it out)")
+    speculative_config: dict | None = _arg(None, "speculative decoding, as a JSON object: {\"method\": \"ngram\", "
+                                                 "\"num_speculative_tokens\": k, \"prompt_lookup_max\": n, "
+                                                 "\"prompt_lookup_min\": m} (prompt lookup, exact); None: off")
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -287,6 +306,7 @@ class EngineConfig:
     chat_template: str | None = None  # the template's text (args.chat_template may name a file)
     # What config.json's quantization_config and args.quantization ask for.
     quantization: FP8Scheme | MXFP4Scheme | None = None
+    speculative: SpeculativeConfig | None = None  # args.speculative_config, checked
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> "EngineConfig":
@@ -306,6 +326,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {args.gpu_memory_utilization}")
         if args.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format: must be 'auto' or 'dummy', got {args.load_format!r}")
+        speculative = _check_speculative(args)
         _check_tensor_parallel(args, model)
         quantization = detect_quantization(model.raw, args.quantization)
         if quantization is not None:
@@ -327,7 +348,7 @@ class EngineConfig:
         dtype = _resolve_dtype(args.dtype, model.torch_dtype, device)
         max_model_len, source = _resolve_max_model_len(args.max_model_len, model)
         return cls(args, model_dir, args.tokenizer or model_dir, model, dtype, device, max_model_len, source,
-                   _load_chat_template(args.chat_template), quantization)
+                   _load_chat_template(args.chat_template), quantization, speculative)
 
     @property
     def num_kv_heads_per_rank(self) -> int:

@@ -114,9 +114,14 @@ class StepInputs:
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
+                # Speculative decoding: the last tokens are drafts to verify, which follow the known ones.
+                drafts = entry.draft_token_ids
+                known = n - len(drafts)
                 # Only a decode's one new token can still be on the device (async scheduling).
-                assert start + n <= len(seq.token_ids)
-                input_ids += seq.token_ids[start:start + n]
+                assert start + known <= len(seq.token_ids)
+                input_ids += seq.token_ids[start:start + known]
+                if drafts:
+                    input_ids += drafts
                 positions += range(start, start + n)
                 slots += chunk_slots(table, start, n, bs)
             cu.append(cu[-1] + n)
@@ -127,7 +132,10 @@ class StepInputs:
                 lens.append(start + n)
                 tables.append(table)
             if entry.sample_seqs:
-                logit_rows += [cu[-1] - 1] * len(entry.sample_seqs)
+                if n > 1 and entry.draft_token_ids:  # verify: every drafted position gives a distribution
+                    logit_rows += range(cu[-1] - 1 - len(entry.draft_token_ids), cu[-1])
+                else:
+                    logit_rows += [cu[-1] - 1] * len(entry.sample_seqs)
         width = max(len(t) for t in tables)
         num_seqs, num_tokens = len(tables), len(input_ids)
         sample_all = logit_rows == list(range(num_tokens))  # every row samples once: no gather needed
