@@ -16,7 +16,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nanoserve"
 TIERS: list[tuple[str, ...]] = [
     # Plain modules and self-contained feature packages, under them all.
     ("utils", "outputs", "sampling_params", "config", "args", "tools", "structured", "assets",
-     "quantization.scheme", "quantization.detect"),  # a checkpoint's quantization_config, read with config.json
+     # a checkpoint's quantization_config, read with config.json
+     "quantization.scheme", "quantization.detect", "quantization.w4_scheme", "quantization.w4_detect"),
     ("kernels", "distributed"),
     ("layers",),
     ("model", "quantization"),  # the quantized linear layers the loader puts in place

@@ -62,6 +62,10 @@ class _DummyTensor:
 
     def __init__(self, shape: tuple[int, ...], name: str, seed: int, device: torch.device, dtype: torch.dtype):
         gen = torch.Generator(device=device).manual_seed(seed ^ zlib.crc32(name.encode()))
+        if not dtype.is_floating_point:  # a 4-bit format's packed values: every bit random
+            self.tensor = torch.randint(-1 << 31, 1 << 31, shape, device=device, dtype=torch.int64,
+                                        generator=gen).to(dtype)
+            return
         # Small values keep activations finite through many layers, in bf16 too. fp8 (a quantized model's
         # weights) has no uniform_: drawn in fp32 and cast.
         draw = dtype if dtype.itemsize > 1 else torch.float32
@@ -84,6 +88,9 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
             if hasattr(param, "dummy_value"):  # a quantized layer's scales (nanoserve/quantization/)
                 param.data.fill_(param.dummy_value)
                 continue
+            if hasattr(param, "dummy_fill"):  # a quantized layer's tensors that random values would make invalid
+                param.dummy_fill(param)
+                continue
             loader = getattr(param, "weight_loader", load_whole)
             for shard, shape in _checkpoint_shapes(module, param):
                 loader(param, _DummyTensor(shape, f"{name}:{shard}", seed, param.device, param.dtype), shard)
@@ -91,6 +98,8 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
 
 def _checkpoint_shapes(module: nn.Module, param: nn.Parameter) -> list[tuple[str | None, tuple[int, ...]]]:
     """(shard, shape) of each checkpoint tensor that `param` takes a share of."""
+    if hasattr(param, "checkpoint_shapes"):  # a quantized layer's tensors (nanoserve/quantization/)
+        return param.checkpoint_shapes()
     if hasattr(module, "checkpoint_shapes"):  # stacked experts (layers/moe.py)
         return module.checkpoint_shapes(param)
     if hasattr(module, "shards"):  # column-parallel, fused: each shard's whole tensor

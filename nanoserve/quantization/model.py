@@ -1,5 +1,5 @@
-"""The loader's two hooks (model/loader.py): which of a model's linear layers a scheme quantizes, their fp8
-parameters before the weights are filled, and their runtime form after.
+"""The loader's two hooks (model/loader.py): which of a model's linear layers a scheme quantizes, their quantized
+parameters (fp8, or a 4-bit format's packed tensors) before the weights are filled, and their runtime form after.
 
 Every layers.linear.Linear is quantized (q/k/v, o, gate/up and down projections) unless the scheme's ignore list
 names its checkpoint modules; the embeddings, the LM head and the norms are other classes and stay as they are.
@@ -19,6 +19,8 @@ from nanoserve.layers.linear import Linear
 from nanoserve.quantization.fp8_linear import Fp8LinearMethod
 from nanoserve.quantization.fp8_math import FP8
 from nanoserve.quantization.scheme import FP8Scheme
+from nanoserve.quantization.w4_linear import W4LinearMethod
+from nanoserve.quantization.w4_scheme import W4Scheme
 
 
 def checkpoint_modules(model: nn.Module, name: str) -> list[str]:
@@ -29,7 +31,7 @@ def checkpoint_modules(model: nn.Module, name: str) -> list[str]:
     return [f"{base}.{part}" for part in parts] or [name]
 
 
-def quantized_layers(model: nn.Module, scheme: FP8Scheme) -> Iterator[Linear]:
+def quantized_layers(model: nn.Module, scheme: FP8Scheme | W4Scheme) -> Iterator[tuple[str, Linear]]:
     for name, module in model.named_modules():
         if not isinstance(module, Linear):
             continue
@@ -40,24 +42,31 @@ def quantized_layers(model: nn.Module, scheme: FP8Scheme) -> Iterator[Linear]:
             raise ValueError(f"quantization_config: the ignore list {list(scheme.ignore)} names some of "
                              f"{checkpoint_modules(model, name)}, which nanoserve runs as one layer; ignore all "
                              "of them or none")
-        yield module
+        yield name, module
 
 
-def prepare_model(model: nn.Module, scheme: FP8Scheme, dummy: bool) -> None:
-    """Before the weights are filled: the fp8 parameters and their loaders, where the checkpoint (or the dummy
-    initialization) provides them."""
+def _method(scheme: FP8Scheme | W4Scheme) -> Fp8LinearMethod | W4LinearMethod:
+    return W4LinearMethod(scheme) if isinstance(scheme, W4Scheme) else Fp8LinearMethod(scheme)
+
+
+def prepare_model(model: nn.Module, scheme: FP8Scheme | W4Scheme, dummy: bool) -> None:
+    """Before the weights are filled: the quantized parameters and their loaders, where the checkpoint (or the
+    dummy initialization) provides them."""
     if not (scheme.serialized or dummy):
         return
-    method = Fp8LinearMethod(scheme)
-    for layer in quantized_layers(model, scheme):
+    method = _method(scheme)
+    for _, layer in quantized_layers(model, scheme):
         method.create_weights(layer)
 
 
-def finish_model(model: nn.Module, scheme: FP8Scheme) -> None:
-    """After the weights are filled: unquantized ones quantized (a scheme quantized at load), every layer's
-    scales in their runtime form and its quant_method set."""
-    method = Fp8LinearMethod(scheme)
-    for layer in quantized_layers(model, scheme):
+def finish_model(model: nn.Module, scheme: FP8Scheme | W4Scheme) -> None:
+    """After the weights are filled: unquantized ones quantized (an FP8 scheme quantized at load), every layer's
+    parameters in their runtime form and its quant_method set."""
+    method = _method(scheme)
+    for name, layer in quantized_layers(model, scheme):
+        if isinstance(method, W4LinearMethod):
+            method.process_weights(layer, name)
+            continue
         if layer.weight.dtype != FP8:
             method.quantize_loaded(layer)
         method.process_weights(layer)
