@@ -131,8 +131,9 @@ class _Config(NamedTuple):
     num_warps: int
 
 
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+def _sm_count(x: torch.Tensor) -> int:
+    """The SMs of x's GPU; 4 for the interpreter on the CPU (so its tests split K too)."""
+    return torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
 
 
 def _config(m: int, n: int, k: int, group: int, sms: int) -> _Config:
@@ -161,7 +162,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     if group_size != -1 and k % group_size:
         raise ValueError(f"group_size {group_size} does not divide K = {k}")
     group = 0 if group_size == -1 else group_size
-    cfg = _config(m, n, k, group, _sm_count(x.device))
+    cfg = _config(m, n, k, group, _sm_count(x))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     target = out if cfg.split == 1 else torch.empty(cfg.split, m, n, dtype=torch.float32, device=x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split), cfg.block_k) * cfg.block_k
