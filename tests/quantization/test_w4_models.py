@@ -91,11 +91,14 @@ def test_greedy_tokens_are_transformers_on_the_dequantized_weights(name, written
 @pytest.mark.parametrize("fmt", [W4Format("awq", 64, symmetric=False),
                                  W4Format("gptq", act_order=True), W4Format("compressed-tensors", symmetric=False)])
 def test_dummy_weights_take_the_4bit_layout(fmt, tmp_path, checkpoints):
-    """A config.json alone runs with random 4-bit weights (how the benchmarks run quantized models)."""
+    """A config.json alone runs with random 4-bit weights (how the benchmarks run quantized models); the start-up
+    line (and /v1/models, /metrics, which show the same description) says what runs."""
     config = json.loads((checkpoints["llama"] / "config.json").read_text())
     config["quantization_config"] = fmt.quantization_config()
     (tmp_path / "config.json").write_text(json.dumps(config))
     llm = LLM(str(tmp_path), tokenizer=str(checkpoints["llama"]), load_format="dummy", num_kv_blocks=16)
+    kind = "symmetric" if fmt.symmetric else "asymmetric"
+    assert f"w4a16 ({fmt.method}): int4 weights, {kind}, groups of {fmt.group_size}" in llm.engine.config.summary(16)
     qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
     groups = 64 // fmt.group_size if fmt.group_size > 0 else 1
     assert qkv.qweight.shape == (64 // 8, 128) and qkv.scales.shape == (groups, 128)
