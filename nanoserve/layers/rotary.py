@@ -142,14 +142,25 @@ def _longrope(dim: int, base: float, exponents: torch.Tensor, scaling: dict,
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None) -> None:
         super().__init__()
+        self._args = (head_dim, max_position, base, scaling)
+        for name, table in self._tables().items():
+            self.register_buffer(name, table, persistent=False)
+
+    def _tables(self) -> dict[str, torch.Tensor]:
+        head_dim, max_position, base, scaling = self._args
         inv_freq, attention = rope_frequencies(head_dim, base, scaling, max_position)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * attention, persistent=False)
-        self.register_buffer("sin", emb.sin() * attention, persistent=False)
         # The GPU kernel reads one half: the two halves of cat(freqs, freqs) are equal.
-        self.register_buffer("cos_half", freqs.cos() * attention, persistent=False)
-        self.register_buffer("sin_half", freqs.sin() * attention, persistent=False)
+        return {"cos": emb.cos() * attention, "sin": emb.sin() * attention,
+                "cos_half": freqs.cos() * attention, "sin_half": freqs.sin() * attention}
+
+    def reset_buffers(self, device: torch.device) -> None:
+        """The tables computed on `device`: for a model built on the meta device (model/loader.py builds a 4-bit
+        one there, so that no unquantized weight is ever allocated)."""
+        with torch.device(device):
+            for name, table in self._tables().items():
+                self._buffers[name] = table
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q [T, Hq, D], k [T, Hkv, D] -> rotated (in place on the GPU, copies on the CPU)."""

@@ -13,6 +13,7 @@ after: the whole unquantized model is in memory once, as it would be unquantized
 
 from collections.abc import Iterator
 
+import torch
 from torch import nn
 
 from nanoserve.layers.linear import Linear
@@ -49,12 +50,23 @@ def _method(scheme: FP8Scheme | W4Scheme) -> Fp8LinearMethod | W4LinearMethod:
     return W4LinearMethod(scheme) if isinstance(scheme, W4Scheme) else Fp8LinearMethod(scheme)
 
 
-def prepare_model(model: nn.Module, scheme: FP8Scheme | W4Scheme, dummy: bool) -> None:
-    """Before the weights are filled: the quantized parameters and their loaders, where the checkpoint (or the
-    dummy initialization) provides them."""
+def replaces_weights(scheme: FP8Scheme | W4Scheme) -> bool:
+    """Whether the quantized layers hold other tensors than their unquantized weight (so the loader may build the
+    model on the meta device, prepare_model putting these on the real one)."""
+    return isinstance(scheme, W4Scheme)
+
+
+def prepare_model(model: nn.Module, scheme: FP8Scheme | W4Scheme, dummy: bool, device: torch.device) -> None:
+    """Before the weights are filled: the quantized parameters and their loaders, on `device`, where the checkpoint
+    (or the dummy initialization) provides them."""
     if not (scheme.serialized or dummy):
         return
-    method = _method(scheme)
+    if isinstance(scheme, W4Scheme):
+        method = W4LinearMethod(scheme)
+        for _, layer in quantized_layers(model, scheme):
+            method.create_weights(layer, device)
+        return
+    method = Fp8LinearMethod(scheme)
     for _, layer in quantized_layers(model, scheme):
         method.create_weights(layer)
 

@@ -103,9 +103,9 @@ class W4LinearMethod:
         self.scheme = scheme
 
     # -- before loading -------------------------------------------------------------------------------------------
-    def create_weights(self, layer: Linear) -> None:
-        """The checkpoint's tensors in place of `weight`, each with its loader and its dummy initialization."""
-        device = layer.weight.device
+    def create_weights(self, layer: Linear, device: torch.device) -> None:
+        """The checkpoint's tensors in place of `weight` (which may be on the meta device), on `device`, each with its
+        loader and its dummy initialization."""
         layer.act_dtype = layer.weight.dtype  # the model's: the scales' first choice (_narrowest)
         del layer.weight
         for name, dims in checkpoint_tensors(self.scheme).items():
