@@ -8,8 +8,9 @@ The packed weight is read from memory once and unpacked in registers; the produc
   qweight in [BLOCK_K / 8, BLOCK_N] tiles of int32, each read once (not once per value, as a tile of unpacked rows
   would), its eight values per int32 unpacked into a [BLOCK_K / 8, 8, BLOCK_N] tile; x's values, a few KB, come
   from cache. Each tile lies in one group, so its sum is scaled once: s * (sum q x - z * sum x).
-- more rows: a [BLOCK_M, BLOCK_N] tile on the tensor cores, each [BLOCK_K, BLOCK_N] weight tile unpacked to
-  (q - z), small integers that x's dtype holds exactly, multiplied by the x tile and scaled per group in fp32.
+- more rows: a [BLOCK_M, BLOCK_N] tile on the tensor cores, each [BLOCK_K, BLOCK_N] weight tile (its int32s read
+  once and unpacked as above) turned into (q - z), small integers that x's dtype holds exactly, multiplied by the x
+  tile and scaled per group in fp32.
 Both split K over several programs where the column tiles alone would leave the GPU's SMs idle (the partial sums go
 through an fp32 buffer and a second launch adds them), so the results of a split differ from one program's by the
 order of fp32 sums only. Tile sizes come from shapes by a rule (no autotuning, which cannot run inside a CUDA graph);
@@ -60,7 +61,9 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, b_ptr, out_ptr, M,
     offs_p = tl.arange(0, BLOCK_K // 8)
     offs_j = tl.arange(0, 8)
     shifts = offs_j * 4
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # Summed over the tile's rows only after the loop: reducing every tile would cost a cross-thread exchange per
+    # iteration. What is summed in the loop, over the eight values of one int32, stays within a thread.
+    acc = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
     k_start = pid_k * k_per_split
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         p = k0 // 8 + offs_p
@@ -71,10 +74,11 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, b_ptr, out_ptr, M,
         if HAS_PERM:
             k = tl.load(perm_ptr + k, mask=p_mask[:, None], other=0)
         x = tl.load(x_ptr + m * stride_xm + k, mask=p_mask[:, None], other=0.0).to(tl.float32)
-        qx = tl.sum(tl.sum(q * x[:, :, None], axis=1), axis=0)
+        qx = tl.sum(q * x[:, :, None], axis=1)  # [BLOCK_K / 8, BLOCK_N]
         s, z = _group_scale_zero(s_ptr, z_ptr, k0, cols, N, GROUP, HAS_ZEROS)
-        acc += s * (qx - z * tl.sum(tl.sum(x, axis=1), axis=0))
-    _store(out_ptr, acc[None, :], b_ptr, m + tl.arange(0, 1), offs_n, cols, M, N, pid_k, SPLIT, HAS_BIAS)
+        acc += s[None, :] * (qx - z[None, :] * tl.sum(x, axis=1)[:, None])
+    _store(out_ptr, tl.sum(acc, axis=0)[None, :], b_ptr, m + tl.arange(0, 1), offs_n, cols, M, N, pid_k, SPLIT,
+           HAS_BIAS)
 
 
 @triton.jit
@@ -88,7 +92,8 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, b_ptr, out_ptr, M,
     rows = tl.minimum(offs_m, M - 1)
     cols = tl.minimum(offs_n, N - 1)
     offs_k = tl.arange(0, BLOCK_K)
-    shifts = (offs_k % 8) * 4
+    offs_p = tl.arange(0, BLOCK_K // 8)
+    shifts = tl.arange(0, 8) * 4
     act_dtype = x_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_start = pid_k * k_per_split
@@ -99,9 +104,10 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, b_ptr, out_ptr, M,
         if HAS_PERM:
             xk = tl.load(perm_ptr + k, mask=k_mask, other=0)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + xk[None, :], mask=k_mask[None, :], other=0.0)
-        # Each int32 is loaded by the eight rows it holds: the repeats hit L1, and the tensor cores want whole rows.
-        packed = tl.load(qw_ptr + (k // 8)[:, None] * N + cols[None, :], mask=k_mask[:, None], other=0)
-        q = ((packed >> shifts[:, None]) & 0xF).to(tl.float32)
+        # Each int32 loaded once, its eight values unpacked into the eight rows it holds (row 8p + j at bits 4j).
+        p = k0 // 8 + offs_p
+        packed = tl.load(qw_ptr + p[:, None] * N + cols[None, :], mask=(p < K // 8)[:, None], other=0)
+        q = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & 0xF, [BLOCK_K, BLOCK_N]).to(tl.float32)
         s, z = _group_scale_zero(s_ptr, z_ptr, k0, cols, N, GROUP, HAS_ZEROS)
         # q - z is an integer in -16..15, exact in fp16 / bf16; x beyond K is 0, so masked rows add nothing.
         part = tl.dot(x, (q - z[None, :]).to(act_dtype), input_precision=DOT_PRECISION)
