@@ -165,6 +165,10 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     k8, n = qweight.shape
     if k8 * PACK != k or x.stride(-1) != 1:
         raise ValueError(f"x must be [M, {k8 * PACK}] with a contiguous last dim, got {tuple(x.shape)}")
+    # The kernels index the weight's tensors as row-major.
+    for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros), ("perm", perm), ("bias", bias)):
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
     if group_size != -1 and k % group_size:
         raise ValueError(f"group_size {group_size} does not divide K = {k}")
     group = 0 if group_size == -1 else group_size

@@ -152,7 +152,7 @@ class W4LinearMethod:
         if perm is not None:
             w.q = w.q[perm]
         dtype = layer.act_dtype
-        layer.qweight = nn.Parameter(pack(w.q, 0), requires_grad=False)
+        layer.qweight = nn.Parameter(pack(w.q, 0).contiguous(), requires_grad=False)
         layer.scales = nn.Parameter(_narrowest(w.scales, dtype), requires_grad=False)
         layer.zeros = None if w.zeros is None else nn.Parameter(w.zeros.contiguous(), requires_grad=False)
         layer.perm = None if perm is None else nn.Parameter(perm.to(torch.int32), requires_grad=False)
@@ -182,19 +182,24 @@ class W4LinearMethod:
 
     # -- forward --------------------------------------------------------------------------------------------------
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        zeros = layer.zeros.data if layer.zeros is not None else None
-        perm = layer.perm.data if layer.perm is not None else None
         if x.is_cuda:
-            from nanoserve.kernels.w4a16_gemm import w4a16_linear
-
-            y = w4a16_linear(x.reshape(-1, x.shape[-1]), layer.qweight, layer.scales, zeros, perm, layer.group_size,
-                             layer.bias)
-            return y.view(*x.shape[:-1], -1)
+            return self.apply_kernel(layer, x)
+        perm = layer.perm.data if layer.perm is not None else None
         if perm is not None:
             x = x[..., perm]
-        w = dequantize_w4(layer.qweight, layer.scales, zeros, layer.group_size).to(x.dtype)
+        w = dequantize_w4(layer.qweight, layer.scales, layer.zeros, layer.group_size).to(x.dtype)
         # [N, K] contiguous, as an unquantized layer's weight: the same GEMM, so the same sums.
         return F.linear(x, w.t().contiguous(), layer.bias)
+
+    def apply_kernel(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """The CUDA forward: kernels/w4a16_gemm.py (the CPU tests call it under the Triton interpreter)."""
+        from nanoserve.kernels.w4a16_gemm import w4a16_linear
+
+        zeros = layer.zeros.data if layer.zeros is not None else None
+        perm = layer.perm.data if layer.perm is not None else None
+        y = w4a16_linear(x.reshape(-1, x.shape[-1]), layer.qweight, layer.scales, zeros, perm, layer.group_size,
+                         layer.bias)
+        return y.view(*x.shape[:-1], -1)
 
 
 def _narrowest(scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -28,12 +28,12 @@ def unpack(packed: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def pack(values: torch.Tensor, dim: int) -> torch.Tensor:
-    """Values 0..15 (any integer dtype) -> int32 packed along `dim` (its length a multiple of 8)."""
+    """Values 0..15 (any integer dtype) -> int32 packed along `dim` (its length a multiple of 8), contiguous."""
     moved = values.movedim(dim, -1).to(torch.int64)
     groups = moved.unflatten(-1, (-1, PACK)) << _SHIFTS.to(values.device, torch.int64)
     # Summed as int64 then wrapped: the top value's bit 31 makes a negative int32.
     word = groups.sum(-1)
-    return torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32).movedim(-1, dim)
+    return torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32).movedim(-1, dim).contiguous()
 
 
 def unpack_awq(packed: torch.Tensor) -> torch.Tensor:

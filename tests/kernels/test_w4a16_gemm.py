@@ -53,6 +53,14 @@ def test_w4a16_linear(dtype, m, n, k, group, zeros, perm, bias, device, gen):
     torch.testing.assert_close(want.float().cpu(), plain.to(dtype).float(), atol=1e-4, rtol=1e-4)
 
 
+def test_strided_weight_is_refused(gen):
+    """The kernels index qweight as row-major: a transposed view (what packing along rows gave before
+    w4_packing.pack returned contiguous tensors) is refused rather than read wrongly."""
+    qweight, scales, z, p = random_w4(16, 64, 32, True, False, gen)
+    with pytest.raises(ValueError, match="qweight must be contiguous"):
+        w4a16_linear(torch.randn(1, 64), qweight.t().contiguous().t(), scales, z, p, 32)
+
+
 def test_splits_and_tiles_by_shape():
     """One row of Llama-3.1-8B's o_proj on 132 SMs: 64 column tiles, K split in eight; gate_up's 448 tiles: none."""
     cfg = w4a16_gemm._config(1, 4096, 4096, 128, 132)

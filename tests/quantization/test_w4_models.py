@@ -12,6 +12,7 @@ from w4_checkpoints import W4Format, write_w4_checkpoint
 from nanoserve import LLM, SamplingParams
 from nanoserve.kernels.w4a16_gemm import dequantize_w4
 from nanoserve.layers.linear import Linear
+from nanoserve.quantization.w4_linear import W4LinearMethod
 
 NEW_TOKENS = 8
 STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -86,6 +87,25 @@ def test_greedy_tokens_are_transformers_on_the_dequantized_weights(name, written
         ids = torch.tensor([prompt])
         ref = reference.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
         assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+
+
+def test_kernel_forward_gives_the_reference_tokens(written, monkeypatch):
+    """The layers' CUDA forward (kernels/w4a16_gemm.py, here under the Triton interpreter, fp32) generates the CPU
+    path's tokens: one prompt alone decodes through the GEMV, several through the GEMM (act-order and zero points
+    on)."""
+    ckpt, _, _ = written("gptq-asym-act-order")
+    llm = LLM(str(ckpt), num_kv_blocks=64, max_num_batched_tokens=512)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    def run() -> list[list[int]]:
+        alone = llm.generate(prompts()[2:], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in alone + llm.generate(prompts()[:2], params, use_tqdm=False)]
+    want = run()
+    calls = []
+    kernel = W4LinearMethod.apply_kernel
+    monkeypatch.setattr(W4LinearMethod, "apply", lambda self, layer, x: calls.append(1) or kernel(self, layer, x))
+    assert run() == want
+    assert calls
 
 
 @pytest.mark.parametrize("fmt", [W4Format("awq", 64, symmetric=False),
