@@ -6,8 +6,9 @@ columns in the rows' order: act-order). W[k, n] = (q[k, n] - zeros[k // group, n
 The packed weight is read from memory once and unpacked in registers; the products are summed in fp32. Two kernels:
 - one row (batch-1 decode, bound by the weight's bytes): a program owns BLOCK_N output columns and walks its slab of
   qweight in [BLOCK_K / 8, BLOCK_N] tiles of int32, each read once (not once per value, as a tile of unpacked rows
-  would), its eight values per int32 unpacked into a [BLOCK_K / 8, 8, BLOCK_N] tile; x's values, a few KB, come
-  from cache. Each tile lies in one group, so its sum is scaled once: s * (sum q x - z * sum x).
+  would), its eight values per int32 unpacked into a [BLOCK_K / 8, 8, BLOCK_N] tile of q - z (by float bit tricks,
+  MAGIC below); x's values, a few KB, come from cache. Each tile lies in one group, so its sums over an int32's
+  eight values are scaled once.
 - more rows: a [BLOCK_M, BLOCK_N] tile on the tensor cores, each [BLOCK_K, BLOCK_N] weight tile (its int32s read
   once and unpacked as above) turned into (q - z), small integers that x's dtype holds exactly, multiplied by the x
   tile and scaled per group in fp32.
@@ -26,16 +27,29 @@ import triton.language as tl
 PACK = 8
 
 
+# 2^23 as fp32: OR-ing a 4-bit value q into its low mantissa bits gives the float 2^23 + q, so that q - z is one
+# subtraction of 2^23 + z, with no integer-to-float conversion (a quarter-rate instruction, which at eight a packed
+# int32 would make the one-row GEMV compute-bound rather than bound by the weight's bytes).
+MAGIC_BITS = tl.constexpr(0x4B000000)
+MAGIC = tl.constexpr(8388608.0)
+
+
+@triton.jit
+def _unpack(packed, shifts):
+    """[P, BLOCK_N] int32 -> [P, 8, BLOCK_N] fp32 2^23 + q, q the value at bits `shifts` of each."""
+    return (((packed[:, None, :] >> shifts[None, :, None]) & 0xF) | MAGIC_BITS).to(tl.float32, bitcast=True)
+
+
 @triton.jit
 def _group_scale_zero(s_ptr, z_ptr, k0, cols, N, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr):
-    """The scales and zero points (fp32) of the group holding input row k0, for columns `cols`; GROUP 0: one
-    group."""
+    """The scales (fp32) of the group holding input row k0, for columns `cols`, and 2^23 plus their zero points
+    (what _unpack's values less it are q - z); GROUP 0: one group."""
     g = k0 // GROUP if GROUP > 0 else 0
     s = tl.load(s_ptr + g * N + cols).to(tl.float32)
     if HAS_ZEROS:
-        z = tl.load(z_ptr + g * N + cols).to(tl.float32)
+        z = tl.load(z_ptr + g * N + cols).to(tl.float32) + MAGIC
     else:
-        z = tl.full(s.shape, 8.0, tl.float32)
+        z = tl.full(s.shape, MAGIC + 8.0, tl.float32)
     return s, z
 
 
@@ -69,14 +83,13 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, b_ptr, out_ptr, M,
         p = k0 // 8 + offs_p
         p_mask = p < K // 8
         packed = tl.load(qw_ptr + p[:, None] * N + cols[None, :], mask=p_mask[:, None], other=0)
-        q = ((packed[:, None, :] >> shifts[None, :, None]) & 0xF).to(tl.float32)  # [BLOCK_K / 8, 8, BLOCK_N]
         k = p[:, None] * 8 + offs_j[None, :]
         if HAS_PERM:
             k = tl.load(perm_ptr + k, mask=p_mask[:, None], other=0)
         x = tl.load(x_ptr + m * stride_xm + k, mask=p_mask[:, None], other=0.0).to(tl.float32)
-        qx = tl.sum(q * x[:, :, None], axis=1)  # [BLOCK_K / 8, BLOCK_N]
         s, z = _group_scale_zero(s_ptr, z_ptr, k0, cols, N, GROUP, HAS_ZEROS)
-        acc += s[None, :] * (qx - z[None, :] * tl.sum(x, axis=1)[:, None])
+        w = _unpack(packed, shifts) - z[None, None, :]  # q - z, [BLOCK_K / 8, 8, BLOCK_N]
+        acc += s[None, :] * tl.sum(w * x[:, :, None], axis=1)
     _store(out_ptr, tl.sum(acc, axis=0)[None, :], b_ptr, m + tl.arange(0, 1), offs_n, cols, M, N, pid_k, SPLIT,
            HAS_BIAS)
 
@@ -107,10 +120,10 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, b_ptr, out_ptr, M,
         # Each int32 loaded once, its eight values unpacked into the eight rows it holds (row 8p + j at bits 4j).
         p = k0 // 8 + offs_p
         packed = tl.load(qw_ptr + p[:, None] * N + cols[None, :], mask=(p < K // 8)[:, None], other=0)
-        q = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & 0xF, [BLOCK_K, BLOCK_N]).to(tl.float32)
         s, z = _group_scale_zero(s_ptr, z_ptr, k0, cols, N, GROUP, HAS_ZEROS)
+        w = tl.reshape(_unpack(packed, shifts) - z[None, None, :], [BLOCK_K, BLOCK_N])
         # q - z is an integer in -16..15, exact in fp16 / bf16; x beyond K is 0, so masked rows add nothing.
-        part = tl.dot(x, (q - z[None, :]).to(act_dtype), input_precision=DOT_PRECISION)
+        part = tl.dot(x, w.to(act_dtype), input_precision=DOT_PRECISION)
         acc += part * s[None, :]
     _store(out_ptr, acc, b_ptr, offs_m, offs_n, cols, M, N, pid_k, SPLIT, HAS_BIAS)
 
