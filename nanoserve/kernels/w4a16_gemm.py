@@ -41,6 +41,13 @@ def _unpack(packed, shifts):
 
 
 @triton.jit
+def _load_packed(qw_ptr, k0, offs_p, cols, N, k_end):
+    """The [BLOCK_K / 8, BLOCK_N] int32 tile of qweight holding input rows k0.. (zeros from k_end on)."""
+    p = k0 // 8 + offs_p
+    return tl.load(qw_ptr + p[:, None] * N + cols[None, :], mask=(p < k_end // 8)[:, None], other=0)
+
+
+@triton.jit
 def _group_scale_zero(s_ptr, z_ptr, k0, cols, N, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr):
     """The scales (fp32) of the group holding input row k0, for columns `cols`, and 2^23 plus their zero points
     (what _unpack's values less it are q - z); GROUP 0: one group."""
@@ -79,10 +86,14 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, b_ptr, out_ptr, M,
     # iteration. What is summed in the loop, over the eight values of one int32, stays within a thread.
     acc = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
     k_start = pid_k * k_per_split
-    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
+    k_end = tl.minimum(k_start + k_per_split, K)
+    # The next tile is loaded before this one is multiplied, so that a program has a load in flight while it
+    # computes: the compiler does not pipeline this loop's loads (no asynchronous copies in its PTX).
+    packed = _load_packed(qw_ptr, k_start, offs_p, cols, N, k_end)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        packed_next = _load_packed(qw_ptr, k0 + BLOCK_K, offs_p, cols, N, k_end)
         p = k0 // 8 + offs_p
         p_mask = p < K // 8
-        packed = tl.load(qw_ptr + p[:, None] * N + cols[None, :], mask=p_mask[:, None], other=0)
         k = p[:, None] * 8 + offs_j[None, :]
         if HAS_PERM:
             k = tl.load(perm_ptr + k, mask=p_mask[:, None], other=0)
@@ -90,6 +101,7 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, b_ptr, out_ptr, M,
         s, z = _group_scale_zero(s_ptr, z_ptr, k0, cols, N, GROUP, HAS_ZEROS)
         w = _unpack(packed, shifts) - z[None, None, :]  # q - z, [BLOCK_K / 8, 8, BLOCK_N]
         acc += s[None, :] * tl.sum(w * x[:, :, None], axis=1)
+        packed = packed_next
     _store(out_ptr, tl.sum(acc, axis=0)[None, :], b_ptr, m + tl.arange(0, 1), offs_n, cols, M, N, pid_k, SPLIT,
            HAS_BIAS)
 
