@@ -98,7 +98,7 @@ def test_kernel_forward_gives_the_reference_tokens(written, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 
     def run() -> list[list[int]]:
-        alone = llm.generate(prompts()[2:], params, use_tqdm=False)
+        alone = llm.generate(prompts()[1:2], params, use_tqdm=False)
         return [o.outputs[0].token_ids for o in alone + llm.generate(prompts()[:2], params, use_tqdm=False)]
     want = run()
     calls = []
