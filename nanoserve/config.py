@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from nanoserve.quantization.detect import detect_quantization
+from nanoserve.quantization.mxfp4 import MXFP4Scheme
 from nanoserve.quantization.scheme import FP8Scheme
 from nanoserve.quantization.w4_scheme import W4Scheme
 
@@ -153,6 +154,9 @@ def _rope_scaling(raw: dict) -> dict | None:
         return None
     scaling = dict(params)
     kind = scaling.setdefault("rope_type", scaling.get("type", "default"))
+    if raw.get("model_type") == "phi3" and kind in ("su", "yarn"):
+        # transformers' Phi3Config reads the names early Phi-3 checkpoints used ("su" for LongRoPE) as longrope.
+        kind = scaling["rope_type"] = "longrope"
     if kind == "default":
         return None
     if kind in ("llama3", "yarn", "longrope"):
@@ -228,6 +232,8 @@ class EngineArgs:
     enable_expert_parallel: bool = _arg(False, "mixture-of-experts models under tensor parallelism: each rank holds "
                                                "whole experts (num_experts / tensor_parallel_size of them) instead "
                                                "of a slice of every expert")
+    disable_custom_all_reduce: bool = _arg(False, "tensor parallel on GPUs: NCCL for every all-reduce, instead of "
+                                                   "peer-to-peer (symmetric memory) ones for small messages")
     seed: int = _arg(0, "seed of random weights (--load-format dummy) and of sampling without a seed")
     # The server only (AsyncEngine): run the engine in a process of its own, so that its host work
     # (scheduling, detokenizing, building outputs) does not share a GIL with the HTTP event loop.
@@ -252,9 +258,9 @@ class EngineArgs:
                                           "step) or off (none)")
     quantization: str | None = _arg(None, "fp8: quantize an unquantized checkpoint's linear weights to FP8 while "
                                           "loading (per-channel weight scales, dynamic per-token activations); "
-                                          "compressed-tensors, fp8, gptq or awq: what a quantized checkpoint's "
-                                          "quantization_config says, which is read without this flag; None: as "
-                                          "the checkpoint is")
+                                          "compressed-tensors, fp8, gptq, awq or mxfp4: what a quantized "
+                                          "checkpoint's quantization_config says, which is read without this flag; "
+                                          "None: as the checkpoint is")
     pdl: bool = _arg(True, "CUDA: launch kernels with programmatic dependent launch on compute capability 9.0+ "
                            "(--no-pdl to measure what it gives or rule it out)")
 
@@ -280,7 +286,8 @@ class EngineConfig:
     # What set max_model_len, for the start-up summary: the model's limit, the user, or the KV pool.
     max_model_len_source: str = "the model's max_position_embeddings"
     chat_template: str | None = None  # the template's text (args.chat_template may name a file)
-    quantization: FP8Scheme | W4Scheme | None = None  # what config.json's quantization_config and the flag ask for
+    # What config.json's quantization_config and args.quantization ask for.
+    quantization: FP8Scheme | W4Scheme | MXFP4Scheme | None = None
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> "EngineConfig":
@@ -390,10 +397,15 @@ def _check_tensor_parallel(args: EngineArgs, model: ModelConfig) -> None:
         raise ValueError(f"tensor_parallel_size: {tp} does not divide the model's {', '.join(uneven)}")
 
 
-def _check_quantization(scheme: FP8Scheme | W4Scheme, model: ModelConfig, tp_size: int) -> None:
-    """Refuse, naming the field, a model this scheme cannot split: stacked shards (q/k/v, gate/up) must each
-    be whole blocks of rows, and under tensor parallelism each rank's input columns of o_proj and down_proj
-    whole blocks of columns."""
+def _check_quantization(scheme: FP8Scheme | W4Scheme | MXFP4Scheme, model: ModelConfig, tp_size: int) -> None:
+    """Refuse, naming the field, a model this scheme cannot run or split: MXFP4 is gpt-oss's; with FP8, stacked
+    shards (q/k/v, gate/up) must each be whole blocks of rows, and under tensor parallelism each rank's input
+    columns of o_proj and down_proj whole blocks of columns; 4-bit weights as _check_w4 says."""
+    if isinstance(scheme, MXFP4Scheme):
+        if model.architecture != "GptOssForCausalLM":
+            raise ValueError(f"quantization_config.quant_method: 'mxfp4' is supported for gpt-oss's experts "
+                             f"(GptOssForCausalLM), not {model.architecture}")
+        return
     if model.moe is not None:
         raise ValueError(f"quantization: {model.architecture} is a mixture-of-experts model; quantized "
                          "experts are not supported yet")

@@ -59,7 +59,9 @@ def test_profile_counts_the_all_reduces_of_two_ranks(capsys: pytest.CaptureFixtu
     ("_decode_rope_split_kernel", "attention"), ("_prefill_attention_kernel", "attention"),
     ("_skinny_linear_kernel", "matmul"), ("_silu_mul_gemv_kernel", "matmul"), ("nvjet_tst_128x64_64x8", "matmul"),
     ("aten::addmm", "matmul"), ("aten::mm", "matmul"), ("cublasLt::splitKreduce_kernel", "matmul"),
-    ("c10d::allreduce_", "collective"), ("_rms_norm_kernel", "other"), ("aten::index", "other"),
+    ("c10d::allreduce_", "collective"), ("_rms_norm_kernel", "other"),
+    ("void c10d::symmetric_memory::one_shot_all_reduce_kernel<c10::BFloat16, 16, 2>", "collective"),
+    ("aten::index", "other"),
     ("aten::broadcast_tensors", "other"), ("comm_kernel", "other"),
 ])
 def test_kernels_are_grouped_by_name(name: str, kind: str) -> None:

@@ -17,7 +17,8 @@ TIERS: list[tuple[str, ...]] = [
     # Plain modules and self-contained feature packages, under them all.
     ("utils", "outputs", "sampling_params", "config", "args", "tools", "structured", "assets",
      # a checkpoint's quantization_config, read with config.json
-     "quantization.scheme", "quantization.detect", "quantization.w4_scheme", "quantization.w4_detect"),
+     "quantization.scheme", "quantization.detect", "quantization.mxfp4", "quantization.w4_scheme",
+     "quantization.w4_detect"),
     ("kernels", "distributed"),
     ("layers",),
     ("model", "quantization"),  # the quantized linear layers the loader puts in place

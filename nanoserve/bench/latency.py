@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"bench": "latency", "model": cfg.model_dir, "batch_size": ns.batch_size, "input_len": ns.input_len,
               "output_len": output_len, "ms_per_token": round(step_s * 1e3, 3),
               "tok_s": round(ns.batch_size / step_s, 1), **engine_facts(cfg),
-              "cuda_graphs": engine.runner.graphs is not None, "tensor_parallel_size": cfg.args.tensor_parallel_size}
+              "cuda_graphs": engine.runner.graphs is not None, "tensor_parallel_size": cfg.args.tensor_parallel_size,
+              "symm_all_reduce": engine.runner.tp.symm is not None}
     if bw is not None:
         avg_context = ns.input_len + output_len / 2
         step_bytes = roofline.weight_bytes(engine.runner.model).read_by(ns.batch_size) + (

@@ -180,8 +180,38 @@ class Sampler:
                 self._apply_bitmask(logits, masks)
         temps = to_device([p.temperature for p in params], torch.float32, self.device)
         self.num_calls += 1
-        key = (self.seed * 0x9E3779B1 + self.num_calls * 0x632BE5AB) & 0xFFFFFFFF
-        return self._logprobs(raw_logprobs, gumbel_max_sample(logits, temps, key), params)
+        return self._logprobs(raw_logprobs, gumbel_max_sample(logits, temps, self._key(self.num_calls)), params)
+
+    def _key(self, call: int) -> int:
+        return (self.seed * 0x9E3779B1 + call * 0x632BE5AB) & 0xFFFFFFFF
+
+    # -- tensor parallelism: the other ranks draw rank 0's tokens themselves ------------------------------------
+    def replicable(self, seqs: Sequence[SamplingRow], masks: AllowedTokens | None) -> bool:
+        """Whether this batch's tokens are a function of the logits, the rows' temperatures and the next call's key
+        alone, so that another rank holding the same logits draws the same tokens (sample_replica) with nothing
+        but the temperatures sent: on CUDA the fused kernel's batches, on the CPU all-greedy ones. Anything that
+        reads a sequence's host state (its own seed's generator, its history for penalties and min_tokens, its
+        grammar) or the engine generator's running state is not."""
+        if masks is not None or not seqs:
+            return False
+        for s in seqs:
+            p = s.params
+            if p.has_penalties or p.logit_bias or p.min_tokens:
+                return False
+            if p.temperature != 0 and not (self.fused and p.top_k <= 0 and p.top_p >= 1 and p.min_p <= 0
+                                           and s.generator is None):
+                return False
+        return True
+
+    def sample_replica(self, logits: torch.Tensor, temperatures: list[float], call: int) -> torch.Tensor:
+        """The tokens rank 0's sample() drew from the same logits for a replicable batch, whose fused call was
+        number `call` (temperatures: the rows', only when fused)."""
+        if self.fused:
+            from nanoserve.kernels.sampling import gumbel_max_sample
+
+            self.num_calls = call
+            return gumbel_max_sample(logits, to_device(temperatures, torch.float32, self.device), self._key(call))
+        return (logits.float() if logits.dtype != torch.float32 else logits).argmax(dim=-1)
 
     def _mask_stop_tokens(self, logits: torch.Tensor, seqs: Sequence[SamplingRow], params: list) -> None:
         rows, cols = [], []

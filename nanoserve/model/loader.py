@@ -43,13 +43,13 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup | None = None) -> n
         with torch.device("meta" if on_meta else config.device):
             extra = {"expert_parallel": config.args.enable_expert_parallel} if config.model.moe else {}
             model = cls(config.model, config.max_model_len, tp, **extra)
-        dummy = config.args.load_format == "dummy"
-        if config.quantization is not None:
-            prepare_model(model, config.quantization, dummy, config.device)
-        if on_meta:
-            _materialize(model, config.device)
     finally:
         torch.set_default_dtype(torch.float32)
+    dummy = config.args.load_format == "dummy"
+    if config.quantization is not None:
+        prepare_model(model, config.quantization, dummy, config.device)
+    if on_meta:
+        _materialize(model, config.device)
     if dummy:
         _init_dummy(model, config.args.seed)
     else:
@@ -153,7 +153,8 @@ def _load_weights(model: nn.Module, files: list[Path]) -> None:
                     getattr(param, "weight_loader", load_whole)(param, tensor, shard)
                 except ValueError as e:
                     raise ValueError(f"model: {ckpt_name!r} {e}") from None
-                loaded.add(name if shard is None else f"{name}:{shard}")
+                # A packed tensor ("q+k+v") fills several shards.
+                loaded.update([name] if shard is None else [f"{name}:{part}" for part in shard.split("+")])
     missing, fused = [], set()
     for name, module in model.named_modules():
         for pname, shards in module.expected_shards().items() if hasattr(module, "expected_shards") else ():

@@ -9,20 +9,22 @@ Formats read:
 - quant_method "fp8": `weight_block_size` [rows, columns] with `weight_scale_inv` tensors and dynamic activations
   (Qwen3-FP8, DeepSeek-V3); without a block size, per-tensor `weight_scale` with static `input_scale` or dynamic
   activations. Its `ignored_layers` / `modules_to_not_convert`.
+- quant_method "mxfp4": gpt-oss's experts as OpenAI ships them (mxfp4.py says how they run).
 - `quantization="fp8"` on an unquantized checkpoint: its linear weights quantized while loading (scheme.py says how).
 - 4-bit weights (W4A16): quant_method "gptq", "awq", and compressed-tensors' format "pack-quantized", read by
   w4_detect.py.
 """
 
 from nanoserve.quantization import w4_detect
+from nanoserve.quantization.mxfp4 import MXFP4Scheme
 from nanoserve.quantization.scheme import FP8Scheme
 from nanoserve.quantization.w4_scheme import W4Scheme
 
-SUPPORTED_METHODS = ("awq", "compressed-tensors", "fp8", "gptq")
+SUPPORTED_METHODS = ("awq", "compressed-tensors", "fp8", "gptq", "mxfp4")
 _SUPPORTED = ", ".join(SUPPORTED_METHODS)
 
 
-def detect_quantization(raw_config: dict, flag: str | None) -> FP8Scheme | W4Scheme | None:
+def detect_quantization(raw_config: dict, flag: str | None) -> FP8Scheme | W4Scheme | MXFP4Scheme | None:
     """The scheme of a model whose config.json is raw_config, run with EngineArgs.quantization = flag; None:
     unquantized."""
     if flag is not None and flag not in SUPPORTED_METHODS:
@@ -47,6 +49,8 @@ def detect_quantization(raw_config: dict, flag: str | None) -> FP8Scheme | W4Sch
         return w4_detect.gptq(qc)
     if method == "awq":
         return w4_detect.awq(qc)
+    if method == "mxfp4":
+        return MXFP4Scheme()
     return _compressed_tensors(qc) if method == "compressed-tensors" else _fp8(qc)
 
 

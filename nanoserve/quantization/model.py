@@ -19,6 +19,7 @@ from torch import nn
 from nanoserve.layers.linear import Linear
 from nanoserve.quantization.fp8_linear import Fp8LinearMethod
 from nanoserve.quantization.fp8_math import FP8
+from nanoserve.quantization.mxfp4 import MXFP4Scheme
 from nanoserve.quantization.scheme import FP8Scheme
 from nanoserve.quantization.w4_linear import W4LinearMethod
 from nanoserve.quantization.w4_scheme import W4Scheme
@@ -46,19 +47,23 @@ def quantized_layers(model: nn.Module, scheme: FP8Scheme | W4Scheme) -> Iterator
         yield name, module
 
 
-def _method(scheme: FP8Scheme | W4Scheme) -> Fp8LinearMethod | W4LinearMethod:
-    return W4LinearMethod(scheme) if isinstance(scheme, W4Scheme) else Fp8LinearMethod(scheme)
-
-
-def replaces_weights(scheme: FP8Scheme | W4Scheme) -> bool:
+def replaces_weights(scheme: FP8Scheme | W4Scheme | MXFP4Scheme) -> bool:
     """Whether the quantized layers hold other tensors than their unquantized weight (so the loader may build the
     model on the meta device, prepare_model putting these on the real one)."""
     return isinstance(scheme, W4Scheme)
 
 
-def prepare_model(model: nn.Module, scheme: FP8Scheme | W4Scheme, dummy: bool, device: torch.device) -> None:
+def prepare_model(model: nn.Module, scheme: FP8Scheme | W4Scheme | MXFP4Scheme, dummy: bool,
+                  device: torch.device) -> None:
     """Before the weights are filled: the quantized parameters and their loaders, on `device`, where the checkpoint
-    (or the dummy initialization) provides them."""
+    (or the dummy initialization) provides them; MXFP4 experts told to expect blocks and scales (random weights
+    stay in the dtype the experts run in)."""
+    if isinstance(scheme, MXFP4Scheme):
+        if not dummy:
+            for module in model.modules():
+                if hasattr(module, "expect_mxfp4"):
+                    module.expect_mxfp4()
+        return
     if not (scheme.serialized or dummy):
         return
     if isinstance(scheme, W4Scheme):
@@ -71,14 +76,18 @@ def prepare_model(model: nn.Module, scheme: FP8Scheme | W4Scheme, dummy: bool, d
         method.create_weights(layer)
 
 
-def finish_model(model: nn.Module, scheme: FP8Scheme | W4Scheme) -> None:
+def finish_model(model: nn.Module, scheme: FP8Scheme | W4Scheme | MXFP4Scheme) -> None:
     """After the weights are filled: unquantized ones quantized (an FP8 scheme quantized at load), every layer's
     parameters in their runtime form and its quant_method set."""
-    method = _method(scheme)
-    for name, layer in quantized_layers(model, scheme):
-        if isinstance(method, W4LinearMethod):
-            method.process_weights(layer, name)
-            continue
+    if isinstance(scheme, MXFP4Scheme):
+        return
+    if isinstance(scheme, W4Scheme):
+        w4 = W4LinearMethod(scheme)
+        for name, layer in quantized_layers(model, scheme):
+            w4.process_weights(layer, name)
+        return
+    method = Fp8LinearMethod(scheme)
+    for _, layer in quantized_layers(model, scheme):
         if layer.weight.dtype != FP8:
             method.quantize_loaded(layer)
         method.process_weights(layer)

@@ -203,6 +203,13 @@ class ModelRunner:
         # queued when the next step launches (or when this step's result is read), before that step's forward.
         masks = logit_masks(seqs, prev) if logit_masks is not None and seqs else None
         prev_tokens = prev.sampled.token_ids if prev is not None and prev.sampled is not None else None
+        # Under tensor parallelism the other ranks need this step's samples (a later step's pending tokens): they
+        # draw them themselves where the batch allows (Sampler.replicable), with no collective; else rank 0
+        # broadcasts them. Not the tokens in the next step's message: rank 0 sends that before this step's samples
+        # reach its host (async scheduling), and waiting for them would put the host back on the device's path.
+        if self.workers is not None and self.sampler.replicable(seqs, masks):
+            step.replica_call = self.sampler.num_calls + 1 if self.sampler.fused else 0
+            step.temperatures = [s.params.temperature for s in seqs] if self.sampler.fused else []
         if self.workers is None:
             plp_logits, logits = self.execute(step, prev_tokens)
         else:
@@ -218,7 +225,8 @@ class ModelRunner:
 
         def sample() -> None:
             sampled = self.sampler.sample(logits, seqs, masks)
-            if self.workers is not None:  # the other ranks take pending tokens from them (StepInputs)
+            assert step.replica_call <= 0 or self.sampler.num_calls == step.replica_call, "the ranks' keys differ"
+            if self.workers is not None and step.replica_call < 0:  # the other ranks take pending tokens from them
                 try:
                     self.tp.broadcast(sampled.token_ids)
                 except RuntimeError as exc:

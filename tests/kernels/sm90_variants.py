@@ -75,20 +75,23 @@ def _decode(dtype: torch.dtype, batch: int, head_dim: int, num_splits: int | Non
     return call
 
 
-def _rope_args(batch: int, hq: int, hkv: int, head_dim: int, norm: bool, dtype: torch.dtype = BF16) -> tuple:
-    """qkv_rope_store's arguments up to slot_mapping (decode_rope_attention takes the same first)."""
+def _rope_args(batch: int, hq: int, hkv: int, head_dim: int, norm: bool, dtype: torch.dtype = BF16,
+               rotary_dim: int | None = None) -> tuple:
+    """qkv_rope_store's arguments up to slot_mapping (decode_rope_attention takes the same first); rotary_dim <
+    head_dim: partial rotary (the tables' width)."""
     weights = (_zeros(head_dim, dtype=dtype), _zeros(head_dim, dtype=dtype)) if norm else (None, None)
+    half = (rotary_dim or head_dim) // 2
     return (_zeros(batch, (hq + 2 * hkv) * head_dim, dtype=dtype), hq, hkv, _zeros(batch, dtype=I64),
-            _zeros(64, head_dim // 2, dtype=FP32), _zeros(64, head_dim // 2, dtype=FP32), *weights, 1e-6,
+            _zeros(64, half, dtype=FP32), _zeros(64, half, dtype=FP32), *weights, 1e-6,
             _cache(hkv, head_dim, dtype), _cache(hkv, head_dim, dtype), _zeros(batch, dtype=I64))
 
 
 def _decode_rope(batch: int, norm: bool, num_splits: int | None, fused: bool, prefetch: bool, window: bool,
-                 sinks: bool):
+                 sinks: bool, rotary_dim: int | None = None):
     def call() -> None:
         hq, hkv = 16, 8
-        decode_rope_attention(*_rope_args(batch, hq, hkv, 128, norm), _zeros(batch, dtype=I32),
-                              _zeros(batch, 8, dtype=I32), 0.125, num_splits=num_splits,
+        decode_rope_attention(*_rope_args(batch, hq, hkv, 128, norm, rotary_dim=rotary_dim),
+                              _zeros(batch, dtype=I32), _zeros(batch, 8, dtype=I32), 0.125, num_splits=num_splits,
                               counters=_zeros(batch * hkv, dtype=I32) if fused else None, prefetch=prefetch,
                               window=128 if window else None, sinks=_zeros(hq, dtype=FP32) if sinks else None)
     return call
@@ -181,6 +184,7 @@ VARIANTS = [
     ("decode_rope bf16 fused norm window+sinks", _decode_rope(2, True, 4, True, True, True, True)),
     ("decode_rope bf16 split+reduce no prefetch", _decode_rope(2, False, 4, False, False, False, False)),
     ("decode_rope bf16 unsplit", _decode_rope(2, True, 1, False, True, False, False)),
+    ("decode_rope bf16 fused partial rotary 96/128", _decode_rope(2, False, 4, True, True, False, False, 96)),
     ("decode bf16 fused order window+sinks", _decode(BF16, 2, 128, 4, True, True, True, True)),
     ("decode bf16 split+reduce", _decode(BF16, 2, 128, 4, False, False, False, False)),
     ("decode bf16 batch 64 unsplit (128-key tiles)", _decode(BF16, 64, 128, 1, False, True, False, False)),
@@ -213,8 +217,15 @@ VARIANTS = [
     ("fp8 quantize_rows static", lambda: quantize_rows(_zeros(4, 4096), _zeros(1, dtype=FP32))),
     ("qkv_rope_store bf16 norm", lambda: qkv_rope_store(*_rope_args(4, 16, 8, 128, True))),
     ("qkv_rope_store bf16 D=64", lambda: qkv_rope_store(*_rope_args(4, 4, 1, 64, False))),
+    ("qkv_rope_store bf16 partial rotary 96/128",
+     lambda: qkv_rope_store(*_rope_args(4, 24, 8, 128, False, rotary_dim=96))),
+    ("qkv_rope_store bf16 norm partial rotary 32/64",
+     lambda: qkv_rope_store(*_rope_args(4, 4, 1, 64, True, rotary_dim=32))),
     ("rotary bf16", lambda: apply_rotary(_zeros(4, 8, 128), _zeros(4, 2, 128), _zeros(64, 64, dtype=FP32),
                                          _zeros(64, 64, dtype=FP32), _zeros(4, dtype=I64))),
+    ("rotary bf16 partial 96/128", lambda: apply_rotary(_zeros(4, 8, 128), _zeros(4, 2, 128),
+                                                        _zeros(64, 48, dtype=FP32), _zeros(64, 48, dtype=FP32),
+                                                        _zeros(4, dtype=I64))),
     ("kv_store bf16", lambda: store_kvcache(_zeros(4, 2, 128), _zeros(4, 2, 128), _cache(2, 128, BF16),
                                             _cache(2, 128, BF16), _zeros(4, dtype=I64))),
     ("rms_norm bf16 residual", lambda: rms_norm(_zeros(4, 4096), _zeros(4096), 1e-6, _zeros(4, 4096))),

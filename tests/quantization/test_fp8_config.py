@@ -28,8 +28,8 @@ def with_group(**changes) -> dict:
 
 @pytest.mark.parametrize("qc, flag, message", [
     ({"quant_method": "gguf"}, None,
-     "quantization_config.quant_method: 'gguf' is not supported; supported: awq, compressed-tensors, fp8, gptq"),
-    (None, "gguf", "quantization: 'gguf' is not supported; supported: awq, compressed-tensors, fp8, gptq"),
+     "quantization_config.quant_method: 'gguf' is not supported; supported: awq, compressed-tensors, fp8, gptq, mxfp4"),
+    (None, "gguf", "quantization: 'gguf' is not supported; supported: awq, compressed-tensors, fp8, gptq, mxfp4"),
     (None, "compressed-tensors", "quantization: 'compressed-tensors' needs a checkpoint written in that format"),
     (CT, "fp8", "quantization: 'fp8' does not match the checkpoint's quantization_config.quant_method "
                 "'compressed-tensors'"),
@@ -116,4 +116,4 @@ def test_cli_refuses_unknown_quantization(checkpoints):
                           "--quantization", "gguf", "--prompt", "hi"], capture_output=True, text=True, env=env,
                          timeout=120)
     assert run.returncode != 0
-    assert "quantization: 'gguf' is not supported; supported: awq, compressed-tensors, fp8, gptq" in run.stderr
+    assert "quantization: 'gguf' is not supported; supported: awq, compressed-tensors, fp8, gptq, mxfp4" in run.stderr
