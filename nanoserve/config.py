@@ -10,6 +10,7 @@ import torch
 from nanoserve.quantization.detect import detect_quantization
 from nanoserve.quantization.mxfp4 import MXFP4Scheme
 from nanoserve.quantization.scheme import FP8Scheme
+from nanoserve.quantization.w4_scheme import W4Scheme
 from nanoserve.spec_decode.config import SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -273,9 +274,9 @@ class EngineArgs:
                                           "step) or off (none)")
     quantization: str | None = _arg(None, "fp8: quantize an unquantized checkpoint's linear weights to FP8 while "
                                           "loading (per-channel weight scales, dynamic per-token activations); "
-                                          "compressed-tensors or fp8: what a quantized checkpoint's "
-                                          "quantization_config says, which is read without this flag; None: as "
-                                          "the checkpoint is")
+                                          "compressed-tensors, fp8, gptq, awq or mxfp4: what a quantized "
+                                          "checkpoint's quantization_config says, which is read without this flag; "
+                                          "None: as the checkpoint is")
     pdl: bool = _arg(True, "CUDA: launch kernels with programmatic dependent launch on compute capability 9.0+ "
                            "(--no-pdl to measure what it gives or rule it out)")
     speculative_config: dict | None = _arg(None, "speculative decoding, as a JSON object: {\"method\": \"ngram\", "
@@ -305,7 +306,7 @@ class EngineConfig:
     max_model_len_source: str = "the model's max_position_embeddings"
     chat_template: str | None = None  # the template's text (args.chat_template may name a file)
     # What config.json's quantization_config and args.quantization ask for.
-    quantization: FP8Scheme | MXFP4Scheme | None = None
+    quantization: FP8Scheme | W4Scheme | MXFP4Scheme | None = None
     speculative: SpeculativeConfig | None = None  # args.speculative_config, checked
 
     @classmethod
@@ -417,10 +418,10 @@ def _check_tensor_parallel(args: EngineArgs, model: ModelConfig) -> None:
         raise ValueError(f"tensor_parallel_size: {tp} does not divide the model's {', '.join(uneven)}")
 
 
-def _check_quantization(scheme: FP8Scheme | MXFP4Scheme, model: ModelConfig, tp_size: int) -> None:
+def _check_quantization(scheme: FP8Scheme | W4Scheme | MXFP4Scheme, model: ModelConfig, tp_size: int) -> None:
     """Refuse, naming the field, a model this scheme cannot run or split: MXFP4 is gpt-oss's; with FP8, stacked
     shards (q/k/v, gate/up) must each be whole blocks of rows, and under tensor parallelism each rank's input
-    columns of o_proj and down_proj whole blocks of columns."""
+    columns of o_proj and down_proj whole blocks of columns; 4-bit weights as _check_w4 says."""
     if isinstance(scheme, MXFP4Scheme):
         if model.architecture != "GptOssForCausalLM":
             raise ValueError(f"quantization_config.quant_method: 'mxfp4' is supported for gpt-oss's experts "
@@ -429,6 +430,9 @@ def _check_quantization(scheme: FP8Scheme | MXFP4Scheme, model: ModelConfig, tp_
     if model.moe is not None:
         raise ValueError(f"quantization: {model.architecture} is a mixture-of-experts model; quantized "
                          "experts are not supported yet")
+    if isinstance(scheme, W4Scheme):
+        _check_w4(scheme, model, tp_size)
+        return
     if scheme.block is None:
         return
     rows, cols = scheme.block
@@ -448,6 +452,32 @@ def _check_quantization(scheme: FP8Scheme | MXFP4Scheme, model: ModelConfig, tp_
         where = f" per rank at tensor_parallel_size {tp_size}" if tp_size > 1 else ""
         raise ValueError(f"{field}: {list(scheme.block)} does not divide the "
                          f"model's {', '.join(uneven)}{where}")
+
+
+def _check_w4(scheme: W4Scheme, model: ModelConfig, tp_size: int) -> None:
+    """Refuse, naming the field, a model whose layers a 4-bit scheme cannot split (quantization/w4_linear.py): each
+    stacked shard's rows (a rank's share) whole int32s of eight (AWQ and compressed-tensors pack rows), and each
+    layer's input columns (a rank's share of o_proj's and down_proj's) whole groups."""
+    heads = model.num_attention_heads * model.head_dim // tp_size
+    kv = max(1, model.num_key_value_heads // tp_size) * model.head_dim
+    ffn = model.intermediate_size // tp_size
+    rows = [f"{what} {n}" for what, n in (("q_proj rows", heads), ("k_proj/v_proj rows", kv),
+                                          ("gate_proj/up_proj rows", ffn)) if n % 8]
+    where = f" per rank at tensor_parallel_size {tp_size}" if tp_size > 1 else ""
+    if rows:
+        raise ValueError(f"quantization_config: 4-bit weights pack eight rows an int32, which does not divide the "
+                         f"model's {', '.join(rows)}{where}")
+    if scheme.act_order and tp_size > 1:
+        raise ValueError(f"quantization_config: act-order (desc_act / actorder 'group') with tensor_parallel_size "
+                         f"{tp_size} is not supported: a rank's input columns of o_proj and down_proj fall in every "
+                         "group")
+    if scheme.group_size == -1:
+        return
+    columns = [("hidden_size", model.hidden_size), ("o_proj columns", heads), ("down_proj columns", ffn)]
+    uneven = [f"{what} {n}" for what, n in columns if n % scheme.group_size]
+    if uneven:
+        raise ValueError(f"{scheme.group_field}: {scheme.group_size} does not divide the model's "
+                         f"{', '.join(uneven)}{where}")
 
 
 def _check_profile_engine(args: EngineArgs) -> None:

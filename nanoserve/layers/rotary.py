@@ -154,15 +154,26 @@ class RotaryEmbedding(nn.Module):
         if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
             raise ValueError(f"partial_rotary_factor: the rotary dimension {rotary_dim} must be even and at most "
                              f"head_dim {head_dim}")
+        self._args = (rotary_dim, max_position, base, scaling)
+        for name, table in self._tables().items():
+            self.register_buffer(name, table, persistent=False)
+
+    def _tables(self) -> dict[str, torch.Tensor]:
+        rotary_dim, max_position, base, scaling = self._args
         inv_freq, attention = rope_frequencies(rotary_dim, base, scaling, max_position)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * attention, persistent=False)
-        self.register_buffer("sin", emb.sin() * attention, persistent=False)
         # The GPU kernels read one half: the two halves of cat(freqs, freqs) are equal. Their width says the
         # rotary dimension (kernels/rotary.py, qkv_rope_store.py, decode_rope_attention.py).
-        self.register_buffer("cos_half", freqs.cos() * attention, persistent=False)
-        self.register_buffer("sin_half", freqs.sin() * attention, persistent=False)
+        return {"cos": emb.cos() * attention, "sin": emb.sin() * attention,
+                "cos_half": freqs.cos() * attention, "sin_half": freqs.sin() * attention}
+
+    def reset_buffers(self, device: torch.device) -> None:
+        """The tables computed on `device`: for a model built on the meta device (model/loader.py builds a 4-bit
+        one there, so that no unquantized weight is ever allocated)."""
+        with torch.device(device):
+            for name, table in self._tables().items():
+                self._buffers[name] = table
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q [T, Hq, D], k [T, Hkv, D] -> rotated (in place on the GPU, copies on the CPU)."""

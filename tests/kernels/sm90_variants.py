@@ -29,6 +29,7 @@ from nanoserve.kernels.rms_norm import rms_norm
 from nanoserve.kernels.rotary import apply_rotary
 from nanoserve.kernels.sampling import gumbel_max_sample
 from nanoserve.kernels.silu_mul_gemv import silu_mul_gemv
+from nanoserve.kernels.w4a16_gemm import w4a16_linear
 
 BF16, FP32, I32, I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
 BLOCK_SIZE = 16  # KV cache block size
@@ -169,6 +170,17 @@ def _fp8_linear(m: int, block: tuple[int, int]):
     return call
 
 
+def _w4a16(m: int, n: int, k: int, group: int, zeros: bool, perm: bool, bias: bool):
+    """A 4-bit layer as quantization/w4_linear.py holds it: bf16 activations, fp16 scales (GPTQ's and AWQ's),
+    uint8 zero points, int32 act-order permutation."""
+    def call() -> None:
+        groups = 1 if group == -1 else k // group
+        w4a16_linear(_zeros(m, k), _zeros(k // 8, n, dtype=I32), _zeros(groups, n, dtype=torch.float16),
+                     _zeros(groups, n, dtype=torch.uint8) if zeros else None, _zeros(k, dtype=I32) if perm else None,
+                     group, _zeros(n) if bias else None)
+    return call
+
+
 def _sampling() -> None:
     try:
         gumbel_max_sample(_zeros(2, 1000, dtype=FP32), _zeros(2, dtype=FP32), 1234)
@@ -212,6 +224,11 @@ VARIANTS = [
     ("fp8_block_linear M=1 FP8 dot", _fp8_linear(1, (128, 128))),
     ("fp8_block_linear M=200 FP8 dot", _fp8_linear(200, (128, 128))),
     ("fp8_block_linear M=32 upcast (16-wide K blocks)", _fp8_linear(32, (16, 16))),
+    ("w4a16 GEMV M=1 K split (o_proj shape) zeros", _w4a16(1, 4096, 4096, 128, True, False, False)),
+    ("w4a16 GEMV M=1 unsplit act-order bias", _w4a16(1, 28672, 4096, 128, False, True, True)),
+    ("w4a16 GEMV M=1 one group per row", _w4a16(1, 28672, 1024, -1, False, False, False)),
+    ("w4a16 GEMM M=8 split zeros", _w4a16(8, 4096, 4096, 128, True, False, False)),
+    ("w4a16 GEMM M=256 act-order bias group 32", _w4a16(256, 4096, 512, 32, False, True, True)),
     ("fp8 quantize_rows dynamic", lambda: quantize_rows(_zeros(4, 4096))),
     ("fp8 quantize_rows static", lambda: quantize_rows(_zeros(4, 4096), _zeros(1, dtype=FP32))),
     ("qkv_rope_store bf16 norm", lambda: qkv_rope_store(*_rope_args(4, 16, 8, 128, True))),
