@@ -33,6 +33,12 @@ def write_tokenizer(path: Path, vocab_size: int = VOCAB) -> None:
         "chat_template": template}))
 
 
+def rope_factors(n: int, seed: int) -> list[float]:
+    """n LongRoPE rescale factors in [1, 4)."""
+    g = torch.Generator().manual_seed(seed)
+    return (1 + 3 * torch.rand(n, generator=g)).tolist()
+
+
 ARCHS = {
     "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=False,
                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -63,6 +69,15 @@ ARCHS = {
                    sliding_window=24, sliding_window_pattern=3, query_pre_attn_scalar=24, random_norms=True,
                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 20000.0},
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}}),
+    # Phi-4-mini's layout: packed qkv_proj / gate_up_proj, 3/4 of each 64-dim head rotated (24 LongRoPE factors,
+    # padded to 32 in the kernels), tied embeddings; and Phi-3-mini-4k's window (48 here: prompts outgrow it).
+    # original_max_position_embeddings = max_position_embeddings keeps transformers on short_factor at every length,
+    # as the engine is (tests/model/test_rope_scaling_vs_hf.py runs long_factor).
+    "phi3": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], tie_word_embeddings=True, pad_token_id=None,
+                 hidden_size=128, num_attention_heads=2, num_key_value_heads=1, partial_rotary_factor=0.75,
+                 rope_scaling={"rope_type": "longrope", "short_factor": rope_factors(24, 0),
+                               "long_factor": rope_factors(24, 1)},
+                 original_max_position_embeddings=512, sliding_window=48),
 }
 
 

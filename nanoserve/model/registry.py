@@ -21,6 +21,7 @@ MODELS: dict[str, tuple[str, str]] = {
     "Gemma2ForCausalLM": ("nanoserve.model.gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("nanoserve.model.gemma", "Gemma3ForCausalLM"),
     "Gemma3ForConditionalGeneration": ("nanoserve.model.gemma", "Gemma3ForConditionalGeneration"),
+    "Phi3ForCausalLM": ("nanoserve.model.phi3", "Phi3ForCausalLM"),
 }
 
 
