@@ -58,7 +58,16 @@ def norm_weight(w_ptr, pair, HAS_NORM: tl.constexpr, NORM_OFFSET: tl.constexpr, 
 
 @triton.jit
 def norm_rope(
-    x, x_pair, w, w_pair, cos, sin, eps, HAS_NORM: tl.constexpr, NORM_OFFSET: tl.constexpr, HEAD_DIM: tl.constexpr,
+    x,
+    x_pair,
+    w,
+    w_pair,
+    cos,
+    sin,
+    eps,
+    HAS_NORM: tl.constexpr,
+    NORM_OFFSET: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     ROT_HALF: tl.constexpr,
 ):
     """Heads x [R, HEAD_DIM] (x_pair: the same heads with each dimension's partner in its place) after the per-head
