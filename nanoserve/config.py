@@ -308,6 +308,9 @@ class EngineConfig:
     # What config.json's quantization_config and args.quantization ask for.
     quantization: FP8Scheme | W4Scheme | MXFP4Scheme | None = None
     speculative: SpeculativeConfig | None = None  # args.speculative_config, checked
+    # A draft model's KV bytes per block (worker/draft_model.py), set once it is loaded: its pool has the target's
+    # block count, out of the same memory budget.
+    draft_kv_bytes_per_block: int = 0
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> "EngineConfig":

@@ -110,9 +110,9 @@ def test_ngram_proposer_keeps_each_sequence_in_step():
 
 @pytest.mark.parametrize("raw, message", [
     ({"method": "eagle3", "model": "x", "num_speculative_tokens": 3}, "'eagle3' is not supported yet"),
-    ({"model": "draft-dir", "num_speculative_tokens": 3}, "'draft_model' is not supported yet"),
+    ({"method": "draft_model", "num_speculative_tokens": 3}, "model: a draft model's directory is required"),
     ({"method": "medusa", "num_speculative_tokens": 3}, "'medusa' is not supported yet"),
-    ({"method": "ngrams", "num_speculative_tokens": 3}, "method: must be 'ngram'"),
+    ({"method": "ngrams", "num_speculative_tokens": 3}, "method: must be 'ngram' or 'draft_model'"),
     ({"method": "ngram"}, "num_speculative_tokens: required"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens: must be in"),
     ({"method": "ngram", "num_speculative_tokens": "4"}, "num_speculative_tokens: must be an integer"),
