@@ -45,6 +45,35 @@ def test_rejection_sampling_keeps_the_target_distribution(draft):
         assert not (replacement[~accepted] == draft).any()
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rejection_sampling_with_a_draft_distribution_keeps_the_target(seed):
+    """Drafts drawn from a real q (a draft model's): accepted with min(1, p/q), else redrawn from max(p - q, 0); the
+    emitted tokens follow p, and drafts are accepted at the rate sum(min(p, q)). q = 0 on a token p favours, and
+    q > 0 on one p excludes, so both sides of the rule are exercised."""
+    p = target()
+    g = torch.Generator().manual_seed(seed + 20)
+    q = torch.softmax(torch.randn(VOCAB, generator=g, dtype=torch.float64) * 1.5, 0)
+    q[int(p.argmax())] = 0
+    p = p.clone()
+    p[int(q.argmax())] = 0
+    p, q = p / p.sum(), q / q.sum()
+    n = 100_000
+    drafts = torch.multinomial(q, n, replacement=True, generator=g)
+    accepted, replacement = rejection_sample(p.repeat(n, 1), drafts, torch.rand(n, generator=g, dtype=torch.float64),
+                                             torch.empty(n, VOCAB, dtype=torch.float64).exponential_(generator=g),
+                                             q.repeat(n, 1))
+    emitted = torch.where(accepted, drafts, replacement)
+    assert chi_square(emitted, p) < CHI2_999
+    rate = torch.minimum(p, q).sum().item()
+    assert abs(accepted.double().mean().item() - rate) < 5 * (rate * (1 - rate) / n) ** 0.5
+    assert not accepted[drafts == int(q.argmax())].any()  # p = 0 there: never accepted
+    # A bonus row (no draft, q = 0) draws from p itself.
+    bonus_accepted, bonus = rejection_sample(p.repeat(n, 1), torch.full((n,), -1), torch.rand(n, generator=g),
+                                             torch.empty(n, VOCAB, dtype=torch.float64).exponential_(generator=g),
+                                             torch.zeros(n, VOCAB, dtype=torch.float64))
+    assert not bonus_accepted.any() and chi_square(bonus, p) < CHI2_999
+
+
 def fake_seq(params: SamplingParams, seed: int | None = None, output=()):
     return SimpleNamespace(params=params, token_ids=[2, 3, *output], output_token_ids=list(output),
                            num_output_tokens=len(output),
@@ -139,6 +168,10 @@ def test_config_defaults_follow_vllm():
     ({"tensor_parallel_size": 2}, "not supported with tensor_parallel_size > 1"),
     ({"kv_offload_gb": 1}, "not supported with kv_offload_gb > 0"),
     ({"speculative_config": {"method": "eagle3", "model": "d", "num_speculative_tokens": 2}}, "'eagle3'"),
+    ({"speculative_config": {"model": "d", "num_speculative_tokens": 2}, "tensor_parallel_size": 2},
+     "not supported with tensor_parallel_size > 1"),
+    ({"speculative_config": {"model": "d", "num_speculative_tokens": 2}, "kv_offload_gb": 1},
+     "not supported with kv_offload_gb > 0"),
 ])
 def test_engine_refuses_what_speculation_cannot_run_with(extra, message):
     from nanoserve.config import EngineArgs
