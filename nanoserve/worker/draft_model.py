@@ -96,6 +96,9 @@ class DraftModelProposer:
         self.k = config.speculative.num_speculative_tokens
         self.runner = ModelRunner(self.config)  # a one-block placeholder pool until allocate()
         self.block_size = config.args.block_size
+        self.max_num_batched_tokens = config.args.max_num_batched_tokens
+        # The target's eos ids (min_tokens masks them), so q is made as the target's rows are.
+        self.runner.sampler.eos_token_ids = config.model.eos_token_ids
         self.generator = torch.Generator(device=config.device).manual_seed(config.args.seed + 1)
         self.free: list[int] = []
         self.tables: dict[int, list[int]] = {}
@@ -129,17 +132,16 @@ class DraftModelProposer:
             tokens = list(row.token_ids)
             k = min(self.k, cap)
             # The draft must see at least the last token: its row gives the first draft.
-            common = _common_prefix(self.cached.get(row.seq_id, []), tokens, len(tokens) - 1)
+            common = self._common_prefix(self.cached.get(row.seq_id, []), tokens)
             table = self.tables.setdefault(row.seq_id, [])
             if not self._grow(table, len(tokens) + k - 1, decoding):
                 self.release(row.seq_id)  # no room: this sequence decodes without drafts this step
                 continue
             self.cached[row.seq_id] = tokens[:common]
-            work.append((i, row, _DraftSeq(row.seq_id, tokens, table), common, k))
+            work.append([i, row, _DraftSeq(row.seq_id, tokens, table), common, k])
         if not work:
             return drafts
-        # Decodes first, as every step's batch orders them (attention treats the first num_decodes rows as such).
-        work.sort(key=lambda w: len(w[2].token_ids) - w[3] != 1)
+        self._catch_up(work)
         entries = [_Entry(view, start, len(view.token_ids) - start, [view]) for _, _, view, start, _ in work]
         live = list(range(len(work)))
         probs: list[list[torch.Tensor]] = [[] for _ in work]
@@ -181,11 +183,50 @@ class DraftModelProposer:
             table.append(self.free.pop())
         return True
 
-    def _forward(self, entries: list[_Entry]) -> torch.Tensor:
-        num_decodes = next((n for n, e in enumerate(entries) if e.num_new_tokens != 1), len(entries))
-        step = StepInputs.build(_Batch(entries, num_decodes), {}, self.block_size, [])
+    def _forward(self, entries: list[_Entry]) -> torch.Tensor | None:
+        """The logits of each entry's last row, in the entries' order (every entry samples, or none does: None).
+        Single-token entries go first in the batch, as every step's batch orders them (attention treats its first
+        num_decodes sequences as decodes)."""
+        order = sorted(range(len(entries)), key=lambda i: entries[i].num_new_tokens != 1)
+        batch = [entries[i] for i in order]
+        num_decodes = next((n for n, e in enumerate(batch) if e.num_new_tokens != 1), len(batch))
+        step = StepInputs.build(_Batch(batch, num_decodes), {}, self.block_size, [])
         _, logits = self.runner.execute(step, None)
-        return logits
+        if logits is None or order == sorted(order):
+            return logits
+        back = sorted(range(len(order)), key=order.__getitem__)  # batch row of each entry
+        return logits[back]
+
+    def _catch_up(self, work: list[list]) -> None:
+        """Prompts and other unseen tokens beyond one step's token budget go through first, in chunks, without
+        sampling: no draft forward is larger than the target's largest, which sized the memory left for activations."""
+        while sum(len(w[2].token_ids) - w[3] for w in work) > self.max_num_batched_tokens:
+            chunks, left = [], self.max_num_batched_tokens
+            for w in work:
+                n = min(len(w[2].token_ids) - w[3] - 1, left)  # the last token is left for the sampling pass
+                if n > 0:
+                    chunks.append((w, n))
+                    left -= n
+                if not left:
+                    break
+            if not chunks:
+                return
+            self._forward([_Entry(w[2], w[3], n) for w, n in chunks])
+            for w, n in chunks:
+                w[3] += n
+
+    def _common_prefix(self, cached: list[int], tokens: list[int]) -> int:
+        """How many of `tokens` the cache holds, at most all but the last (whose row gives the first draft).
+        A sequence's tokens are only ever appended to, so the cached tokens can differ from them only in the
+        drafts at their end: compared one by one there, the rest at once."""
+        most = min(len(cached), len(tokens) - 1)
+        head = max(0, most - self.k)
+        if tokens[:head] != cached[:head]:
+            head = 0
+        for i in range(head, most):
+            if cached[i] != tokens[i]:
+                return i
+        return most
 
     def _draw(self, logits: torch.Tensor, rows: list[DraftPosition]) -> tuple[list, list | None]:
         """Each row's draft and q (None: greedy): argmax of the processed logits, or a draw from q."""
@@ -217,11 +258,3 @@ class DraftModelProposer:
                 q_rows[r] = probs[at]
         out = tokens.tolist()
         return [None if r in failed else t for r, t in enumerate(out)], q_rows
-
-
-def _common_prefix(a: list[int], b: list[int], most: int) -> int:
-    n = min(len(a), len(b), most)
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

@@ -103,6 +103,28 @@ def test_verify_samples_each_position_from_the_filtered_target():
     assert all(t == draft for t, c in zip(firsts, out.counts, strict=True) if c == 2)
 
 
+def test_verify_with_draft_distributions_samples_from_the_filtered_target():
+    """A draft model's drafts come with q: through the sampler's filters, the first emitted token follows row 0's
+    filtered distribution whatever q is, and the acceptance rate is sum(min(p, q))."""
+    sampler = Sampler(torch.device("cpu"), eos_token_ids=[0], seed=5)
+    params = SamplingParams(temperature=0.7, top_k=4)
+    n = 20_000
+    g = torch.Generator().manual_seed(6)
+    base = torch.randn(2, VOCAB, generator=g) * 2
+    q = torch.softmax(torch.randn(VOCAB, generator=g), 0)
+    drafts = torch.multinomial(q, n, replacement=True, generator=g).tolist()
+    out = verify(sampler, base.repeat(n, 1), [fake_seq(params) for _ in range(n)], [[d] for d in drafts], None,
+                 [q[None]] * n)
+    firsts = torch.tensor([out.token_ids[a] for a in out.offsets[:-1]])
+    rows = [fake_seq(params), fake_seq(params)]
+    expected = sampler.filtered_probs(sampler.processed(base, rows, [params] * 2, None, {})[0], [0.7] * 2, [4] * 2,
+                                      [1.0] * 2, [0.0] * 2).double()
+    assert chi_square(firsts, expected[0]) < CHI2_999
+    rate = torch.minimum(expected[0], q.double()).sum().item()
+    accepted = sum(c == 2 for c in out.counts) / n
+    assert abs(accepted - rate) < 5 * (rate * (1 - rate) / n) ** 0.5
+
+
 def test_verify_greedy_accepts_while_drafts_are_the_argmax():
     sampler = Sampler(torch.device("cpu"), eos_token_ids=[0], seed=0)
     logits = torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(4))

@@ -54,14 +54,21 @@ def spec_config(model) -> dict:
     return {"model": str(model), "num_speculative_tokens": K}
 
 
-def test_target_as_its_own_draft_accepts_everything(dirs, reference):
-    spec = LLM(str(dirs[0]), num_kv_blocks=64, speculative_config={**spec_config(dirs[0]), "method": "draft_model"})
+@pytest.mark.parametrize("hard", [False, True])
+def test_target_as_its_own_draft_accepts_everything(dirs, reference, hard):
+    """hard: 9 blocks of 16 hold about two of these sequences, and 24 tokens a step chunk the prompts (the draft
+    catches up on them in chunks too) and cap the drafts; sequences are preempted, prefixes hit."""
+    pool = dict(num_kv_blocks=9, max_num_batched_tokens=24) if hard else dict(num_kv_blocks=64)
+    spec = LLM(str(dirs[0]), **pool, speculative_config={**spec_config(dirs[0]), "method": "draft_model"})
     assert run(spec, prompts()) == reference
     stats = spec.engine.spec_stats
     assert stats.num_draft_tokens > 0
-    # Every draft is the target's own argmax: each verify step emits k + 1 tokens, save where max_tokens caps k.
+    # Every draft is the target's own argmax: each verify step emits k + 1 tokens, save where max_tokens (or the
+    # step's token budget) caps k.
     assert stats.num_accepted_tokens == stats.num_draft_tokens
-    assert stats.mean_acceptance_length > K + 0.5
+    assert stats.mean_acceptance_length > (K if hard else K + 0.5)
+    if hard:
+        assert spec.engine.scheduler.num_preemptions > 0 and spec.engine.block_manager.prefix_hits > 0
 
 
 def test_small_draft_through_prefix_hits_chunks_and_preemption(dirs, reference):
