@@ -103,7 +103,9 @@ class DraftModelProposer:
         self.free: list[int] = []
         self.tables: dict[int, list[int]] = {}
         self.cached: dict[int, list[int]] = {}  # seq_id -> the tokens whose KV the draft's pool holds
-        self.probs: dict[int, torch.Tensor | None] = {}  # seq_id -> q of its last drafts ([n, V]; None: greedy)
+        # seq_id -> q of its latest drafts ([n, V]; None: greedy), replaced with them: drafts a step did not schedule
+        # are kept by the sequence until its next proposal, and must still find their own q.
+        self.probs: dict[int, torch.Tensor | None] = {}
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -124,7 +126,6 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def propose(self, rows: Sequence[DraftRow], max_tokens: Sequence[int]) -> list[list[int]]:
-        self.probs.clear()
         drafts: list[list[int]] = [[] for _ in rows]
         work = []  # (index in rows, the row, its draft view, tokens it has not seen, its k)
         decoding = {row.seq_id for row in rows}
@@ -135,7 +136,7 @@ class DraftModelProposer:
             common = self._common_prefix(self.cached.get(row.seq_id, []), tokens)
             table = self.tables.setdefault(row.seq_id, [])
             if not self._grow(table, len(tokens) + k - 1, decoding):
-                self.release(row.seq_id)  # no room: this sequence decodes without drafts this step
+                self.release(row.seq_id)  # no room: this sequence decodes without drafts this step (q dropped too)
                 continue
             self.cached[row.seq_id] = tokens[:common]
             work.append([i, row, _DraftSeq(row.seq_id, tokens, table), common, k])
