@@ -50,6 +50,9 @@ class LLMEngine(EngineFrontend):
         self.runner = ModelRunner(config, workers=workers)
         if draft is not None:
             draft.allocate(self.runner.num_kv_blocks)
+            logger.info("speculative decoding: draft model %s, its KV pool %d blocks (%.1f MiB, out of the KV budget), "
+                        "eager", config.speculative.model, self.runner.num_kv_blocks,
+                        self.runner.num_kv_blocks * draft.kv_bytes_per_block / 2**20)
             self.runner.draft_probs = draft.draft_probs
         if workers is not None:
             # Stopped before the interpreter exits, whoever forgets to shut the engine down (nanoserve generate, a

@@ -46,8 +46,13 @@ def dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(dirs) -> list[list[int]]:
-    return run(LLM(str(dirs[0]), enable_prefix_caching=False, num_kv_blocks=64), prompts())
+def plain(dirs) -> LLM:
+    return LLM(str(dirs[0]), enable_prefix_caching=False, num_kv_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def reference(plain) -> list[list[int]]:
+    return run(plain, prompts())
 
 
 def spec_config(model) -> dict:
@@ -71,7 +76,7 @@ def test_target_as_its_own_draft_accepts_everything(dirs, reference, hard):
         assert spec.engine.scheduler.num_preemptions > 0 and spec.engine.block_manager.prefix_hits > 0
 
 
-def test_small_draft_through_prefix_hits_chunks_and_preemption(dirs, reference):
+def test_small_draft_through_prefix_hits_chunks_and_preemption(dirs, plain, reference):
     # 9 blocks of 16 hold about two of these sequences; 24 tokens a step chunk the prompts and cap the drafts.
     spec = LLM(str(dirs[0]), num_kv_blocks=9, max_num_batched_tokens=24, speculative_config=spec_config(dirs[1]))
     assert run(spec, prompts()) == reference
@@ -86,6 +91,16 @@ def test_small_draft_through_prefix_hits_chunks_and_preemption(dirs, reference):
         prompts()[2], SamplingParams(n=3, temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False
     )[0]
     assert [c.token_ids for c in out.outputs] == [reference[2]] * 3
+    # Penalties and logit_bias at drafted positions count the drafts before them, in the draft's q as the target's.
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=20,
+        ignore_eos=True,
+        repetition_penalty=1.2,
+        frequency_penalty=0.3,
+        logit_bias={7: 2.0},
+    )
+    assert run(spec, prompts(), params) == run(plain, prompts(), params)
 
 
 def test_sampling_with_the_target_as_draft_accepts_nearly_everything(dirs):
