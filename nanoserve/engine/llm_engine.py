@@ -49,10 +49,11 @@ class LLMEngine(EngineFrontend):
             config.draft_kv_bytes_per_block = draft.kv_bytes_per_block
         self.runner = ModelRunner(config, workers=workers)
         if draft is not None:
-            draft.allocate(self.runner.num_kv_blocks)
+            draft.allocate(self.runner.num_kv_blocks, config.max_model_len, self.runner.graphs is not None)
             logger.info("speculative decoding: draft model %s, its KV pool %d blocks (%.1f MiB, out of the KV budget), "
-                        "eager", config.speculative.model, self.runner.num_kv_blocks,
-                        self.runner.num_kv_blocks * draft.kv_bytes_per_block / 2**20)
+                        "decode steps %s", config.speculative.model, self.runner.num_kv_blocks,
+                        self.runner.num_kv_blocks * draft.kv_bytes_per_block / 2**20,
+                        "in CUDA graphs" if draft.runner.graphs is not None else "eager")
             self.runner.draft_probs = draft.draft_probs
         if workers is not None:
             # Stopped before the interpreter exits, whoever forgets to shut the engine down (nanoserve generate, a

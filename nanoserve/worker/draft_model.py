@@ -1,13 +1,13 @@
 """DraftModelProposer: a smaller model of the target's vocabulary drafts k tokens a step (speculative_config's
 draft_model method), over its own paged KV pool.
 
-The draft runs through a second ModelRunner (eager: no CUDA graphs for its steps yet) whose pool has its own block
-tables, kept here: a sequence's table holds the KV of the tokens it has seen (`cached`). At each proposal the draft
-first catches up on the sequence's tokens it has not seen (a prompt, the tokens the last verify step emitted: one
-forward pass, every sequence a chunk), whose last row gives the first draft, then runs k - 1 single-token steps. The
-tokens it cached that the target rejected are found by comparing `cached` with the sequence's tokens, and written
-over. Simple and exact; it pays no attention to the target's prefix cache (a prompt the target found cached is
-prefilled by the draft all the same).
+The draft runs through a second ModelRunner (its single-token steps replay decode CUDA graphs where the target uses
+graphs; the rest is eager) whose pool has its own block tables, kept here: a sequence's table holds the KV of the
+tokens it has seen (`cached`). At each proposal the draft first catches up on the sequence's tokens it has not seen
+(a prompt, the tokens the last verify step emitted: one forward pass, every sequence a chunk), whose last row gives
+the first draft, then runs k - 1 single-token steps. The tokens it cached that the target rejected are found by
+comparing `cached` with the sequence's tokens, and written over. Simple and exact; it pays no attention to the
+target's prefix cache (a prompt the target found cached is prefilled by the draft all the same).
 
 Each draft is drawn from the draft's distribution q at its position, made with the request's own parameters
 (Sampler.processed and filtered_probs, the drafts before it counted as its tokens, as verification counts them), and
@@ -24,6 +24,7 @@ from nanoserve.config import EngineConfig, read_config_json
 from nanoserve.model.registry import check_architecture
 from nanoserve.spec_decode.proposer import DraftRow
 from nanoserve.spec_decode.rejection import DraftPosition
+from nanoserve.worker.cuda_graphs import CUDAGraphRunner
 from nanoserve.worker.kv_cache import allocate_kv_cache, bytes_per_block
 from nanoserve.worker.model_runner import ModelRunner
 from nanoserve.worker.step_inputs import StepInputs
@@ -111,10 +112,25 @@ class DraftModelProposer:
     def kv_bytes_per_block(self) -> int:
         return bytes_per_block(self.config)
 
-    def allocate(self, num_blocks: int) -> None:
+    def allocate(self, num_blocks: int, max_model_len: int, cuda_graphs: bool) -> None:
+        """The draft's pool, of the target's block count; then, where the target steps in CUDA graphs, the draft's
+        decode graphs (its k - 1 single-token steps, and a catch-up with one new token a sequence, replay them). They
+        capture the pool as bound now, so only after it. Their memory pool is their own (the draft's activations at
+        up to 512 sequences: small for a draft), allocated after the target sized its KV pool."""
         self.runner.kv_cache = allocate_kv_cache(self.config, num_blocks)
         self.runner._bind_kv_cache(self.runner.kv_cache)
         self.free = list(range(num_blocks))
+        if cuda_graphs and self.config.device.type == "cuda":
+            max_blocks = -(-max_model_len // self.block_size)
+            graphs = CUDAGraphRunner(
+                self.runner.model,
+                min(self.config.args.max_num_seqs, 512),
+                max_blocks,
+                self.config.device,
+                self.runner.planner,
+            )
+            graphs.capture()
+            self.runner.graphs = graphs
 
     def draft_probs(self, seq_id: int) -> torch.Tensor | None:
         return self.probs.get(seq_id)
