@@ -140,7 +140,7 @@ def verify(
         noise = torch.empty_like(probs).exponential_(generator=sampler.generator)
         _seeded_draws(sampled, rows, seq_of_row, uniforms, noise, failed)
         picked = to_device(sampled, torch.int64, device)
-        q = _draft_rows(sampled, seq_of_row, first_row, draft_of_row, draft_probs, probs)
+        q = _draft_rows(sampled, seq_of_row, drafts, draft_probs, probs)
         row_accepted, replacement = rejection_sample(probs, draft_tokens[picked], uniforms, noise, q)
         accepted[picked] = row_accepted
         tokens[picked] = replacement
@@ -164,25 +164,32 @@ def verify(
 def _draft_rows(
     sampled: list[int],
     seq_of_row: list[int],
-    first_row: list[int],
-    draft_of_row: list[int],
+    drafts: Sequence[list[int]],
     draft_probs: Sequence[torch.Tensor | None] | None,
     probs: torch.Tensor,
 ) -> torch.Tensor | None:
-    """q at each sampled row ([len(sampled), V]): the draft's row at a drafted position, zeros at a bonus row, a point
-    mass where a sequence's drafts came without distributions. None when no sequence has them (all point masses)."""
+    """q at each sampled row ([len(sampled), V]): the draft's rows at a sequence's drafted positions, zeros at its
+    bonus row, point masses where its drafts came without distributions. None when no sequence has them (all point
+    masses). A sequence's rows are adjacent and all sampled or none (one sequence, one set of parameters), so this
+    goes a sequence at a time, in one concatenation."""
     if draft_probs is None or all(draft_probs[seq_of_row[r]] is None for r in sampled):
         return None
-    q = torch.zeros_like(probs)
-    for at, r in enumerate(sampled):
-        if draft_of_row[r] < 0:
-            continue
-        seq_q = draft_probs[seq_of_row[r]]
-        if seq_q is None:
-            q[at, draft_of_row[r]] = 1.0
-        else:
-            q[at] = seq_q[r - first_row[seq_of_row[r]]]
-    return q
+    zero = probs.new_zeros(1, probs.shape[1])
+    pieces = []
+    at = 0
+    while at < len(sampled):
+        i = seq_of_row[sampled[at]]
+        count = len(drafts[i])
+        if count:
+            seq_q = draft_probs[i]
+            if seq_q is None:
+                index = torch.tensor(drafts[i], device=probs.device)
+                pieces.append(torch.nn.functional.one_hot(index, probs.shape[1]).to(probs.dtype))
+            else:
+                pieces.append(seq_q[:count].to(probs.dtype))
+        pieces.append(zero)
+        at += count + 1
+    return torch.cat(pieces)
 
 
 def _seeded_draws(
