@@ -12,7 +12,7 @@ from nanoserve.config import EngineArgs
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # EngineArgs fields only the server reads (they place and profile its engine process): generate, chat, worker and
 # the offline benchmarks build an engine in their own process and leave them out of their flags.
-SERVING_ONLY = ("engine_process", "profile_engine")
+SERVING_ONLY = ("engine_process", "profile_engine", "data_parallel_size", "data_parallel_routing")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):

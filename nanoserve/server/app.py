@@ -45,6 +45,9 @@ def run_server(engine_args: EngineArgs, host: str, port: int, api_key: str | Non
         raise ValueError(f"--api-server-count: must be at least 1, got {api_server_count}")
     names = model_names(served_model_name or default_model_name(engine_args))
     limited_http_protocol(max_header_bytes, header_timeout)  # bad limits fail here, before the model loads
+    if api_server_count > 1 and engine_args.data_parallel_size > 1:
+        raise ValueError("api_server_count: not yet with data_parallel_size > 1 (one API server routes over the "
+                         "replicas); give one of the two")
     if api_server_count > 1:
         options = ServerOptions(names, api_key, max_waiting_requests, drain_timeout, uvicorn_log_level,
                                 not disable_log_requests, max_header_bytes, header_timeout, tool_call_parser,
@@ -59,9 +62,10 @@ def run_server(engine_args: EngineArgs, host: str, port: int, api_key: str | Non
     logger.info("serving %s (max_model_len %d%s) on http://%s:%d", ", ".join(map(repr, names)),
                 async_engine.max_model_len,
                 ", engine in its own process" if async_engine.engine.config.args.engine_process else "", host, port)
-    # With tensor parallelism a lost rank kills the engine: a server that exits (non-zero) is one an orchestrator
-    # restarts, where one left answering 503 would wait for a person.
-    tp = engine_args.tensor_parallel_size > 1
+    # With tensor parallelism a lost rank kills the engine, and with data parallelism a lost replica the deployment:
+    # a server that exits (non-zero) is one an orchestrator restarts, where one left answering 503 (or serving on at
+    # a fraction of its capacity) would wait for a person.
+    tp = engine_args.tensor_parallel_size > 1 or engine_args.data_parallel_size > 1
     try:
         with startup_objects_frozen(), asyncio.Runner(loop_factory=event_loop_factory()) as runner:
             return runner.run(serve_with_drain(config, gate, async_engine, drain_timeout, exit_when_engine_dies=tp))
