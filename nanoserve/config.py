@@ -177,6 +177,10 @@ def _eos_ids(generation_config_dir: str | None, raw: dict) -> list[int]:
     return ids
 
 
+# Which replica or backend takes a request (runtime/routing.py): --data-parallel-routing, `nanoserve router --policy`.
+ROUTING_POLICIES = ("cache_aware", "least_load", "round_robin")
+
+
 def _arg(default, help: str):
     """An EngineArgs field with the one-line help its command-line flag shows."""
     return field(default=default, metadata={"help": help})
@@ -441,8 +445,8 @@ def _check_profile_engine(args: EngineArgs) -> None:
 def _check_data_parallel(args: EngineArgs) -> None:
     """What the replicas of `serve --data-parallel-size N` (runtime/data_parallel.py) cannot share."""
     _check_positive(args, "data_parallel_size")
-    if args.data_parallel_routing not in ("cache_aware", "least_load", "round_robin"):
-        raise ValueError("data_parallel_routing: must be cache_aware, least_load or round_robin, got "
+    if args.data_parallel_routing not in ROUTING_POLICIES:
+        raise ValueError(f"data_parallel_routing: must be one of {', '.join(ROUTING_POLICIES)}, got "
                          f"{args.data_parallel_routing!r}")
     if args.data_parallel_size == 1:
         return

@@ -38,7 +38,9 @@ from dataclasses import dataclass
 
 import xxhash
 
-POLICIES = ("cache_aware", "least_load", "round_robin")
+from nanoserve.config import ROUTING_POLICIES
+
+POLICIES = ROUTING_POLICIES
 
 
 @dataclass(frozen=True)
