@@ -45,9 +45,6 @@ def run_server(engine_args: EngineArgs, host: str, port: int, api_key: str | Non
         raise ValueError(f"--api-server-count: must be at least 1, got {api_server_count}")
     names = model_names(served_model_name or default_model_name(engine_args))
     limited_http_protocol(max_header_bytes, header_timeout)  # bad limits fail here, before the model loads
-    if api_server_count > 1 and engine_args.data_parallel_size > 1:
-        raise ValueError("api_server_count: not yet with data_parallel_size > 1 (one API server routes over the "
-                         "replicas); give one of the two")
     if api_server_count > 1:
         options = ServerOptions(names, api_key, max_waiting_requests, drain_timeout, uvicorn_log_level,
                                 not disable_log_requests, max_header_bytes, header_timeout, tool_call_parser,

@@ -112,3 +112,30 @@ def test_killed_replica_ends_the_server_non_zero(dp):
         time.sleep(0.2)
     assert dp.proc.poll() == 1, dp.log()[-3000:]
     assert "engine 1: the engine process was killed by SIGKILL" in dp.log()
+
+
+def test_replicas_behind_several_api_servers(launch):
+    # Each API server routes over its own channel into each replica; a lost replica stops them all.
+    server = launch("--data-parallel-size", "2", "--api-server-count", "2")
+
+    async def one(i: int) -> tuple[str, int]:
+        async with server.async_client() as client:  # a connection of its own: either API server may take it
+            raw = await client.completions.with_raw_response.create(
+                model="tiny-llama", prompt=f"{i} " * (3 + i), max_tokens=4, extra_body={"ignore_eos": True}
+            )
+            return raw.headers["x-nanoserve-api-server"], raw.parse().usage.completion_tokens
+
+    async def main() -> list[tuple[str, int]]:
+        return await asyncio.gather(*(one(i) for i in range(8)))
+
+    answered = asyncio.run(main())
+    assert [tokens for _, tokens in answered] == [4] * 8
+    assert all(v > 0 for v in _per_engine(server, "vllm:prompt_tokens_total").values())
+    engines = re.search(r"the engine in its own process \(pid (\d+), (\d+)\)", server.log())
+    assert engines, server.log()
+    os.kill(int(engines.group(1)), signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while server.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert server.proc.poll() == 1, server.log()[-3000:]
+    assert "engine 0: the engine process was killed by SIGKILL: stopping the API servers" in server.log()
