@@ -309,6 +309,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {args.gpu_memory_utilization}")
         if args.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format: must be 'auto' or 'dummy', got {args.load_format!r}")
+        _check_data_parallel(args)
         _check_tensor_parallel(args, model)
         quantization = detect_quantization(model.raw, args.quantization)
         if quantization is not None:
@@ -320,7 +321,6 @@ class EngineConfig:
         if not isinstance(args.pdl, bool):
             raise ValueError(f"pdl: must be True or False, got {args.pdl!r}")
         _check_profile_engine(args)
-        _check_data_parallel(args)
         device = resolve_device(args.device)
         if device.type == "cuda":
             _check_kernel_shapes(args, model)
