@@ -13,6 +13,7 @@ If step() raises, the child sends why on every channel and exits; if the child d
 the pipes reach end of file. Either way every request in flight gets EngineDeadError, on every server.
 """
 
+import contextlib
 import cProfile
 import logging
 import multiprocessing
@@ -67,7 +68,8 @@ class EngineCoreProcess:
                               daemon=args.tensor_parallel_size == 1,
                               args=(args, [child for _, child in pipes], child_control,
                                     logging.getLogger().getEffectiveLevel(), placement))
-        process.start()
+        with _environment(placement.env if placement is not None else {}):
+            process.start()
         # The child's ends now live in the child only, so its exit is end of file here.
         for conn in (child_control, *(child for _, child in pipes)):
             conn.close()
@@ -122,6 +124,23 @@ class EngineCoreProcess:
         return f"exited with code {code}"
 
 
+@contextlib.contextmanager
+def _environment(env: dict[str, str]):
+    """os.environ with `env` added while a child starts: a spawned child's environment is copied at its start, so
+    CUDA_VISIBLE_DEVICES is there before its first import (the CUDA driver reads it once, at its initialization,
+    whatever touches it first), and its tensor-parallel ranks inherit it."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 # -- the engine core process ------------------------------------------------------------------------
 def run_engine_core_process(args: EngineArgs, channels: list[Connection], control: Connection,
                             log_level: int, placement: Placement | None = None) -> None:
@@ -132,11 +151,8 @@ def run_engine_core_process(args: EngineArgs, channels: list[Connection], contro
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     name = "engine" if placement is None else f"engine {placement.index}"
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s ({name}): %(message)s")
-    if placement is not None:
-        # Before anything touches CUDA (which reads CUDA_VISIBLE_DEVICES once); tensor-parallel ranks inherit it.
-        os.environ.update(placement.env)
-        if placement.num_threads is not None:
-            torch.set_num_threads(placement.num_threads)
+    if placement is not None and placement.num_threads is not None:
+        torch.set_num_threads(placement.num_threads)
     try:
         engine = LLMEngine(args.create_config())
     except Exception as exc:
