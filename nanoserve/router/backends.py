@@ -127,6 +127,9 @@ class BackendPool:
                 logger.info("backend %s is healthy", backend.url)
             else:
                 logger.warning("backend %s is unhealthy: %s", backend.url, error)
+                # Whatever comes back there (a restarted server) starts with an empty prefix cache.
+                self.policy.remove_backend(backend.url)
+                self.policy.add_backend(backend.url)
         backend.healthy, backend.error = healthy, error
 
     async def _check_forever(self) -> None:
