@@ -128,8 +128,9 @@ class BackendPool:
             else:
                 logger.warning("backend %s is unhealthy: %s", backend.url, error)
                 # Whatever comes back there (a restarted server) starts with an empty prefix cache.
-                self.policy.remove_backend(backend.url)
-                self.policy.add_backend(backend.url)
+                if self.backends.get(backend.url) is backend:  # not one removed while a request was in flight
+                    self.policy.remove_backend(backend.url)
+                    self.policy.add_backend(backend.url)
         backend.healthy, backend.error = healthy, error
 
     async def _check_forever(self) -> None:
