@@ -7,6 +7,7 @@ the server with exit status 1. The policy's own choices are tested in tests/engi
 """
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -15,6 +16,8 @@ import time
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from nanoserve.bench import multi_turn
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
 
@@ -101,6 +104,34 @@ def test_engine_stats_cover_both_replicas(dp):
     assert [e["engine"] for e in stats["engines"]] == [0, 1]
     assert stats["kv_grid"]["num_blocks"] == 2 * 256  # both pools, side by side
     assert stats["prefix_cache_hits"] == sum(e["prefix_cache_hits"] for e in stats["engines"])
+
+
+def test_multi_turn_bench_over_the_replicas(dp, capsys):
+    # `bench multi-turn --base-url`: each conversation's second turn finds its first turn's blocks cached, which it
+    # does only on the replica that served the first turn.
+    assert (
+        multi_turn.main(
+            [
+                "--base-url",
+                dp.url,
+                "--num-conversations",
+                "3",
+                "--turns",
+                "2",
+                "--system-len",
+                "64",
+                "--question-len",
+                "8",
+                "--answer-len",
+                "8",
+                "--max-concurrency",
+                "2",
+            ]
+        )
+        == 0
+    )
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["cached_tokens"] == 3 * 64 and result["ttft_p50_ms"] > 0, result
 
 
 def test_killed_replica_ends_the_server_non_zero(dp):
