@@ -5,6 +5,7 @@ imports server/), so the server and the benchmarks take their flags from this mo
 
 import argparse
 import dataclasses
+import json
 import typing
 
 from nanoserve.config import ROUTING_POLICIES, EngineArgs
@@ -36,10 +37,22 @@ def add_engine_args(parser: argparse.ArgumentParser, serving: bool = True) -> No
         help_ = f.metadata["help"]
         if kind is bool or kind == bool | None:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+        elif kind == dict | None:  # vLLM's --speculative-config: a JSON object on the command line
+            parser.add_argument(flag, type=json_object, default=f.default, metavar="JSON", help=help_)
         else:
             # `int | None` and the like: the flag parses the non-None member.
             base = next(a for a in typing.get_args(kind) if a is not type(None)) if typing.get_args(kind) else kind
             parser.add_argument(flag, type=base, default=f.default, help=help_)
+
+
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r} ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def at_least_one(text: str) -> int:

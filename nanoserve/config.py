@@ -8,7 +8,10 @@ from pathlib import Path
 import torch
 
 from nanoserve.quantization.detect import detect_quantization
+from nanoserve.quantization.mxfp4 import MXFP4Scheme
 from nanoserve.quantization.scheme import FP8Scheme
+from nanoserve.quantization.w4_scheme import W4Scheme
+from nanoserve.spec_decode.config import SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # The other names vLLM's --dtype takes.
@@ -152,6 +155,9 @@ def _rope_scaling(raw: dict) -> dict | None:
         return None
     scaling = dict(params)
     kind = scaling.setdefault("rope_type", scaling.get("type", "default"))
+    if raw.get("model_type") == "phi3" and kind in ("su", "yarn"):
+        # transformers' Phi3Config reads the names early Phi-3 checkpoints used ("su" for LongRoPE) as longrope.
+        kind = scaling["rope_type"] = "longrope"
     if kind == "default":
         return None
     if kind in ("llama3", "yarn", "longrope"):
@@ -179,6 +185,21 @@ def _eos_ids(generation_config_dir: str | None, raw: dict) -> list[int]:
 
 # Which replica or backend takes a request (runtime/routing.py): --data-parallel-routing, `nanoserve router --policy`.
 ROUTING_POLICIES = ("cache_aware", "least_load", "round_robin")
+
+
+def _check_speculative(args: "EngineArgs") -> SpeculativeConfig | None:
+    """The speculative config, and a refusal of what it cannot run with yet, naming the flag."""
+    if args.speculative_config is None:
+        return None
+    spec = SpeculativeConfig.from_dict(args.speculative_config)
+    # The verify step's samples vary in count per sequence, which the ranks' broadcast of samples does not carry.
+    if args.tensor_parallel_size > 1:
+        raise ValueError("speculative_config: not supported with tensor_parallel_size > 1 yet")
+    # Long-context mode streams the KV through a ring per chunk, and the CPU tier's swaps were not tried with
+    # lookahead slots.
+    if args.kv_offload_gb:
+        raise ValueError("speculative_config: not supported with kv_offload_gb > 0 (the CPU KV tier) yet")
+    return spec
 
 
 def _arg(default, help: str):
@@ -237,6 +258,8 @@ class EngineArgs:
     enable_expert_parallel: bool = _arg(False, "mixture-of-experts models under tensor parallelism: each rank holds "
                                                "whole experts (num_experts / tensor_parallel_size of them) instead "
                                                "of a slice of every expert")
+    disable_custom_all_reduce: bool = _arg(False, "tensor parallel on GPUs: NCCL for every all-reduce, instead of "
+                                                   "peer-to-peer (symmetric memory) ones for small messages")
     seed: int = _arg(0, "seed of random weights (--load-format dummy) and of sampling without a seed")
     # The server only (AsyncEngine): run the engine in a process of its own, so that its host work
     # (scheduling, detokenizing, building outputs) does not share a GIL with the HTTP event loop.
@@ -261,11 +284,14 @@ class EngineArgs:
                                           "step) or off (none)")
     quantization: str | None = _arg(None, "fp8: quantize an unquantized checkpoint's linear weights to FP8 while "
                                           "loading (per-channel weight scales, dynamic per-token activations); "
-                                          "compressed-tensors or fp8: what a quantized checkpoint's "
-                                          "quantization_config says, which is read without this flag; None: as "
-                                          "the checkpoint is")
+                                          "compressed-tensors, fp8, gptq, awq or mxfp4: what a quantized "
+                                          "checkpoint's quantization_config says, which is read without this flag; "
+                                          "None: as the checkpoint is")
     pdl: bool = _arg(True, "CUDA: launch kernels with programmatic dependent launch on compute capability 9.0+ "
                            "(--no-pdl to measure what it gives or rule it out)")
+    speculative_config: dict | None = _arg(None, "speculative decoding, as a JSON object: {\"method\": \"ngram\", "
+                                                 "\"num_speculative_tokens\": k, \"prompt_lookup_max\": n, "
+                                                 "\"prompt_lookup_min\": m} (prompt lookup, exact); None: off")
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -289,7 +315,9 @@ class EngineConfig:
     # What set max_model_len, for the start-up summary: the model's limit, the user, or the KV pool.
     max_model_len_source: str = "the model's max_position_embeddings"
     chat_template: str | None = None  # the template's text (args.chat_template may name a file)
-    quantization: FP8Scheme | None = None  # what config.json's quantization_config and args.quantization ask for
+    # What config.json's quantization_config and args.quantization ask for.
+    quantization: FP8Scheme | W4Scheme | MXFP4Scheme | None = None
+    speculative: SpeculativeConfig | None = None  # args.speculative_config, checked
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> "EngineConfig":
@@ -310,6 +338,7 @@ class EngineConfig:
         if args.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format: must be 'auto' or 'dummy', got {args.load_format!r}")
         _check_data_parallel(args)
+        speculative = _check_speculative(args)
         _check_tensor_parallel(args, model)
         quantization = detect_quantization(model.raw, args.quantization)
         if quantization is not None:
@@ -331,7 +360,7 @@ class EngineConfig:
         dtype = _resolve_dtype(args.dtype, model.torch_dtype, device)
         max_model_len, source = _resolve_max_model_len(args.max_model_len, model)
         return cls(args, model_dir, args.tokenizer or model_dir, model, dtype, device, max_model_len, source,
-                   _load_chat_template(args.chat_template), quantization)
+                   _load_chat_template(args.chat_template), quantization, speculative)
 
     @property
     def num_kv_heads_per_rank(self) -> int:
@@ -400,13 +429,21 @@ def _check_tensor_parallel(args: EngineArgs, model: ModelConfig) -> None:
         raise ValueError(f"tensor_parallel_size: {tp} does not divide the model's {', '.join(uneven)}")
 
 
-def _check_quantization(scheme: FP8Scheme, model: ModelConfig, tp_size: int) -> None:
-    """Refuse, naming the field, a model this scheme cannot split: stacked shards (q/k/v, gate/up) must each
-    be whole blocks of rows, and under tensor parallelism each rank's input columns of o_proj and down_proj
-    whole blocks of columns."""
+def _check_quantization(scheme: FP8Scheme | W4Scheme | MXFP4Scheme, model: ModelConfig, tp_size: int) -> None:
+    """Refuse, naming the field, a model this scheme cannot run or split: MXFP4 is gpt-oss's; with FP8, stacked
+    shards (q/k/v, gate/up) must each be whole blocks of rows, and under tensor parallelism each rank's input
+    columns of o_proj and down_proj whole blocks of columns; 4-bit weights as _check_w4 says."""
+    if isinstance(scheme, MXFP4Scheme):
+        if model.architecture != "GptOssForCausalLM":
+            raise ValueError(f"quantization_config.quant_method: 'mxfp4' is supported for gpt-oss's experts "
+                             f"(GptOssForCausalLM), not {model.architecture}")
+        return
     if model.moe is not None:
         raise ValueError(f"quantization: {model.architecture} is a mixture-of-experts model; quantized "
                          "experts are not supported yet")
+    if isinstance(scheme, W4Scheme):
+        _check_w4(scheme, model, tp_size)
+        return
     if scheme.block is None:
         return
     rows, cols = scheme.block
@@ -426,6 +463,32 @@ def _check_quantization(scheme: FP8Scheme, model: ModelConfig, tp_size: int) -> 
         where = f" per rank at tensor_parallel_size {tp_size}" if tp_size > 1 else ""
         raise ValueError(f"{field}: {list(scheme.block)} does not divide the "
                          f"model's {', '.join(uneven)}{where}")
+
+
+def _check_w4(scheme: W4Scheme, model: ModelConfig, tp_size: int) -> None:
+    """Refuse, naming the field, a model whose layers a 4-bit scheme cannot split (quantization/w4_linear.py): each
+    stacked shard's rows (a rank's share) whole int32s of eight (AWQ and compressed-tensors pack rows), and each
+    layer's input columns (a rank's share of o_proj's and down_proj's) whole groups."""
+    heads = model.num_attention_heads * model.head_dim // tp_size
+    kv = max(1, model.num_key_value_heads // tp_size) * model.head_dim
+    ffn = model.intermediate_size // tp_size
+    rows = [f"{what} {n}" for what, n in (("q_proj rows", heads), ("k_proj/v_proj rows", kv),
+                                          ("gate_proj/up_proj rows", ffn)) if n % 8]
+    where = f" per rank at tensor_parallel_size {tp_size}" if tp_size > 1 else ""
+    if rows:
+        raise ValueError(f"quantization_config: 4-bit weights pack eight rows an int32, which does not divide the "
+                         f"model's {', '.join(rows)}{where}")
+    if scheme.act_order and tp_size > 1:
+        raise ValueError(f"quantization_config: act-order (desc_act / actorder 'group') with tensor_parallel_size "
+                         f"{tp_size} is not supported: a rank's input columns of o_proj and down_proj fall in every "
+                         "group")
+    if scheme.group_size == -1:
+        return
+    columns = [("hidden_size", model.hidden_size), ("o_proj columns", heads), ("down_proj columns", ffn)]
+    uneven = [f"{what} {n}" for what, n in columns if n % scheme.group_size]
+    if uneven:
+        raise ValueError(f"{scheme.group_field}: {scheme.group_size} does not divide the model's "
+                         f"{', '.join(uneven)}{where}")
 
 
 def _check_profile_engine(args: EngineArgs) -> None:

@@ -5,7 +5,8 @@
 # Steps: tests throughput latency-qwen latency-llama prefix serve-inf serve-16 multi-turn long-context structured
 # moe-tune moe moe-serve fp8
 # (default: the first seven, ~20 minutes). structured needs QWEN3_TOKENIZER (scripts/qwen3_tokenizer.py's output).
-# On 2+ GPUs, with TP=2 (or TP=4, 8): tp-tests tp-throughput tp-latency tp-profile tp-70b tp-serve-inf tp-serve-16.
+# On 2+ GPUs, with TP=2 (or TP=4, 8): tp-tests tp-throughput tp-latency tp-latency-nccl tp-profile tp-profile-nccl
+# tp-70b tp-serve-inf tp-serve-16.
 # NANOSERVE_COMMIT is what the JSON lines report as `commit` (the device's copy of the tree may have no .git).
 # Each step's log goes to $OUT (or ./gpu-out); the JSON lines are collected in results.jsonl.
 set -u
@@ -42,16 +43,23 @@ for step in $steps; do
     structured) timeout 500 python -m nanoserve.cli bench throughput --model "$cfg/qwen3-0.6b" \
                   --tokenizer "$QWEN3_TOKENIZER" --json-schema nanoserve/bench/schemas/records.json ;;
     # ~100 s an engine with Triton's cache cold (fp32 first): a call of its own.
-    tp-tests) timeout 540 python -m pytest -q -rf -s -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py ;;
+    tp-tests) timeout 540 python -m pytest -q -rf -s -p no:cacheprovider tests/gpu/test_allreduce_gpu.py \
+                tests/gpu/test_tensor_parallel_gpu.py ;;
     # TP=1 beside TP=$TP in the same call, so that the ratio compares runs on the same machine.
     tp-throughput) for n in 1 "$TP"; do timeout 280 python -m nanoserve.cli bench throughput \
                      --model "$cfg/llama-3.1-8b" --tensor-parallel-size "$n"; done ;;
     tp-latency) for n in 1 "$TP"; do timeout 150 python -m nanoserve.cli bench latency --model "$cfg/llama-3.1-8b" \
                   --max-model-len 8192 --tensor-parallel-size "$n"; done ;;
+    # TP=$TP with NCCL for every all-reduce (no symmetric memory): beside tp-latency, what the one-shot all-reduce gives.
+    tp-latency-nccl) timeout 150 python -m nanoserve.cli bench latency --model "$cfg/llama-3.1-8b" \
+                       --max-model-len 8192 --tensor-parallel-size "$TP" --disable-custom-all-reduce ;;
     # Where a decode step's time goes (collective, attention, matmul, other), at batch 1 and 256, TP=1 and TP=$TP.
     tp-profile) for n in 1 "$TP"; do for b in 1 256; do timeout 140 python -m nanoserve.cli bench latency \
                   --model "$cfg/llama-3.1-8b" --max-model-len 4096 --batch-size "$b" --output-len 128 --iters 1 \
                   --profile --tensor-parallel-size "$n"; done; done ;;
+    tp-profile-nccl) for b in 1 256; do timeout 140 python -m nanoserve.cli bench latency --model "$cfg/llama-3.1-8b" \
+                       --max-model-len 4096 --batch-size "$b" --output-len 128 --iters 1 --profile \
+                       --tensor-parallel-size "$TP" --disable-custom-all-reduce; done ;;
     # 141 GB of bf16 weights: one H100 or H200 cannot hold it, so there is no TP=1 row. At TP=2 on H100s the weights
     # leave ~10 GiB a card, hence the higher memory fraction; 128 prompts keep the step inside a call's 10 minutes.
     tp-70b) timeout 200 python -m nanoserve.cli bench throughput --model "$cfg/llama-3.1-70b" --tensor-parallel-size "$TP" \

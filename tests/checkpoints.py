@@ -33,6 +33,12 @@ def write_tokenizer(path: Path, vocab_size: int = VOCAB) -> None:
         "chat_template": template}))
 
 
+def rope_factors(n: int, seed: int) -> list[float]:
+    """n LongRoPE rescale factors in [1, 4)."""
+    g = torch.Generator().manual_seed(seed)
+    return (1 + 3 * torch.rand(n, generator=g)).tolist()
+
+
 ARCHS = {
     "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=False,
                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -53,6 +59,15 @@ ARCHS = {
     # Sinks, biases, YaRN, and a 24-token window on layer 0 (full attention on layer 1): prompts outgrow it.
     "gpt_oss": dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"], head_dim=16, num_local_experts=8,
                     num_experts_per_tok=2, intermediate_size=32, sliding_window=24),
+    # Phi-4-mini's layout: packed qkv_proj / gate_up_proj, 3/4 of each 64-dim head rotated (24 LongRoPE factors,
+    # padded to 32 in the kernels), tied embeddings; and Phi-3-mini-4k's window (48 here: prompts outgrow it).
+    # original_max_position_embeddings = max_position_embeddings keeps transformers on short_factor at every length,
+    # as the engine is (tests/model/test_rope_scaling_vs_hf.py runs long_factor).
+    "phi3": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], tie_word_embeddings=True, pad_token_id=None,
+                 hidden_size=128, num_attention_heads=2, num_key_value_heads=1, partial_rotary_factor=0.75,
+                 rope_scaling={"rope_type": "longrope", "short_factor": rope_factors(24, 0),
+                               "long_factor": rope_factors(24, 1)},
+                 original_max_position_embeddings=512, sliding_window=48),
 }
 
 

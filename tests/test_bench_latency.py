@@ -59,10 +59,29 @@ def test_profile_counts_the_all_reduces_of_two_ranks(capsys: pytest.CaptureFixtu
     ("_decode_rope_split_kernel", "attention"), ("_prefill_attention_kernel", "attention"),
     ("_skinny_linear_kernel", "matmul"), ("_silu_mul_gemv_kernel", "matmul"), ("nvjet_tst_128x64_64x8", "matmul"),
     ("aten::addmm", "matmul"), ("aten::mm", "matmul"), ("cublasLt::splitKreduce_kernel", "matmul"),
-    ("c10d::allreduce_", "collective"), ("_rms_norm_kernel", "other"), ("aten::index", "other"),
+    ("c10d::allreduce_", "collective"), ("_rms_norm_kernel", "other"),
+    ("void c10d::symmetric_memory::one_shot_all_reduce_kernel<c10::BFloat16, 16, 2>", "collective"),
+    ("aten::index", "other"),
     ("aten::broadcast_tensors", "other"), ("comm_kernel", "other"),
 ])
 def test_kernels_are_grouped_by_name(name: str, kind: str) -> None:
     from nanoserve.bench.device_profile import kind_of
 
     assert kind_of(name) == kind
+
+
+def test_speculative_run_reports_acceptance(capsys: pytest.CaptureFixture) -> None:
+    # A 3-token stretch repeated: n-gram drafts find a match at every step.
+    result = run_bench(capsys, "--prompt-period", "3", "--output-len", "12", "--speculative-config",
+                       '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}')
+    assert result["speculative_config"]["num_speculative_tokens"] == 3
+    assert result["spec_num_drafts"] > 0 and 1 <= result["mean_acceptance_length"] <= 4
+    assert result["ms_per_step"] > 0
+
+
+def test_draft_every_step_makes_every_decode_step_a_verify_step(capsys: pytest.CaptureFixture) -> None:
+    result = run_bench(capsys, "--draft-every-step", "--speculative-config",
+                       '{"method": "ngram", "num_speculative_tokens": 2}')
+    # Every step after the first token drafts 2 (capped near max_tokens).
+    assert result["draft_every_step"] and result["spec_num_drafts"] >= 2
+    assert result["spec_draft_tokens_per_draft"] > 1

@@ -16,10 +16,13 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nanoserve"
 TIERS: list[tuple[str, ...]] = [
     # Plain modules and self-contained feature packages, under them all.
     ("utils", "outputs", "sampling_params", "config", "args", "tools", "structured", "assets",
-     "quantization.scheme", "quantization.detect"),  # a checkpoint's quantization_config, read with config.json
+     # a checkpoint's quantization_config, read with config.json
+     "quantization.scheme", "quantization.detect", "quantization.mxfp4", "quantization.w4_scheme",
+     "quantization.w4_detect",
+     "spec_decode.config"),  # speculative_config, checked with EngineArgs
     ("kernels", "distributed"),
     ("layers",),
-    ("model", "quantization"),  # the quantized linear layers the loader puts in place
+    ("model", "quantization", "spec_decode"),  # spec_decode: proposals and rejection sampling over the sampler
     ("worker",),
     ("engine",),
     ("runtime", "chat_engine"),

@@ -10,6 +10,7 @@ B prompts of random ids (distinct, so no prefix is shared) decode together, and 
 line gains the device time a step by kind (collective, attention, matmul, other) and the top kernels.
 """
 
+import copy
 import time
 
 import numpy as np
@@ -37,6 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=3, help="timed runs (their median counts)")
     p.add_argument("--hf-output-len", type=int, default=64,
                    help="tokens the transformers baseline decodes (it is slow)")
+    p.add_argument("--prompt-period", type=at_least_one, default=None,
+                   help="prompts repeat a random stretch of this many tokens: a workload that copies its input, "
+                        "for --speculative-config ngram on a model that goes on repeating (the bundled one does); "
+                        "None: random ids throughout")
+    p.add_argument("--draft-every-step", action="store_true",
+                   help="with --speculative-config: every decoding step drafts its k tokens (the last token "
+                        "repeated, in place of the n-gram lookup): on random weights they are rejected, so "
+                        "ms_per_step is the cost of a verify step of k + 1 tokens")
     p.add_argument("--profile", action="store_true",
                    help="after the timed runs, profile --profile-steps decode steps of one more run")
     p.add_argument("--profile-steps", type=at_least_one, default=32, help="decode steps profiled")
@@ -47,29 +56,49 @@ def main(argv: list[str] | None = None) -> int:
     bw, _ = ceilings_at_start(args)
     llm = LLM(**vars(args))
     engine, cfg = llm.engine, llm.engine.config
+    if ns.draft_every_step:
+        if engine.proposer is None:
+            p.error("--draft-every-step needs --speculative-config")
+        engine.proposer = RepeatLastToken(cfg.speculative.num_speculative_tokens)
     fit_lengths(ns, RECIPE, lambda n: n["input_len"] + n["output_len"], cfg.max_model_len, "latency",
                 floors={"output_len": 2})  # a decode step's time is the gap between two tokens
     rng = np.random.default_rng(ns.seed)
-    prompts = [rng.integers(0, cfg.model.vocab_size, ns.input_len).tolist() for _ in range(ns.batch_size)]
+    period = ns.prompt_period or ns.input_len
+    prompts = [np.resize(rng.integers(0, cfg.model.vocab_size, period), ns.input_len).tolist()
+               for _ in range(ns.batch_size)]
     params = SamplingParams(temperature=0, max_tokens=ns.output_len, ignore_eos=True)
     llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
-    per_token, generated = [], []
+    per_token, per_step, generated = [], [], []
+    spec_before = copy.deepcopy(engine.spec_stats)
     for it in range(ns.iters):
         for i, prompt in enumerate(prompts):
             engine.add_request(f"lat-{it}-{i}", prompt, params)
-        stamps = []
+        stamps, lengths = [], []
         while engine.has_unfinished_requests():
             if outs := engine.step():
                 stamps.append(time.perf_counter())
+                lengths.append(sum(len(o.outputs[0].token_ids) for o in outs) / len(outs))
                 generated += [len(o.outputs[0].token_ids) for o in outs if o.finished]
-        per_token.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))  # decode steps only
+        per_step.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))  # decode steps only
+        # A speculative step emits several tokens a sequence: time per token is over the tokens, not the steps.
+        per_token.append((stamps[-1] - stamps[0]) / (lengths[-1] - lengths[0]) if spec_before else per_step[-1])
     step_s = float(np.median(per_token))
     # What ran, not what was asked: the engine quietly caps a request's tokens at the room its context leaves.
     output_len = min(generated)
     result = {"bench": "latency", "model": cfg.model_dir, "batch_size": ns.batch_size, "input_len": ns.input_len,
               "output_len": output_len, "ms_per_token": round(step_s * 1e3, 3),
               "tok_s": round(ns.batch_size / step_s, 1), **engine_facts(cfg),
-              "cuda_graphs": engine.runner.graphs is not None, "tensor_parallel_size": cfg.args.tensor_parallel_size}
+              "cuda_graphs": engine.runner.graphs is not None, "tensor_parallel_size": cfg.args.tensor_parallel_size,
+              "symm_all_reduce": engine.runner.tp.symm is not None}
+    if spec_before is not None:
+        spec = engine.spec_stats
+        drafts = spec.num_drafts - spec_before.num_drafts
+        accepted = spec.num_accepted_tokens - spec_before.num_accepted_tokens
+        result |= {"speculative_config": cfg.args.speculative_config, "draft_every_step": ns.draft_every_step,
+                   "ms_per_step": round(float(np.median(per_step)) * 1e3, 3), "spec_num_drafts": drafts,
+                   "spec_draft_tokens_per_draft": round((spec.num_draft_tokens - spec_before.num_draft_tokens)
+                                                        / max(drafts, 1), 2),
+                   "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else 1.0}
     if bw is not None:
         avg_context = ns.input_len + output_len / 2
         step_bytes = roofline.weight_bytes(engine.runner.model).read_by(ns.batch_size) + (
@@ -92,6 +121,20 @@ def main(argv: list[str] | None = None) -> int:
         result |= {"hf_ms_per_token": round(hf_step * 1e3, 3), "speedup_vs_hf": round(hf_step / step_s, 2)}
     emit(result)
     return 0
+
+
+class RepeatLastToken:
+    """A proposer (spec_decode/proposer.py) that drafts k copies of the last token at every step, whatever the
+    tokens: a measurement's stand-in for a method whose drafts always come."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def propose(self, rows, max_tokens) -> list[list[int]]:
+        return [[row.token_ids[-1]] * min(self.k, cap) for row, cap in zip(rows, max_tokens, strict=True)]
+
+    def release(self, seq_id: int) -> None:
+        pass
 
 
 def profile_decode(engine, prompts: list[list[int]], num_steps: int, trace: str | None) -> dict:

@@ -168,6 +168,7 @@ async def run_load(args: argparse.Namespace, base_url: str) -> tuple[dict, list[
             bar.update(1)
             return result
 
+        spec_before = await spec_decode_counts(http, base_url)
         tasks = []
         start, cpu_start = time.perf_counter(), time.process_time()
         for prompt, gap in zip(prompts, arrival_gaps(len(prompts), args.request_rate, args.seed), strict=True):
@@ -176,7 +177,31 @@ async def run_load(args: argparse.Namespace, base_url: str) -> tuple[dict, list[
         results = await asyncio.gather(*tasks)
         duration, client_cpu = time.perf_counter() - start, time.process_time() - cpu_start
         bar.close()
+        spec_after = await spec_decode_counts(http, base_url)
+        if spec_before is not None and spec_after is not None:  # a server running speculative decoding
+            drafts, accepted = (after - before for after, before in zip(spec_after, spec_before, strict=True))
+            info = info | {"mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else 1.0}
     return info, results, duration, client_cpu
+
+
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total")
+
+
+async def spec_decode_counts(http: aiohttp.ClientSession, base_url: str) -> tuple[float, float] | None:
+    """The server's speculative drafts and accepted tokens so far (/metrics), or None when it has none (or no
+    /metrics)."""
+    async with http.get(base_url + "/metrics") as r:
+        if r.status != 200:
+            return None
+        return spec_counts_in(await r.text())
+
+
+def spec_counts_in(text: str) -> tuple[float, float] | None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+             if s.name in SPEC_COUNTERS}
+    return tuple(found[name] for name in SPEC_COUNTERS) if len(found) == len(SPEC_COUNTERS) else None
 
 
 def summarize(args: argparse.Namespace, info: dict, results: list[RequestResult], duration: float,
@@ -195,6 +220,8 @@ def summarize(args: argparse.Namespace, info: dict, results: list[RequestResult]
         "total_token_throughput": round((in_tokens + out_tokens) / duration, 2),
         "client_cpu_s": round(client_cpu, 3),
     }
+    if "mean_acceptance_length" in info:  # speculative decoding, over this run's requests
+        summary["mean_acceptance_length"] = info["mean_acceptance_length"]
     for name, values in (("ttft", [r.ttft for r in ok]), ("tpot", tpot), ("itl", [g for r in ok for g in r.itl])):
         # No completed request, no figure: null in the JSON line, not NaN (which JSON does not have).
         ms = np.asarray(values) * 1000

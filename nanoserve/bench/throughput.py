@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
               "output_tokens": n_out, "prompt_tokens": n_in, "input_len": ns.input_len,
               "output_len": ns.output_len, **engine_facts(cfg),
               "tensor_parallel_size": cfg.args.tensor_parallel_size,
+              "symm_all_reduce": llm.engine.runner.tp.symm is not None,  # small all-reduces off NCCL (TP on GPUs)
               # What the KV pool held: a pool that fits few sequences (a 70B shape on two cards) keeps the batch
               # small and the figure far under the bound, which assumes every request decodes together.
               "num_kv_blocks": llm.engine.runner.num_kv_blocks, "preemptions": llm.engine.scheduler.num_preemptions}

@@ -252,6 +252,18 @@ class BlockManager:
         table.append(self._take_fresh().block_id)
         return True
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past the sequence's known tokens: after a speculative verify step, those that held only
+        rejected drafts' slots. Unnamed and unshared, they go first in the free queue, ahead of cached blocks."""
+        keep = self.blocks_needed(len(seq.token_ids))
+        while len(seq.block_table) > keep:
+            block_id = seq.block_table.pop()
+            block = self.blocks[block_id]
+            assert block.ref_count == 1 and block.block_hash is None, "a lookahead block is the sequence's own"
+            block.ref_count = 0
+            self.free[block_id] = None
+            self.free.move_to_end(block_id, last=False)
+
     def _take_fresh(self) -> Block:
         block = self.blocks[self.free.popitem(last=False)[0]]
         if block.block_hash is not None:  # evict: the least recently freed cached block goes first

@@ -16,6 +16,9 @@ from nanoserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from nanoserve.layers.sampler import SamplerOutput
 from nanoserve.outputs import CompletionOutput, Logprob, RequestOutput
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.spec_decode.ngram import NgramProposer
+from nanoserve.spec_decode.proposer import Proposer
+from nanoserve.spec_decode.stats import SpecDecodeStats
 from nanoserve.structured.backend import GrammarCompiler
 from nanoserve.structured.manager import StructuredOutputManager
 from nanoserve.worker.kv_cache import prefix_load_pays
@@ -58,6 +61,17 @@ class LLMEngine(EngineFrontend):
         self.step_hooks: list[Callable[[list[RequestOutput]], list[RequestOutput]]] = []  # add_step_hook
         asked = config.args.async_scheduling
         self.async_scheduling = config.device.type == "cuda" if asked is None else asked
+        # Speculative decoding (spec_decode/): a proposal reads the tokens the last step sampled, so the host must
+        # have them before it schedules: its steps are synchronous.
+        self.proposer: Proposer | None = None  # spec_decode/proposer.py: n-gram now, a draft model later
+        self.spec_stats: SpecDecodeStats | None = None
+        if (spec := config.speculative) is not None:
+            self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
+            self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens)
+            if asked:
+                logger.warning("async_scheduling: off with speculative_config (a proposal reads the last sampled "
+                               "token on the host)")
+            self.async_scheduling = False
         self.in_flight: LaunchedStep | None = None
         self.last_batch: SchedulerOutput | None = None  # the batch the last step() scheduled (the web page shows it)
         # Structured output (nanoserve/structured/): grammars compiled off this loop, token masks, matcher states.
@@ -121,6 +135,8 @@ class LLMEngine(EngineFrontend):
             return None
         for seq in self.scheduler.abort_request(request):
             seq.finish_reason = reason
+            if self.proposer is not None:
+                self.proposer.release(seq.seq_id)
         request.aborted = True
         request.metrics.finished_time = time.monotonic()
         return self._output(request)
@@ -154,6 +170,8 @@ class LLMEngine(EngineFrontend):
         if self.in_flight is not None and self.scheduler.needs_host_tokens:
             outputs = self._process(self.in_flight, final_only)
             self.in_flight = None
+        if self.proposer is not None:
+            self._propose()
         batch = self.last_batch = self.scheduler.schedule()
         launched = self._launch(batch) if batch.scheduled else None
         if self.in_flight is not None:
@@ -166,6 +184,23 @@ class LLMEngine(EngineFrontend):
         for hook in self.step_hooks:
             outputs = hook(outputs)
         return outputs
+
+    def _propose(self) -> None:
+        """Drafts for the running samples about to decode, capped so that no sample can emit past max_tokens or
+        max_model_len. Not for a constrained sample (a draft would need its grammar's masks at every position)."""
+        rows, caps = [], []
+        for seq in self.scheduler.running:
+            if seq.num_tokens - seq.num_computed_tokens != 1 or seq.num_pending or seq.cpu_blocks is not None or \
+                    seq.grammar is not None or seq.params.structured_outputs is not None:
+                continue
+            # A verify step emits accepted drafts + 1 tokens.
+            cap = min(seq.request.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+            if cap >= 1:
+                rows.append(seq)
+                caps.append(cap)
+        if rows:
+            for seq, drafts in zip(rows, self.proposer.propose(rows, caps), strict=True):
+                seq.spec_token_ids = drafts
 
     def _launch(self, batch: SchedulerOutput) -> LaunchedStep:
         now = time.monotonic()
@@ -233,9 +268,25 @@ class LLMEngine(EngineFrontend):
                 s.num_stale -= 1
                 continue
             s.num_pending -= 1
-            self._append_token(s, sampled.token_ids[r], sampled.logprobs[r])
+            if sampled.offsets is None:
+                self._append_token(s, sampled.token_ids[r], sampled.logprobs[r])
+            else:  # a speculative step: its accepted drafts and one more
+                self._append_verified(s, entry, sampled, range(sampled.offsets[r], sampled.offsets[r + 1]))
             appended = True
         return appended
+
+    def _append_verified(self, seq: Sequence, entry: ScheduledSeq, sampled: SamplerOutput, at: range) -> None:
+        """A speculative step's tokens for one sample: its accepted drafts and the token after them, each through the
+        stop checks (none is appended past a stop, eos or max_tokens); then its lookahead slots past them are free."""
+        if entry.draft_token_ids:
+            self.spec_stats.observe(len(entry.draft_token_ids), len(at) - 1)
+        for i in at:
+            self._append_token(seq, sampled.token_ids[i], sampled.logprobs[i])
+            if seq.is_finished:
+                return
+        # The KV of every token but the last is in the cache now; a rejected draft's slot is written over next step.
+        seq.num_computed_tokens = len(seq.token_ids) - 1
+        self.block_manager.trim(seq)
 
     def _append_token(self, seq: Sequence, token: int, logprobs) -> None:
         if seq.is_finished:
@@ -262,6 +313,8 @@ class LLMEngine(EngineFrontend):
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.scheduler.finish(seq)
+        if self.proposer is not None:
+            self.proposer.release(seq.seq_id)
 
     def _add_logprobs(self, seq: Sequence, token: int, logprobs) -> None:
         top_ids, top_values, chosen, rank = logprobs

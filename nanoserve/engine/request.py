@@ -52,6 +52,7 @@ class Sequence:
     logprobs: list[TokenLogprobs] | None = None
     cumulative_logprob: float = 0.0
     grammar: "GrammarState | None" = None  # structured output: this sample's place in its grammar
+    spec_token_ids: list[int] = field(default_factory=list)  # speculative: drafts proposed for its next step
 
     @property
     def params(self) -> SamplingParams:

@@ -33,6 +33,9 @@ class ScheduledSeq:
     # The sequences that get a token sampled from this row's logits: empty while a prompt is only
     # partly prefilled, [seq] normally, [seq, *forks] when the first prefill of an n > 1 request ends.
     sample_seqs: list[Sequence] = field(default_factory=list)
+    # Speculative decoding: the last len() of the new tokens are drafts (not in seq.token_ids) to verify, each
+    # given a KV slot (a lookahead slot) like a known token.
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -87,6 +90,15 @@ class Scheduler:
                 continue  # forked this step, its token not sampled yet
             if seq.num_pending and seq.num_output_tokens >= seq.request.max_tokens:
                 continue  # its pending token is its last: the step that sampled it will finish it
+            if seq.spec_token_ids:
+                drafts, seq.spec_token_ids = seq.spec_token_ids[:budget - 1], []
+                if drafts and num_new == 1 and seq.cpu_blocks is None and \
+                        self.block_manager.can_allocate(seq, 1 + len(drafts)):
+                    copies += self.block_manager.allocate(seq, 1 + len(drafts))
+                    scheduled.append(self._entry(seq, 1 + len(drafts), drafts))
+                    budget -= 1 + len(drafts)
+                    continue
+                # No room for the drafts' slots: it decodes without them rather than preempt another for them.
             if seq.cpu_blocks is not None:
                 num_new = min(num_new, max(1, self.block_manager.long_context_room(seq)))
             elif self.block_manager.needs_long_context(seq):
@@ -143,8 +155,10 @@ class Scheduler:
         scheduled.sort(key=lambda s: s.num_new_tokens > 1)  # stable: decodes first, order kept within
         return SchedulerOutput(scheduled, copies, *self.block_manager.take_swaps())
 
-    def _entry(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+    def _entry(self, seq: Sequence, num_new: int, drafts: list[int] | None = None) -> ScheduledSeq:
         entry = ScheduledSeq(seq, seq.num_computed_tokens, num_new)
+        if drafts:
+            entry.draft_token_ids = drafts
         seq.num_computed_tokens += num_new
         if seq.num_computed_tokens < seq.num_tokens:
             return entry  # a prompt chunk with more to come: nothing to sample yet
@@ -165,6 +179,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.spec_token_ids = []
         if self.block_manager.swap_out_long_context(seq):
             self.num_swapped += 1
         else:

@@ -4,9 +4,11 @@ At batch 1 a Qwen3-0.6B layer spends ~32 us on an H100 against ~10 us of weights
 launches, and qkv_rope_store (q/k norm, rotary, new K/V into the cache) is one of a layer's six. Here every
 (sequence, kv head, split) program of flash-decoding (decode_attention.py; its pieces in decode_split.py) reads its
 group's raw query heads from the qkv row and normalizes and rotates them itself (redundant across splits, a
-few hundred FLOPs each), and likewise the new token's k (normed, rotated) and v for its kv head. The program
-whose split holds the new token's position, seq_len - 1, stores them into the cache at the token's slot
-(none when the slot is -1); no other program reads that position, so there is no race between programs.
+few hundred FLOPs each), and likewise the new token's k (normed, rotated) and v for its kv head. Heads are
+rotated whole, each dimension beside its rotary partner (rope_pair.py; with partial rotary the dimensions past the
+rotated ones are their own partner and pass through). The program whose split holds the new token's position,
+seq_len - 1, stores them into the cache at the token's slot (none when the slot is -1); no other program reads that
+position, so there is no race between programs.
 
 The new key and value enter the sums from registers rather than through the cache: a store's round trip to
 L2 and back would sit on the critical path, and a barrier would be needed to order it before the program's
@@ -34,36 +36,7 @@ from nanoserve.kernels.decode_launch import launch_reduce, plan_split_launch
 from nanoserve.kernels.decode_split import attend_split, load_kv_tile, split_range
 from nanoserve.kernels.pdl import wait_for_prior_grids
 from nanoserve.kernels.qkv_rope_store import qkv_rope_store_ref
-
-
-@triton.jit
-def _norm_weight(w_ptr, HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """A per-head RMSNorm weight at d and at d's rotary partner (d + HALF mod HEAD_DIM), fp32 [1, HEAD_DIM];
-    ones (never used) without the norm."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    if HAS_NORM:
-        w = tl.load(w_ptr + offs_d).to(tl.float32)
-        w_pair = tl.load(w_ptr + (offs_d + HEAD_DIM // 2) % HEAD_DIM).to(tl.float32)
-    else:
-        w = tl.full([HEAD_DIM], 1.0, tl.float32)
-        w_pair = w
-    return w[None, :], w_pair[None, :]
-
-
-@triton.jit
-def _norm_rope(x, x_pair, w, w_pair, cos, sin, eps, HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Heads x [R, HEAD_DIM] (x_pair: the same heads with their halves swapped) after the per-head RMSNorm
-    (HAS_NORM) and rotate-half rotary, rounded to x's dtype where qkv_rope_store rounds."""
-    dtype = x.dtype
-    y, y_pair = x.to(tl.float32), x_pair.to(tl.float32)
-    if HAS_NORM:
-        rstd = tl.rsqrt(tl.sum(y * y, axis=1) / HEAD_DIM + eps)[:, None]
-        # As rms_norm: normalize, round, scale, round (the rotary kernel then reads the rounded values).
-        y = ((y * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
-        y_pair = ((y_pair * rstd).to(dtype).to(tl.float32) * w_pair).to(dtype).to(tl.float32)
-    # First half: x1 cos - x2 sin; second half: x2 cos + x1 sin (negating is exact, so this is the same sum).
-    first_half = (tl.arange(0, HEAD_DIM) < HEAD_DIM // 2)[None, :]
-    return (y * cos + tl.where(first_half, -y_pair, y_pair) * sin).to(dtype)
+from nanoserve.kernels.rope_pair import norm_rope, norm_weight, rope_cos_sin, rope_pair
 
 
 @triton.jit
@@ -71,8 +44,8 @@ def _decode_rope_split_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_p
                               v_cache_ptr, seq_lens_ptr, block_tables_ptr, mid_o_ptr, mid_lse_ptr, out_ptr,
                               counters_ptr, qk_scale, eps, stride_qkv, stride_c, stride_cb, stride_ct, stride_ch,
                               stride_bt, stride_ob, stride_oh, num_queries_per_kv, num_splits, window, sinks_ptr,
-                              HAS_NORM: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr,
-                              FUSED: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr,
+                              HAS_NORM: tl.constexpr, ROT_HALF: tl.constexpr, PREFETCH: tl.constexpr,
+                              SPLIT: tl.constexpr, FUSED: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr,
                               DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
                               BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr):
@@ -83,7 +56,7 @@ def _decode_rope_split_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_p
     num_q_heads = num_kv_heads * num_queries_per_kv
     offs_g = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
-    pair = (offs_d + HEAD_DIM // 2) % HEAD_DIM  # rotary pairs d with d + HALF
+    pair = rope_pair(HEAD_DIM, ROT_HALF)
 
     # Before waiting on the kernel before this one (PDL), only memory that no kernel this close before writes.
     # Under PDL this program starts once every program of that kernel (the qkv GEMM) has passed its own wait,
@@ -104,22 +77,21 @@ def _decode_rope_split_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_p
     if PREFETCH:
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, kv_head, kv_start, kv_end, new_pos, stride_cb,
                             stride_ct, stride_ch, True, HEAD_DIM, BLOCK_SIZE, BLOCK_N)
-    cos = tl.load(cos_ptr + pos * stride_c + offs_d % (HEAD_DIM // 2))[None, :]
-    sin = tl.load(sin_ptr + pos * stride_c + offs_d % (HEAD_DIM // 2))[None, :]
-    q_w, q_w_pair = _norm_weight(q_w_ptr, HAS_NORM, HEAD_DIM)
-    k_w, k_w_pair = _norm_weight(k_w_ptr, HAS_NORM, HEAD_DIM)
+    cos, sin = rope_cos_sin(cos_ptr, sin_ptr, pos, stride_c, HEAD_DIM, ROT_HALF)
+    q_w, q_w_pair = norm_weight(q_w_ptr, pair, HAS_NORM, HEAD_DIM)
+    k_w, k_w_pair = norm_weight(k_w_ptr, pair, HAS_NORM, HEAD_DIM)
     wait_for_prior_grids(USE_PDL)
 
     # The qkv row: q heads, then k heads, then v heads.
     row = qkv_ptr + seq.to(tl.int64) * stride_qkv
     q_rows = row + (kv_head * num_queries_per_kv + offs_g)[:, None] * HEAD_DIM
     q_mask = (offs_g < num_queries_per_kv)[:, None]
-    q = _norm_rope(tl.load(q_rows + offs_d[None, :], mask=q_mask, other=0.0),
-                   tl.load(q_rows + pair[None, :], mask=q_mask, other=0.0),
-                   q_w, q_w_pair, cos, sin, eps, HAS_NORM, HEAD_DIM)
+    q = norm_rope(tl.load(q_rows + offs_d[None, :], mask=q_mask, other=0.0),
+                  tl.load(q_rows + pair[None, :], mask=q_mask, other=0.0),
+                  q_w, q_w_pair, cos, sin, eps, HAS_NORM, HEAD_DIM, ROT_HALF)
     k_row = row + (num_q_heads + kv_head) * HEAD_DIM
-    new_k = _norm_rope(tl.load(k_row + offs_d[None, :]), tl.load(k_row + pair[None, :]),
-                       k_w, k_w_pair, cos, sin, eps, HAS_NORM, HEAD_DIM).to(k_cache_ptr.dtype.element_ty)
+    new_k = norm_rope(tl.load(k_row + offs_d[None, :]), tl.load(k_row + pair[None, :]),
+                      k_w, k_w_pair, cos, sin, eps, HAS_NORM, HEAD_DIM, ROT_HALF).to(k_cache_ptr.dtype.element_ty)
     new_v = tl.load(row + (num_q_heads + num_kv_heads + kv_head) * HEAD_DIM + offs_d[None, :])
 
     # The split holding position seq_len - 1 stores the new K/V (split 0 for a length-0 row, which has none,
@@ -175,7 +147,7 @@ def decode_rope_attention(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int
     num_tokens, width = qkv.shape
     head_dim = width // (num_q_heads + 2 * num_kv_heads)
     assert qkv.stride(1) == 1 and width == (num_q_heads + 2 * num_kv_heads) * head_dim
-    assert cos.is_contiguous() and sin.is_contiguous() and cos.shape[1] * 2 == head_dim
+    assert cos.is_contiguous() and sin.is_contiguous() and cos.shape[1] * 2 <= head_dim
     assert k_cache.shape[2:] == (num_kv_heads, head_dim) and (q_weight is None) == (k_weight is None)
     assert positions.shape == slot_mapping.shape == (num_tokens,)
     if out is None:
@@ -193,7 +165,8 @@ def decode_rope_attention(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int
         cos, sin, positions, slot_mapping, k_cache, v_cache, seq_lens, block_tables, launch.mid_o, launch.mid_lse,
         out, launch.counters, scale * LOG2E, eps, qkv.stride(0), cos.stride(0), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
-        num_q_heads // num_kv_heads, launch.grid[2], window or 0, sinks, HAS_NORM=has_norm, PREFETCH=prefetch,
+        num_q_heads // num_kv_heads, launch.grid[2], window or 0, sinks, HAS_NORM=has_norm, ROT_HALF=cos.shape[1],
+        PREFETCH=prefetch,
         WINDOW=window is not None, SINKS=sinks is not None, **launch.options)
     launch_reduce(launch, out)
     return out

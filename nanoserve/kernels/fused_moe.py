@@ -296,9 +296,10 @@ def moe_sum(y: torch.Tensor, topk_ids: torch.Tensor, expert_start: int, num_expe
     return out
 
 
-def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-           topk_ids: torch.Tensor, w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None,
-           activation: str) -> None:
+def check_moe_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor, w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None,
+                   activation: str) -> None:
+    """fused_moe's and moe_gemv's arguments, each wrong one named in a ValueError."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation: {activation!r} is not supported")
     if x.dim() != 2 or x.stride(1) != 1:
@@ -328,7 +329,7 @@ def fused_moe_with_config(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
                           w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
                           activation: str = "silu") -> torch.Tensor:
     """fused_moe with the tile sizes given (scripts/tune_fused_moe.py times candidates through it)."""
-    _check(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation)
+    check_moe_args(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation)
     if x.shape[0] == 0:
         return torch.empty_like(x)
     num_experts = w13.shape[0]

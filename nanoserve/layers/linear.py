@@ -160,12 +160,19 @@ class FusedLinear(Linear):
         return {pname: list(self.shard_offsets) for pname, _ in self.named_parameters(recurse=False)}
 
     def load_shard(self, param: nn.Parameter, loaded, shard: str) -> None:
-        offset, size = self.shard_offsets[shard]
-        start, _, total = self.shards[shard]
-        rows = loaded.get_shape()[0]
+        """shard: one of self.shards, or several joined by "+" for a checkpoint tensor that stacks their whole
+        tensors in that order (Phi-3's qkv_proj is "q+k+v", its gate_up_proj "gate+up"): each shard's rows of this
+        rank are read from its part, so tensor parallelism splits a packed tensor as it splits separate ones."""
+        parts = shard.split("+")
+        rows, total = loaded.get_shape()[0], sum(self.shards[part][2] for part in parts)
         if rows != total:
             raise ValueError(f"checkpoint shard {shard!r} has {rows} rows, expected {total}")
-        param.data[offset:offset + size].copy_(loaded[start:start + size])
+        base = 0  # where the part's whole tensor starts in the checkpoint tensor
+        for part in parts:
+            offset, size = self.shard_offsets[part]
+            start, _, part_rows = self.shards[part]
+            param.data[offset:offset + size].copy_(loaded[base + start:base + start + size])
+            base += part_rows
 
 
 def _kv_head_shard(num_kv_heads: int, tp: TensorParallelGroup) -> tuple[int, int]:

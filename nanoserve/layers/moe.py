@@ -92,12 +92,32 @@ class FusedMoE(nn.Module):
             rows = slice(0, local_i) if proj == "gate" else slice(local_i, 2 * local_i)
             param.data[e, rows].copy_(loaded[start:start + local_i])
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        moe = fused_moe_ref
+    def takes_gemv(self, x: torch.Tensor) -> bool:
+        """Whether forward runs x through the decode GEMVs (kernels/moe_gemv.py): a CUDA step of a token or two. The
+        step's size is fixed when a graph is captured, so the path is too."""
+        if not (x.is_cuda and self.use_kernel):
+            return False
+        from nanoserve.kernels.moe_gemv import takes_gemv
+
+        return takes_gemv(x.shape[0], self.top_k)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                norm: RMSNorm | None = None) -> torch.Tensor:
+        """norm: the experts of norm(x), normalized inside the gate/up GEMV where takes_gemv (else by norm)."""
+        kw = dict(expert_start=self.expert_start, w13_bias=self.w13_bias, w2_bias=self.w2_bias,
+                  activation=self.activation)
+        if self.takes_gemv(x):
+            from nanoserve.kernels.moe_gemv import moe_gemv
+
+            return moe_gemv(x, self.w13, self.w2, topk_weights, topk_ids,
+                            norm=(norm.weight, norm.eps) if norm is not None else None, **kw)
+        if norm is not None:
+            x = norm(x)
         if x.is_cuda and self.use_kernel:
-            from nanoserve.kernels.fused_moe import fused_moe as moe
-        return moe(x, self.w13, self.w2, topk_weights, topk_ids, expert_start=self.expert_start,
-                   w13_bias=self.w13_bias, w2_bias=self.w2_bias, activation=self.activation)
+            from nanoserve.kernels.fused_moe import fused_moe
+
+            return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, **kw)
+        return fused_moe_ref(x, self.w13, self.w2, topk_weights, topk_ids, **kw)
 
 
 class SparseMoeBlock(nn.Module):
@@ -113,6 +133,8 @@ class SparseMoeBlock(nn.Module):
         self.experts = experts
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert is not None else None
+        # kernels/moe_routing.py's router_topk: zero between launches (each launch leaves it so).
+        self.register_buffer("router_counter", torch.zeros(1, dtype=torch.int32), persistent=False)
 
     def forward(self, x: torch.Tensor, plan: KernelPlan) -> torch.Tensor:
         topk_weights, topk_ids = route(self.gate(x, plan), self.top_k, self.renormalize)
@@ -124,6 +146,18 @@ class SparseMoeBlock(nn.Module):
 
     def forward_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
                      plan: KernelPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """self(norm(x + residual)) and the next residual: the decoder layer's fused path, unfused here."""
+        """self(norm(x + residual)) and the next residual: the decoder layer's fused path. Where the plan fuses the
+        router's prologue (a one-row graph) and the experts take the GEMVs, no launch of its own normalizes x: one
+        launch adds the residual, normalizes, runs the router's GEMV and the top-k (kernels/moe_routing.py's
+        router_topk), and the experts' gate/up GEMV normalizes the sum it returns again. A shared expert would need
+        the normalized row itself."""
+        if (self.shared_expert is None and self.gate.quant_method is None and x.shape[0] == 1
+                and plan.takes_fused_prologue(self.gate.weight) and self.experts.takes_gemv(x)):
+            from nanoserve.kernels.moe_routing import router_topk
+
+            topk_weights, topk_ids, residual = router_topk(x, residual, norm.weight, norm.eps, self.gate.weight,
+                                                           self.gate.bias, self.top_k, self.renormalize,
+                                                           self.router_counter)
+            return self.tp.all_reduce(self.experts(residual, topk_weights, topk_ids, norm)), residual
         x, residual = norm(x, residual)
         return self(x, plan), residual

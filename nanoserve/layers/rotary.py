@@ -20,6 +20,11 @@ Both are decided once, from max_model_len (the `max_position` this layer is buil
   for the served length since vllm-project/vllm#41277). Up to max_position_embeddings, the base is unchanged, exactly
   as in transformers; max_model_len never exceeds max_position_embeddings today, so every sequence matches.
 
+Partial rotary (`partial_rotary_factor`, Phi-3/Phi-4-mini): only the first rotary_dim dimensions of each head rotate,
+in rotate-half layout among themselves, and the rest pass through, as transformers' Phi-3 does. Every type's
+frequencies are then those of a rotary_dim-wide head (longrope's factor lists have rotary_dim / 2 entries), and the
+tables are rotary_dim wide: the kernels take the rotary dimension from their width.
+
 `scaling` is config.py's ModelConfig.rope_scaling: the checkpoint's fields plus rope_type,
 original_max_position_embeddings (for llama3, yarn and longrope) and the model's max_position_embeddings, which
 yarn's and longrope's default factor and dynamic's base are computed from.
@@ -140,16 +145,35 @@ def _longrope(dim: int, base: float, exponents: torch.Tensor, scaling: dict,
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None) -> None:
+    def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None,
+                 rotary_dim: int | None = None) -> None:
+        """rotary_dim: the leading dimensions of each head that rotate (partial rotary, Phi-3's
+        partial_rotary_factor); the others pass through. head_dim unless given."""
         super().__init__()
-        inv_freq, attention = rope_frequencies(head_dim, base, scaling, max_position)
+        rotary_dim = rotary_dim or head_dim
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(f"partial_rotary_factor: the rotary dimension {rotary_dim} must be even and at most "
+                             f"head_dim {head_dim}")
+        self._args = (rotary_dim, max_position, base, scaling)
+        for name, table in self._tables().items():
+            self.register_buffer(name, table, persistent=False)
+
+    def _tables(self) -> dict[str, torch.Tensor]:
+        rotary_dim, max_position, base, scaling = self._args
+        inv_freq, attention = rope_frequencies(rotary_dim, base, scaling, max_position)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * attention, persistent=False)
-        self.register_buffer("sin", emb.sin() * attention, persistent=False)
-        # The GPU kernel reads one half: the two halves of cat(freqs, freqs) are equal.
-        self.register_buffer("cos_half", freqs.cos() * attention, persistent=False)
-        self.register_buffer("sin_half", freqs.sin() * attention, persistent=False)
+        # The GPU kernels read one half: the two halves of cat(freqs, freqs) are equal. Their width says the
+        # rotary dimension (kernels/rotary.py, qkv_rope_store.py, decode_rope_attention.py).
+        return {"cos": emb.cos() * attention, "sin": emb.sin() * attention,
+                "cos_half": freqs.cos() * attention, "sin_half": freqs.sin() * attention}
+
+    def reset_buffers(self, device: torch.device) -> None:
+        """The tables computed on `device`: for a model built on the meta device (model/loader.py builds a 4-bit
+        one there, so that no unquantized weight is ever allocated)."""
+        with torch.device(device):
+            for name, table in self._tables().items():
+                self._buffers[name] = table
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q [T, Hq, D], k [T, Hkv, D] -> rotated (in place on the GPU, copies on the CPU)."""
@@ -164,6 +188,9 @@ class RotaryEmbedding(nn.Module):
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        return torch.cat((_rotate(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return (x * cos.to(x.dtype)) + (rotated * sin.to(x.dtype))

@@ -57,6 +57,16 @@ class SamplerOutput:
     # Per row, when logprobs were asked: (top ids, top logprobs, sampled logprob, sampled rank).
     logprobs: list[tuple[list[int], list[float], float, int] | None]
     failed: dict[int, Exception] = field(default_factory=dict)  # row -> what raised while sampling it alone
+    # Speculative verification (spec_decode/rejection.py): row r emits token_ids[offsets[r]:offsets[r + 1]] (and
+    # those logprobs). None: one token a row.
+    offsets: list[int] | None = None
+
+    @property
+    def counts(self) -> list[int]:
+        """Tokens each row emits."""
+        if self.offsets is None:
+            return [1] * len(self.token_ids)
+        return [b - a for a, b in zip(self.offsets, self.offsets[1:], strict=False)]
 
 
 @dataclass
@@ -133,6 +143,36 @@ class Sampler:
             out.failed = dict(masks.failed) if masks is not None else {}
             return out
         failed: dict[int, Exception] = dict(masks.failed) if masks is not None else {}
+        logits, raw_logprobs = self.processed(logits, seqs, params, masks, failed)
+        everyone_samples = len(sampled_rows) == len(seqs)
+        tokens = None if everyone_samples else logits.argmax(dim=-1)
+        if sampled_rows:
+            if everyone_samples:  # the common all-sampled batch: no gather, no scatter
+                rows = None
+                probs = self.filtered_probs(logits, temps, top_k, top_p, min_p)
+            else:
+                rows = to_device(sampled_rows, torch.int64, self.device)
+                probs = self.filtered_probs(logits[rows], temps, top_k, top_p, min_p)
+            q = torch.empty_like(probs).exponential_(generator=self.generator)
+            seeded = [(j, i) for j, i in enumerate(sampled_rows) if seqs[i].generator is not None]
+            _each_row(seeded, lambda ji: q[ji[0]].exponential_(generator=seqs[ji[1]].generator), failed,
+                      row=lambda ji: ji[1])
+            picked = (probs / q).argmax(dim=-1)
+            if rows is None:
+                tokens = picked
+            else:
+                tokens[rows] = picked
+        out = self.token_logprobs(raw_logprobs, tokens, params)
+        out.failed = failed
+        return out
+
+    def processed(self, logits: torch.Tensor, seqs: Sequence[SamplingRow], params: list[SamplingParams],
+                  masks: AllowedTokens | None, failed: dict[int, Exception],
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The logits each row's parameters make of its raw logits before temperature and the draw (fp32, a copy):
+        eos and stop ids masked below min_tokens, logit_bias, penalties, grammar masks; and the raw logprobs when a
+        row asks for logprobs (else None). Rows whose own work raises land in `failed`. Speculative verification
+        (spec_decode/rejection.py) takes its target distributions from here too."""
         # .float() copies bf16 logits; fp32 ones are cloned, since the masks below write in place.
         logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
         raw_logprobs = None
@@ -144,27 +184,7 @@ class Sampler:
                   lambda i: self._apply_penalties(logits[i], seqs[i]), failed)
         if masks is not None:
             self._apply_bitmask(logits, masks)
-        everyone_samples = len(sampled_rows) == len(seqs)
-        tokens = None if everyone_samples else logits.argmax(dim=-1)
-        if sampled_rows:
-            if everyone_samples:  # the common all-sampled batch: no gather, no scatter
-                rows = None
-                probs = self._filtered_probs(logits, temps, top_k, top_p, min_p)
-            else:
-                rows = to_device(sampled_rows, torch.int64, self.device)
-                probs = self._filtered_probs(logits[rows], temps, top_k, top_p, min_p)
-            q = torch.empty_like(probs).exponential_(generator=self.generator)
-            seeded = [(j, i) for j, i in enumerate(sampled_rows) if seqs[i].generator is not None]
-            _each_row(seeded, lambda ji: q[ji[0]].exponential_(generator=seqs[ji[1]].generator), failed,
-                      row=lambda ji: ji[1])
-            picked = (probs / q).argmax(dim=-1)
-            if rows is None:
-                tokens = picked
-            else:
-                tokens[rows] = picked
-        out = self._logprobs(raw_logprobs, tokens, params)
-        out.failed = failed
-        return out
+        return logits, raw_logprobs
 
     def _sample_fused(self, logits: torch.Tensor, seqs: Sequence[SamplingRow], params: list,
                       masks: AllowedTokens | None) -> SampledTokens:
@@ -180,8 +200,38 @@ class Sampler:
                 self._apply_bitmask(logits, masks)
         temps = to_device([p.temperature for p in params], torch.float32, self.device)
         self.num_calls += 1
-        key = (self.seed * 0x9E3779B1 + self.num_calls * 0x632BE5AB) & 0xFFFFFFFF
-        return self._logprobs(raw_logprobs, gumbel_max_sample(logits, temps, key), params)
+        return self.token_logprobs(raw_logprobs, gumbel_max_sample(logits, temps, self._key(self.num_calls)), params)
+
+    def _key(self, call: int) -> int:
+        return (self.seed * 0x9E3779B1 + call * 0x632BE5AB) & 0xFFFFFFFF
+
+    # -- tensor parallelism: the other ranks draw rank 0's tokens themselves ------------------------------------
+    def replicable(self, seqs: Sequence[SamplingRow], masks: AllowedTokens | None) -> bool:
+        """Whether this batch's tokens are a function of the logits, the rows' temperatures and the next call's key
+        alone, so that another rank holding the same logits draws the same tokens (sample_replica) with nothing
+        but the temperatures sent: on CUDA the fused kernel's batches, on the CPU all-greedy ones. Anything that
+        reads a sequence's host state (its own seed's generator, its history for penalties and min_tokens, its
+        grammar) or the engine generator's running state is not."""
+        if masks is not None or not seqs:
+            return False
+        for s in seqs:
+            p = s.params
+            if p.has_penalties or p.logit_bias or p.min_tokens:
+                return False
+            if p.temperature != 0 and not (self.fused and p.top_k <= 0 and p.top_p >= 1 and p.min_p <= 0
+                                           and s.generator is None):
+                return False
+        return True
+
+    def sample_replica(self, logits: torch.Tensor, temperatures: list[float], call: int) -> torch.Tensor:
+        """The tokens rank 0's sample() drew from the same logits for a replicable batch, whose fused call was
+        number `call` (temperatures: the rows', only when fused)."""
+        if self.fused:
+            from nanoserve.kernels.sampling import gumbel_max_sample
+
+            self.num_calls = call
+            return gumbel_max_sample(logits, to_device(temperatures, torch.float32, self.device), self._key(call))
+        return (logits.float() if logits.dtype != torch.float32 else logits).argmax(dim=-1)
 
     def _mask_stop_tokens(self, logits: torch.Tensor, seqs: Sequence[SamplingRow], params: list) -> None:
         rows, cols = [], []
@@ -235,7 +285,7 @@ class Sampler:
             counts = torch.bincount(out_ids, minlength=row.shape[0]).to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
-    def _filtered_probs(self, logits: torch.Tensor, temps: list[float], top_k: list[int], top_p: list[float],
+    def filtered_probs(self, logits: torch.Tensor, temps: list[float], top_k: list[int], top_p: list[float],
                         min_p: list[float]) -> torch.Tensor:
         logits = logits / to_device(temps, torch.float32, self.device)[:, None]
         need_top_k = any(k > 0 for k in top_k)
@@ -260,7 +310,7 @@ class Sampler:
         return torch.softmax(logits.masked_fill(mask, -float("inf")), dim=-1)
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor | None, tokens: torch.Tensor, params: list) -> SampledTokens:
+    def token_logprobs(raw: torch.Tensor | None, tokens: torch.Tensor, params: list) -> SampledTokens:
         num_logprobs = [p.logprobs for p in params]
         if raw is None:
             return SampledTokens(tokens, num_logprobs)

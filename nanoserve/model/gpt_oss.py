@@ -4,8 +4,10 @@ an MoE MLP in every layer: a router with a bias, top-k then softmax over the cho
 and experts with biases and a clamped SwiGLU (kernels/moe_reference.py's "swigluoai").
 
 Checkpoints as transformers writes them in bf16: each layer's experts stacked in one tensor per projection,
-gate_up_proj [E, H, 2I] with gate and up in alternate columns, down_proj [E, I, H], and their biases. The MXFP4 form
-OpenAI ships (`*_blocks`, `*_scales`) is a quantized format, not loaded here.
+gate_up_proj [E, H, 2I] with gate and up in alternate columns, down_proj [E, I, H], and their biases. Or as OpenAI
+ships them, the experts in MXFP4 (`gate_up_proj_blocks` [E, 2I, H/32, 16], `gate_up_proj_scales` [E, 2I, H/32],
+`down_proj_blocks` [E, H, I/32, 16], ...: rows are output features), dequantized while loading
+(quantization/mxfp4.py).
 """
 
 import torch
@@ -16,10 +18,13 @@ from nanoserve.distributed.group import TensorParallelGroup
 from nanoserve.kernels.moe_reference import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from nanoserve.layers.moe import FusedMoE, SparseMoeBlock
 from nanoserve.model.llama import LlamaForCausalLM
+from nanoserve.quantization.mxfp4 import dequantize_mxfp4
 
 # checkpoint name -> (GptOssExperts' parameter, shard)
 _EXPERT_TENSORS = {"gate_up_proj_bias": ("w13_bias", "gate_up"), "down_proj_bias": ("w2_bias", "down"),
                    "gate_up_proj": ("w13", "gate_up"), "down_proj": ("w2", "down")}
+_MXFP4_TENSORS = {f"{theirs}_{part}": (ours, f"{shard}_{part}") for theirs, (ours, shard) in _EXPERT_TENSORS.items()
+                  if not theirs.endswith("_bias") for part in ("blocks", "scales")}
 
 
 class GptOssExperts(FusedMoE):
@@ -36,8 +41,17 @@ class GptOssExperts(FusedMoE):
         self.w2_bias = nn.Parameter(torch.empty(local_experts, hidden_size), requires_grad=False)
         for param in (self.w13, self.w13_bias, self.w2, self.w2_bias):
             param.weight_loader = self.load_stacked
+        self.mxfp4 = False
+        self._mxfp4_parts: dict[str, torch.Tensor] = {}  # a projection's blocks or scales until both are read
+
+    def expect_mxfp4(self) -> None:
+        """The checkpoint holds w13 and w2 in MXFP4 (blocks and scales, quantization/mxfp4.py)."""
+        self.mxfp4 = True
 
     def expected_shards(self) -> dict[str, list[str]]:
+        if self.mxfp4:
+            return {"w13": ["gate_up_blocks", "gate_up_scales"], "w13_bias": ["gate_up"],
+                    "w2": ["down_blocks", "down_scales"], "w2_bias": ["down"]}
         return {"w13": ["gate_up"], "w13_bias": ["gate_up"], "w2": ["down"], "w2_bias": ["down"]}
 
     def checkpoint_shapes(self, param: nn.Parameter) -> list[tuple[str, tuple[int, ...]]]:
@@ -47,21 +61,45 @@ class GptOssExperts(FusedMoE):
         return [next(shapes[name] for name, p in self.named_parameters(recurse=False) if p is param)]
 
     def load_stacked(self, param: nn.Parameter, loaded, shard: str) -> None:
+        experts = slice(self.expert_start, self.expert_start + param.shape[0])
+        if shard.endswith(("_blocks", "_scales")):
+            return self._load_mxfp4(param, loaded, shard, experts)
         (_, shape), = self.checkpoint_shapes(param)
         if tuple(loaded.get_shape()) != shape:
             raise ValueError(f"has shape {tuple(loaded.get_shape())}, expected {shape}")
-        experts = slice(self.expert_start, self.expert_start + param.shape[0])
+        self._copy_stacked(param, loaded[experts], experts)
+
+    def _load_mxfp4(self, param: nn.Parameter, loaded, shard: str, experts: slice) -> None:
+        """Keep this rank's experts of blocks or scales; with both, dequantize them into the bf16 layout."""
+        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        rows, cols = (2 * i, h) if param is self.w13 else (h, i)
+        proj, _, part = shard.rpartition("_")
+        shape = (e, rows, cols // 32, 16) if part == "blocks" else (e, rows, cols // 32)
+        if tuple(loaded.get_shape()) != shape:
+            raise ValueError(f"has shape {tuple(loaded.get_shape())}, expected {shape}")
+        self._mxfp4_parts[shard] = loaded[experts]
+        blocks, scales = (self._mxfp4_parts.get(f"{proj}_{p}") for p in ("blocks", "scales"))
+        if blocks is None or scales is None:
+            return
+        del self._mxfp4_parts[f"{proj}_blocks"], self._mxfp4_parts[f"{proj}_scales"]
+        # Dequantized on the parameter's device (a quarter of the bytes cross), [e, rows, cols] -> the bf16 form's
+        # [e, cols, rows].
+        values = dequantize_mxfp4(blocks.to(param.device), scales.to(param.device), param.dtype)
+        self._copy_stacked(param, values.transpose(1, 2), experts)
+
+    def _copy_stacked(self, param: nn.Parameter, loaded: torch.Tensor, experts: slice) -> None:
+        """loaded: this rank's experts of a checkpoint tensor in the bf16 form."""
         local_i, start = self.w2.shape[2], self.inter_start
         if param is self.w2_bias:
             # Added once by the all-reduce: by every rank for its own experts, or by the first slice of I.
-            param.data.copy_(loaded[experts, :] if start == 0 else torch.zeros_like(param))
+            param.data.copy_(loaded if start == 0 else torch.zeros_like(param))
         elif param is self.w2:
-            param.data.copy_(loaded[experts, start:start + local_i, :].transpose(1, 2))
+            param.data.copy_(loaded[:, start:start + local_i, :].transpose(1, 2))
         elif param is self.w13:  # this rank's rows i of gate and of up: checkpoint columns 2i and 2i + 1
-            cols = loaded[experts, :, 2 * start:2 * (start + local_i)]
+            cols = loaded[:, :, 2 * start:2 * (start + local_i)]
             param.data.copy_(torch.cat([cols[..., 0::2], cols[..., 1::2]], dim=-1).transpose(1, 2))
         else:
-            cols = loaded[experts, 2 * start:2 * (start + local_i)]
+            cols = loaded[:, 2 * start:2 * (start + local_i)]
             param.data.copy_(torch.cat([cols[..., 0::2], cols[..., 1::2]], dim=-1))
 
 
@@ -90,7 +128,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
             return ckpt_name.replace(".self_attn.sinks", ".self_attn.attn.sinks"), None
         if ".mlp.router." in ckpt_name:
             return ckpt_name.replace(".mlp.router.", ".mlp.gate."), None
-        for theirs, (ours, shard) in _EXPERT_TENSORS.items():
+        for theirs, (ours, shard) in (_EXPERT_TENSORS | _MXFP4_TENSORS).items():
             if ckpt_name.endswith(f".mlp.experts.{theirs}"):
                 return ckpt_name.replace(f".mlp.experts.{theirs}", f".mlp.experts.{ours}"), shard
         return super().map_checkpoint_name(ckpt_name)

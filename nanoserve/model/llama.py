@@ -167,9 +167,11 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, max_model_len: int, qk_norm: bool, tp: TensorParallelGroup,
-                 make_mlp: Callable[[int], nn.Module], attention_options: Callable[[int], dict]) -> None:
+                 make_mlp: Callable[[int], nn.Module], attention_options: Callable[[int], dict],
+                 rotary_dim: int | None = None) -> None:
+        """rotary_dim: the leading dimensions of each head that rotary turns (all of them unless given)."""
         super().__init__()
-        rotary = RotaryEmbedding(config.head_dim, max_model_len, config.rope_theta, config.rope_scaling)
+        rotary = RotaryEmbedding(config.head_dim, max_model_len, config.rope_theta, config.rope_scaling, rotary_dim)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, qk_norm, tp, make_mlp(i), attention_options(i))
                                     for i in range(config.num_hidden_layers))
@@ -196,13 +198,18 @@ class LlamaForCausalLM(nn.Module):
         tp = tp or TensorParallelGroup()
         self.model = LlamaModel(config, max_model_len, self.qk_norm, tp,
                                 lambda layer: self.make_mlp(config, layer, tp),
-                                lambda layer: self.attention_options(config, layer))
+                                lambda layer: self.attention_options(config, layer), self.rotary_dim(config))
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def make_mlp(self, config: ModelConfig, layer: int, tp: TensorParallelGroup) -> nn.Module:
         return LlamaMLP(config, tp)
+
+    def rotary_dim(self, config: ModelConfig) -> int | None:
+        """The leading dimensions of each head that rotary turns; None: all (transformers' Llama family ignores
+        partial_rotary_factor)."""
+        return None
 
     def attention_options(self, config: ModelConfig, layer: int) -> dict:
         """Layer `layer`'s own Attention arguments (layers/attention.py): its sliding window."""

@@ -13,7 +13,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.distributed.group import TensorParallelGroup
 from nanoserve.layers.linear import load_whole
 from nanoserve.model.registry import model_class
-from nanoserve.quantization.model import finish_model, prepare_model
+from nanoserve.quantization.model import finish_model, prepare_model, replaces_weights
 
 
 def checkpoint_files(model_dir: str) -> list[Path]:
@@ -35,16 +35,21 @@ def checkpoint_files(model_dir: str) -> list[Path]:
 def load_model(config: EngineConfig, tp: TensorParallelGroup | None = None) -> nn.Module:
     """The model of config, this rank's share of it under tensor parallelism (tp)."""
     cls = model_class(config.model.architecture)
+    # A scheme whose layers hold other tensors than the unquantized weight (4-bit) builds the model on the meta
+    # device, so that the unquantized weights are never allocated: a 70B model fits one GPU at 4 bits, not at 16.
+    on_meta = config.quantization is not None and replaces_weights(config.quantization)
     torch.set_default_dtype(config.dtype)
     try:
-        with torch.device(config.device):
+        with torch.device("meta" if on_meta else config.device):
             extra = {"expert_parallel": config.args.enable_expert_parallel} if config.model.moe else {}
             model = cls(config.model, config.max_model_len, tp, **extra)
     finally:
         torch.set_default_dtype(torch.float32)
     dummy = config.args.load_format == "dummy"
     if config.quantization is not None:
-        prepare_model(model, config.quantization, dummy)
+        prepare_model(model, config.quantization, dummy, config.device)
+    if on_meta:
+        _materialize(model, config.device)
     if dummy:
         _init_dummy(model, config.args.seed)
     else:
@@ -52,6 +57,24 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup | None = None) -> n
     if config.quantization is not None:
         finish_model(model, config.quantization)
     return model.eval()
+
+
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """The parameters a model built on the meta device holds there, allocated on `device` with their attributes
+    (loaders) and left uninitialized: the checkpoint, or the dummy initialization, writes every one. A tied
+    parameter stays one. Buffers are recomputed by their module (RotaryEmbedding.reset_buffers)."""
+    done: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or not param.is_meta:
+                continue
+            if id(param) not in done:
+                real = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                real.__dict__.update(param.__dict__)
+                done[id(param)] = real
+            module._parameters[name] = done[id(param)]
+        if any(b is not None and b.is_meta for b in module._buffers.values()):
+            module.reset_buffers(device)
 
 
 class _DummyTensor:
@@ -62,6 +85,10 @@ class _DummyTensor:
 
     def __init__(self, shape: tuple[int, ...], name: str, seed: int, device: torch.device, dtype: torch.dtype):
         gen = torch.Generator(device=device).manual_seed(seed ^ zlib.crc32(name.encode()))
+        if not dtype.is_floating_point:  # a 4-bit format's packed values: every bit random
+            self.tensor = torch.randint(-1 << 31, 1 << 31, shape, device=device, dtype=torch.int64,
+                                        generator=gen).to(dtype)
+            return
         # Small values keep activations finite through many layers, in bf16 too. fp8 (a quantized model's
         # weights) has no uniform_: drawn in fp32 and cast.
         draw = dtype if dtype.itemsize > 1 else torch.float32
@@ -84,6 +111,9 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
             if hasattr(param, "dummy_value"):  # a quantized layer's scales (nanoserve/quantization/)
                 param.data.fill_(param.dummy_value)
                 continue
+            if hasattr(param, "dummy_fill"):  # a quantized layer's tensors that random values would make invalid
+                param.dummy_fill(param)
+                continue
             loader = getattr(param, "weight_loader", load_whole)
             for shard, shape in _checkpoint_shapes(module, param):
                 loader(param, _DummyTensor(shape, f"{name}:{shard}", seed, param.device, param.dtype), shard)
@@ -91,6 +121,8 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
 
 def _checkpoint_shapes(module: nn.Module, param: nn.Parameter) -> list[tuple[str | None, tuple[int, ...]]]:
     """(shard, shape) of each checkpoint tensor that `param` takes a share of."""
+    if hasattr(param, "checkpoint_shapes"):  # a quantized layer's tensors (nanoserve/quantization/)
+        return param.checkpoint_shapes()
     if hasattr(module, "checkpoint_shapes"):  # stacked experts (layers/moe.py)
         return module.checkpoint_shapes(param)
     if hasattr(module, "shards"):  # column-parallel, fused: each shard's whole tensor
@@ -121,7 +153,8 @@ def _load_weights(model: nn.Module, files: list[Path]) -> None:
                     getattr(param, "weight_loader", load_whole)(param, tensor, shard)
                 except ValueError as e:
                     raise ValueError(f"model: {ckpt_name!r} {e}") from None
-                loaded.add(name if shard is None else f"{name}:{shard}")
+                # A packed tensor ("q+k+v") fills several shards.
+                loaded.update([name] if shard is None else [f"{name}:{part}" for part in shard.split("+")])
     missing, fused = [], set()
     for name, module in model.named_modules():
         for pname, shards in module.expected_shards().items() if hasattr(module, "expected_shards") else ():

@@ -18,6 +18,7 @@ MODELS: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("nanoserve.model.moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("nanoserve.model.moe", "MixtralForCausalLM"),
     "GptOssForCausalLM": ("nanoserve.model.gpt_oss", "GptOssForCausalLM"),
+    "Phi3ForCausalLM": ("nanoserve.model.phi3", "Phi3ForCausalLM"),
 }
 
 

@@ -7,11 +7,16 @@ scheme (EngineConfig.quantization), the loader calls `model.prepare_model` befor
 layers.linear.LinearMethod) that its forward calls instead of the plain GEMM.
 
 - scheme.py: FP8Scheme, what runs (weight and activation scale granularity), and the shapes it needs;
-- detect.py: config.json's quantization_config and the engine flag -> FP8Scheme, refusing what cannot run;
+- detect.py: config.json's quantization_config and the engine flag -> FP8Scheme, W4Scheme or MXFP4Scheme, refusing
+  what cannot run;
 - fp8_math.py: the schemes' arithmetic in PyTorch (the CPU path, the kernels' reference, the tests' writer);
 - fp8_linear.py: Fp8LinearMethod, a layer's parameters, their loaders and its forward (CPU, CUDA);
+- w4_scheme.py, w4_detect.py: W4Scheme (4-bit weights, 16-bit activations) and the GPTQ / AWQ / compressed-tensors
+  pack-quantized configs that give one;
+- w4_formats.py, w4_packing.py: each 4-bit format's tensors, and the one layout they are all repacked into;
+- w4_linear.py: W4LinearMethod, a layer's 4-bit parameters, their loaders and its forward;
 - model.py: which layers are quantized (the scheme's ignore list) and the loader's two hooks.
 
-Left for later (issue 41): 4-bit formats (GPTQ, AWQ, compressed-tensors pack-quantized), MXFP4 experts, quantized
-mixture-of-experts layers and the FP8 KV cache.
+Left for later (issue 41): an MXFP4 kernel (mxfp4.py dequantizes gpt-oss's experts while loading), other quantized
+mixture-of-experts layers, act-order 4-bit weights under tensor parallelism and the FP8 KV cache.
 """

@@ -9,16 +9,22 @@ Formats read:
 - quant_method "fp8": `weight_block_size` [rows, columns] with `weight_scale_inv` tensors and dynamic activations
   (Qwen3-FP8, DeepSeek-V3); without a block size, per-tensor `weight_scale` with static `input_scale` or dynamic
   activations. Its `ignored_layers` / `modules_to_not_convert`.
+- quant_method "mxfp4": gpt-oss's experts as OpenAI ships them (mxfp4.py says how they run).
 - `quantization="fp8"` on an unquantized checkpoint: its linear weights quantized while loading (scheme.py says how).
+- 4-bit weights (W4A16): quant_method "gptq", "awq", and compressed-tensors' format "pack-quantized", read by
+  w4_detect.py.
 """
 
+from nanoserve.quantization import w4_detect
+from nanoserve.quantization.mxfp4 import MXFP4Scheme
 from nanoserve.quantization.scheme import FP8Scheme
+from nanoserve.quantization.w4_scheme import W4Scheme
 
-SUPPORTED_METHODS = ("compressed-tensors", "fp8")
+SUPPORTED_METHODS = ("awq", "compressed-tensors", "fp8", "gptq", "mxfp4")
 _SUPPORTED = ", ".join(SUPPORTED_METHODS)
 
 
-def detect_quantization(raw_config: dict, flag: str | None) -> FP8Scheme | None:
+def detect_quantization(raw_config: dict, flag: str | None) -> FP8Scheme | W4Scheme | MXFP4Scheme | None:
     """The scheme of a model whose config.json is raw_config, run with EngineArgs.quantization = flag; None:
     unquantized."""
     if flag is not None and flag not in SUPPORTED_METHODS:
@@ -39,6 +45,12 @@ def detect_quantization(raw_config: dict, flag: str | None) -> FP8Scheme | None:
     if flag is not None and flag != method:
         raise ValueError(f"quantization: {flag!r} does not match the checkpoint's quantization_config.quant_method "
                          f"{method!r}")
+    if method == "gptq":
+        return w4_detect.gptq(qc)
+    if method == "awq":
+        return w4_detect.awq(qc)
+    if method == "mxfp4":
+        return MXFP4Scheme()
     return _compressed_tensors(qc) if method == "compressed-tensors" else _fp8(qc)
 
 
@@ -51,7 +63,7 @@ def online_fp8() -> FP8Scheme:
     return FP8Scheme("fp8", "channel", "token", serialized=False)
 
 
-def _compressed_tensors(qc: dict) -> FP8Scheme:
+def _compressed_tensors(qc: dict) -> FP8Scheme | W4Scheme:
     field = "quantization_config"
     groups = qc.get("config_groups") or {}
     if len(groups) != 1:
@@ -59,14 +71,17 @@ def _compressed_tensors(qc: dict) -> FP8Scheme:
     (gname, group), = groups.items()
     gfield = f"{field}.config_groups.{gname}"
     fmt = group.get("format") or qc.get("format")
-    if fmt != "float-quantized":
-        raise ValueError(f"{field}.format: {fmt!r} is not supported; supported: 'float-quantized' (FP8)")
+    if fmt not in ("float-quantized", "pack-quantized"):
+        raise ValueError(f"{field}.format: {fmt!r} is not supported; supported: 'float-quantized' (FP8), "
+                         "'pack-quantized' (4-bit ints)")
     if group.get("targets") != ["Linear"]:
         raise ValueError(f"{gfield}.targets: only ['Linear'] is supported, got {group.get('targets')!r}")
     if group.get("output_activations"):
         raise ValueError(f"{gfield}.output_activations: output quantization is not supported")
     if qc.get("kv_cache_scheme"):
         raise ValueError(f"{field}.kv_cache_scheme: a quantized KV cache is not supported yet")
+    if fmt == "pack-quantized":
+        return w4_detect.pack_quantized(qc, gname, group)
     weights = group.get("weights") or {}
     _check_fp8_args(weights, f"{gfield}.weights")
     strategy = weights.get("strategy")

@@ -1,5 +1,5 @@
-"""The loader's two hooks (model/loader.py): which of a model's linear layers a scheme quantizes, their fp8
-parameters before the weights are filled, and their runtime form after.
+"""The loader's two hooks (model/loader.py): which of a model's linear layers a scheme quantizes, their quantized
+parameters (fp8, or a 4-bit format's packed tensors) before the weights are filled, and their runtime form after.
 
 Every layers.linear.Linear is quantized (q/k/v, o, gate/up and down projections) unless the scheme's ignore list
 names its checkpoint modules; the embeddings, the LM head and the norms are other classes and stay as they are.
@@ -13,12 +13,16 @@ after: the whole unquantized model is in memory once, as it would be unquantized
 
 from collections.abc import Iterator
 
+import torch
 from torch import nn
 
 from nanoserve.layers.linear import Linear
 from nanoserve.quantization.fp8_linear import Fp8LinearMethod
 from nanoserve.quantization.fp8_math import FP8
+from nanoserve.quantization.mxfp4 import MXFP4Scheme
 from nanoserve.quantization.scheme import FP8Scheme
+from nanoserve.quantization.w4_linear import W4LinearMethod
+from nanoserve.quantization.w4_scheme import W4Scheme
 
 
 def checkpoint_modules(model: nn.Module, name: str) -> list[str]:
@@ -29,7 +33,7 @@ def checkpoint_modules(model: nn.Module, name: str) -> list[str]:
     return [f"{base}.{part}" for part in parts] or [name]
 
 
-def quantized_layers(model: nn.Module, scheme: FP8Scheme) -> Iterator[Linear]:
+def quantized_layers(model: nn.Module, scheme: FP8Scheme | W4Scheme) -> Iterator[tuple[str, Linear]]:
     for name, module in model.named_modules():
         if not isinstance(module, Linear):
             continue
@@ -40,24 +44,50 @@ def quantized_layers(model: nn.Module, scheme: FP8Scheme) -> Iterator[Linear]:
             raise ValueError(f"quantization_config: the ignore list {list(scheme.ignore)} names some of "
                              f"{checkpoint_modules(model, name)}, which nanoserve runs as one layer; ignore all "
                              "of them or none")
-        yield module
+        yield name, module
 
 
-def prepare_model(model: nn.Module, scheme: FP8Scheme, dummy: bool) -> None:
-    """Before the weights are filled: the fp8 parameters and their loaders, where the checkpoint (or the dummy
-    initialization) provides them."""
+def replaces_weights(scheme: FP8Scheme | W4Scheme | MXFP4Scheme) -> bool:
+    """Whether the quantized layers hold other tensors than their unquantized weight (so the loader may build the
+    model on the meta device, prepare_model putting these on the real one)."""
+    return isinstance(scheme, W4Scheme)
+
+
+def prepare_model(model: nn.Module, scheme: FP8Scheme | W4Scheme | MXFP4Scheme, dummy: bool,
+                  device: torch.device) -> None:
+    """Before the weights are filled: the quantized parameters and their loaders, on `device`, where the checkpoint
+    (or the dummy initialization) provides them; MXFP4 experts told to expect blocks and scales (random weights
+    stay in the dtype the experts run in)."""
+    if isinstance(scheme, MXFP4Scheme):
+        if not dummy:
+            for module in model.modules():
+                if hasattr(module, "expect_mxfp4"):
+                    module.expect_mxfp4()
+        return
     if not (scheme.serialized or dummy):
         return
+    if isinstance(scheme, W4Scheme):
+        method = W4LinearMethod(scheme)
+        for _, layer in quantized_layers(model, scheme):
+            method.create_weights(layer, device)
+        return
     method = Fp8LinearMethod(scheme)
-    for layer in quantized_layers(model, scheme):
+    for _, layer in quantized_layers(model, scheme):
         method.create_weights(layer)
 
 
-def finish_model(model: nn.Module, scheme: FP8Scheme) -> None:
-    """After the weights are filled: unquantized ones quantized (a scheme quantized at load), every layer's
-    scales in their runtime form and its quant_method set."""
+def finish_model(model: nn.Module, scheme: FP8Scheme | W4Scheme | MXFP4Scheme) -> None:
+    """After the weights are filled: unquantized ones quantized (an FP8 scheme quantized at load), every layer's
+    parameters in their runtime form and its quant_method set."""
+    if isinstance(scheme, MXFP4Scheme):
+        return
+    if isinstance(scheme, W4Scheme):
+        w4 = W4LinearMethod(scheme)
+        for name, layer in quantized_layers(model, scheme):
+            w4.process_weights(layer, name)
+        return
     method = Fp8LinearMethod(scheme)
-    for layer in quantized_layers(model, scheme):
+    for _, layer in quantized_layers(model, scheme):
         if layer.weight.dtype != FP8:
             method.quantize_loaded(layer)
         method.process_weights(layer)

@@ -17,6 +17,18 @@ WEIGHT_STRATEGIES = ("tensor", "channel", "block")
 ACTIVATION_STRATEGIES = ("token", "tensor", "group", None)
 
 
+def ignored(ignore: tuple[str, ...], name: str) -> bool:
+    """Whether an ignore list names the checkpoint module `name`: by its name, a "re:"-prefixed regular expression,
+    or dotted name parts ("lm_head", "mlp.down_proj")."""
+    for entry in ignore:
+        if entry.startswith("re:"):
+            if re.match(entry[3:], name):
+                return True
+        elif f".{entry}." in f".{name}.":
+            return True
+    return False
+
+
 @dataclass(frozen=True)
 class FP8Scheme:
     """method: the quant_method it came from ("compressed-tensors", "fp8"); weights, activations: as in the
@@ -52,13 +64,7 @@ class FP8Scheme:
 
     def ignores(self, name: str) -> bool:
         """Whether the checkpoint module `name` (e.g. model.layers.0.mlp.down_proj) stays unquantized."""
-        for entry in self.ignore:
-            if entry.startswith("re:"):
-                if re.match(entry[3:], name):
-                    return True
-            elif f".{entry}." in f".{name}.":
-                return True
-        return False
+        return ignored(self.ignore, name)
 
     @property
     def block_field(self) -> str:

@@ -38,6 +38,7 @@ from nanoserve.runtime.process_client import ProcessEngineClient
 from nanoserve.runtime.routing import RoutingConfig, RoutingPolicy
 from nanoserve.runtime.streams import EngineDeadError, RequestStream
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +193,26 @@ def merge_stats(stats: list[EngineStats]) -> EngineStats:
     iteration_tokens = tuple(map(sum, zip(*iteration, strict=True))) if iteration else ()
     views = [s.view for s in stats]
     view = merge_views(views) if all(v is not None for v in views) else None
-    return EngineStats(**sums, kv_usage=kv_usage, iteration_tokens=iteration_tokens, view=view)
+    return EngineStats(
+        **sums,
+        kv_usage=kv_usage,
+        iteration_tokens=iteration_tokens,
+        spec_decode=merge_spec_decode([s.spec_decode for s in stats if s.spec_decode is not None]),
+        view=view,
+    )
+
+
+def merge_spec_decode(stats: list[SpecDecodeStats]) -> SpecDecodeStats | None:
+    """The replicas' speculative decoding counts summed (None when it is off: in every replica, one config)."""
+    if not stats:
+        return None
+    return SpecDecodeStats(
+        stats[0].num_speculative_tokens,
+        num_drafts=sum(s.num_drafts for s in stats),
+        num_draft_tokens=sum(s.num_draft_tokens for s in stats),
+        num_accepted_tokens=sum(s.num_accepted_tokens for s in stats),
+        accepted_per_pos=[sum(pos) for pos in zip(*(s.accepted_per_pos for s in stats), strict=True)],
+    )
 
 
 def merge_views(views: list[EngineView]) -> EngineView:

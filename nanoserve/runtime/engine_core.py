@@ -13,6 +13,7 @@ which the `receive` and `publish` callables say.
 """
 
 import bisect
+import copy
 import dataclasses
 import logging
 import time
@@ -24,6 +25,7 @@ from nanoserve.engine.step_view import EngineView, ViewRecorder
 from nanoserve.outputs import RequestOutput
 from nanoserve.runtime.streams import RequestFailedError
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,8 @@ class EngineStats:
     # bucket of ITERATION_TOKEN_BUCKETS, then one past the last; empty until an iteration adds any.
     iteration_tokens: tuple[int, ...] = ()
     iteration_tokens_sum: int = 0
+    # Speculative decoding (vLLM's spec_decode_* counts); None when it is off.
+    spec_decode: SpecDecodeStats | None = None
     view: EngineView | None = None  # while someone watches (Watch), else None
 
     @property
@@ -71,7 +75,9 @@ class EngineStats:
                     prompt_tokens=engine.num_prompt_tokens, generation_tokens=engine.num_generation_tokens,
                     num_added=num_added, num_preemptions=engine.scheduler.num_preemptions,
                     num_cpu_blocks=bm.cpu.num_blocks if bm.cpu else 0,
-                    num_cpu_blocks_used=bm.cpu.num_used if bm.cpu else 0, cpu_prefix_hits=bm.cpu_prefix_hits)
+                    num_cpu_blocks_used=bm.cpu.num_used if bm.cpu else 0, cpu_prefix_hits=bm.cpu_prefix_hits,
+                    # A copy: the engine goes on counting in its own while readers hold this snapshot.
+                    spec_decode=copy.deepcopy(engine.spec_stats) if engine.spec_stats is not None else None)
         return stats._count_iteration(previous or cls())
 
     def _count_iteration(self, previous: "EngineStats") -> "EngineStats":

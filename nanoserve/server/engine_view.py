@@ -138,6 +138,8 @@ def snapshot(engine: AsyncEngine, stats: EngineStats, status: str) -> dict:
         "prefix_cache_queries": stats.prefix_queries, "prefix_cache_hits": stats.prefix_hits,
         "prefix_cache_hit_rate": stats.prefix_hit_rate, "preemptions": stats.num_preemptions,
         "prompt_tokens": stats.prompt_tokens, "generation_tokens": stats.generation_tokens,
+        # Speculative decoding: tokens a verify step emits per sequence on average (null when it is off).
+        "spec_mean_acceptance_length": stats.spec_decode.mean_acceptance_length if stats.spec_decode else None,
         "last_step": None if step is None else {
             "decode_tokens": step.decode_tokens, "prefill_tokens": step.prefill_tokens, "num_seqs": step.num_seqs,
             "ms": step.seconds * 1e3},

@@ -24,6 +24,7 @@ from nanoserve.outputs import RequestOutput
 from nanoserve.runtime.async_engine import AsyncEngine
 from nanoserve.runtime.engine_core import ITERATION_TOKEN_BUCKETS, EngineStats
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.spec_decode.stats import SpecDecodeStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -104,6 +105,24 @@ class _EngineCollector:
             yield family
         yield self._iteration_tokens(replicas)
         yield self._cache_config(replicas)
+        # Summed over the replicas (merge_stats), under the model_name label only.
+        if s.spec_decode is not None:
+            yield from self._spec_decode(s.spec_decode)
+
+    def _spec_decode(self, spec: SpecDecodeStats):
+        """vLLM's speculative decoding counters (only when it is on, as there)."""
+        for name, doc, value in (
+                ("spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts),
+                ("spec_decode_num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Number of accepted tokens.", spec.num_accepted_tokens)):
+            family = CounterMetricFamily("vllm:" + name, doc, labels=["model_name"])
+            family.add_metric(self.model, value)
+            yield family
+        family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted tokens per draft position.", labels=["model_name", "position"])
+        for position, value in enumerate(spec.accepted_per_pos):
+            family.add_metric([*self.model, str(position)], value)
+        yield family
 
     def _iteration_tokens(self, replicas: list[EngineStats]) -> HistogramMetricFamily:
         family = HistogramMetricFamily("vllm:iteration_tokens_total", "Histogram of number of tokens per "

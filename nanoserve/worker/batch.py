@@ -43,6 +43,8 @@ class ScheduledEntry(Protocol):
     def num_new_tokens(self) -> int: ...
     @property
     def sample_seqs(self) -> Sequence[BatchSeq]: ...  # the samples that take a token from this entry's last row
+    @property
+    def draft_token_ids(self) -> Sequence[int]: ...  # speculative: its last len() new tokens are drafts to verify
 
 
 class ScheduledBatch(Protocol):

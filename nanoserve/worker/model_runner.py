@@ -13,6 +13,7 @@ from nanoserve.layers.attention import Attention, AttentionMetadata, TritonBacke
 from nanoserve.layers.sampler import AllowedTokens, SampledTokens, Sampler, SamplerOutput
 from nanoserve.layers.step_plan import KernelPlanner
 from nanoserve.model.loader import load_model
+from nanoserve.spec_decode.rejection import verify
 from nanoserve.worker.batch import ScheduledBatch
 from nanoserve.worker.cuda_graphs import CUDAGraphRunner, PrefillGraphRunner, eager_tile_map
 from nanoserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for, num_cpu_blocks
@@ -32,6 +33,7 @@ class LaunchedStep:
     done: torch.cuda.Event | None
     prompt_logprobs: dict
     deferred_sample: Callable[[], None] | None = None  # queues the sampling, deferred until its token masks are filled
+    verified: SamplerOutput | None = None  # a speculative verify step's tokens, read already (spec_decode/)
 
     def settle(self) -> None:
         """Queue the deferred sampling, if any (it waits for the masks): before anything reads `sampled`."""
@@ -41,6 +43,8 @@ class LaunchedStep:
 
     def result(self) -> SamplerOutput:
         self.settle()
+        if self.verified is not None:
+            return self.verified
         if self.host is None:
             return SamplerOutput([], [])
         if self.done is not None:
@@ -101,6 +105,7 @@ class ModelRunner:
         # Long-context mode's ring of device slots (outside the pool's budget: 2 x 32 MiB for Llama-3.1-8B).
         self.ring = KVRing(self.offloader, self.block_size) if self.offloader is not None else None
         self.sampler = Sampler(self.device, config.model.eos_token_ids, config.args.seed)
+        self.speculative = config.speculative is not None
         self.graphs = self.prefill_graphs = None
         if self.device.type == "cuda" and not config.args.enforce_eager:
             args = config.args
@@ -197,12 +202,23 @@ class ModelRunner:
             # may never let the device finish, and the manager's shutdown waits for it.
             self.workers.check()
         seqs = [s for e in batch.scheduled for s in e.sample_seqs]
+        # Speculative decoding: each sample's drafts (a verify entry has one sample), when the step has any.
+        drafts = None
+        if self.speculative and any(e.draft_token_ids for e in batch.scheduled):
+            drafts = [e.draft_token_ids for e in batch.scheduled for _ in e.sample_seqs]
         # Structured output's token masks: a thread steps the grammars over the previous step's tokens (once its
         # sampling, just queued, is done) and fills the masks, while this thread queues the forward pass and goes on
         # to the previous step's outputs and the next step's inputs. This step's sampling waits for them: it is
         # queued when the next step launches (or when this step's result is read), before that step's forward.
         masks = logit_masks(seqs, prev) if logit_masks is not None and seqs else None
         prev_tokens = prev.sampled.token_ids if prev is not None and prev.sampled is not None else None
+        # Under tensor parallelism the other ranks need this step's samples (a later step's pending tokens): they
+        # draw them themselves where the batch allows (Sampler.replicable), with no collective; else rank 0
+        # broadcasts them. Not the tokens in the next step's message: rank 0 sends that before this step's samples
+        # reach its host (async scheduling), and waiting for them would put the host back on the device's path.
+        if self.workers is not None and self.sampler.replicable(seqs, masks):
+            step.replica_call = self.sampler.num_calls + 1 if self.sampler.fused else 0
+            step.temperatures = [s.params.temperature for s in seqs] if self.sampler.fused else []
         if self.workers is None:
             plp_logits, logits = self.execute(step, prev_tokens)
         else:
@@ -217,8 +233,12 @@ class ModelRunner:
         launched = LaunchedStep(batch, None, {s.seq_id: i for i, s in enumerate(seqs)}, None, None, prompt_logprobs)
 
         def sample() -> None:
+            if drafts is not None:  # reads back to the host: speculative steps are synchronous
+                launched.verified = verify(self.sampler, logits, seqs, drafts, masks)
+                return
             sampled = self.sampler.sample(logits, seqs, masks)
-            if self.workers is not None:  # the other ranks take pending tokens from them (StepInputs)
+            assert step.replica_call <= 0 or self.sampler.num_calls == step.replica_call, "the ranks' keys differ"
+            if self.workers is not None and step.replica_call < 0:  # the other ranks take pending tokens from them
                 try:
                     self.tp.broadcast(sampled.token_ids)
                 except RuntimeError as exc:

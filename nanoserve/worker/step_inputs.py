@@ -1,8 +1,9 @@
 """StepInputs: one step's inputs packed into one int64 array, built by rank 0 from the scheduled batch.
 
 The array is what the device gets in one host-to-device copy (ModelRunner.execute), and under tensor parallelism
-what rank 0 sends to the other ranks each step (send/recv below, on the gloo group): a header of sizes and the
-array, never the requests themselves.
+what rank 0 sends to the other ranks each step (send/recv below, through TensorParallelGroup.send_host: shared
+memory on its node, gloo to other nodes): one message of a header of sizes and the array, never the requests
+themselves.
 """
 
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from nanoserve.worker.batch import ScheduledBatch, ScheduledEntry
 # Header fields, in this order; STOP in the first one ends a worker.
 _HEADER = ("num_tokens", "num_seqs", "width", "num_pending", "num_logit_rows", "max_seqlen_q",
            "num_decodes", "sample", "num_copies", "num_swap_out", "num_swap_in", "num_prompt_logprobs",
-           "num_long_context_ints")
+           "num_long_context_ints", "replica_call", "num_temperatures")
 _STOP = -1
 
 
@@ -82,6 +83,11 @@ class StepInputs:
     # Host copies rank 0 has at hand anyway; the other ranks read them out of `host`.
     cu_seqlens_q_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
+    # How the other ranks get this step's samples (tensor parallelism): -1, rank 0 broadcasts them; otherwise each
+    # rank draws them itself from the same logits (Sampler.sample_replica), as the sampler's call number `replica_call`
+    # with these temperatures.
+    replica_call: int = -1
+    temperatures: list[float] = field(default_factory=list)
 
     @classmethod
     def build(cls, batch: ScheduledBatch, prev_rows: dict[int, int], block_size: int,
@@ -108,9 +114,14 @@ class StepInputs:
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
+                # Speculative decoding: the last tokens are drafts to verify, which follow the known ones.
+                drafts = entry.draft_token_ids
+                known = n - len(drafts)
                 # Only a decode's one new token can still be on the device (async scheduling).
-                assert start + n <= len(seq.token_ids)
-                input_ids += seq.token_ids[start:start + n]
+                assert start + known <= len(seq.token_ids)
+                input_ids += seq.token_ids[start:start + known]
+                if drafts:
+                    input_ids += drafts
                 positions += range(start, start + n)
                 slots += chunk_slots(table, start, n, bs)
             cu.append(cu[-1] + n)
@@ -121,7 +132,10 @@ class StepInputs:
                 lens.append(start + n)
                 tables.append(table)
             if entry.sample_seqs:
-                logit_rows += [cu[-1] - 1] * len(entry.sample_seqs)
+                if n > 1 and entry.draft_token_ids:  # verify: every drafted position gives a distribution
+                    logit_rows += range(cu[-1] - 1 - len(entry.draft_token_ids), cu[-1])
+                else:
+                    logit_rows += [cu[-1] - 1] * len(entry.sample_seqs)
         width = max(len(t) for t in tables)
         num_seqs, num_tokens = len(tables), len(input_ids)
         sample_all = logit_rows == list(range(num_tokens))  # every row samples once: no gather needed
@@ -179,34 +193,36 @@ class StepInputs:
 
     # -- between ranks -----------------------------------------------------------------------------------------
     def send(self, tp: TensorParallelGroup) -> None:
-        """Rank 0: this step to every other rank (recv there), as two gloo broadcasts: the header, then the array
-        with the block copies, KV swaps and prompt-logprob rows after it."""
+        """Rank 0: this step to every other rank (recv there), as one int64 message: the header, the array, then
+        the block copies, KV swaps, prompt-logprob rows and long-context rows."""
         header = [self.num_tokens, self.num_seqs, self.width, self.num_pending, self.num_logit_rows,
                   self.max_seqlen_q, self.num_decodes, int(self.sample), len(self.block_copies),
                   len(self.kv_swap_out), len(self.kv_swap_in), len(self.prompt_logprob_rows)]
         pairs = self.block_copies + self.kv_swap_out + self.kv_swap_in + self.prompt_logprob_rows
         long_context = [v for row in self.long_context for v in row.pack()]
-        header.append(len(long_context))
-        tail = np.asarray([v for pair in pairs for v in pair] + long_context, np.int64)
-        payload = np.concatenate([self.host, tail])
-        tp.broadcast_host(torch.tensor(header + [len(payload)], dtype=torch.int64))
-        tp.broadcast_host(torch.from_numpy(payload))
+        header += [len(long_context), self.replica_call, len(self.temperatures)]
+        temperatures = np.asarray(self.temperatures, np.float64).view(np.int64).tolist()  # exact: their bits
+        tail = np.asarray(header + [v for pair in pairs for v in pair] + long_context + temperatures, np.int64)
+        tp.send_host(np.concatenate([tail[:len(_HEADER)], self.host, tail[len(_HEADER):]]))
 
     @staticmethod
     def send_stop(tp: TensorParallelGroup) -> None:
-        tp.broadcast_host(torch.tensor([_STOP] + [0] * len(_HEADER), dtype=torch.int64))
+        tp.send_host(np.asarray([_STOP] + [0] * (len(_HEADER) - 1), np.int64))
 
     @classmethod
     def recv(cls, tp: TensorParallelGroup) -> "StepInputs | None":
         """A rank other than 0: the next step rank 0 sends, or None when it stops the workers."""
-        header = tp.broadcast_host(torch.empty(len(_HEADER) + 1, dtype=torch.int64)).tolist()
+        message = tp.recv_host()
+        header, payload = message[:len(_HEADER)].tolist(), message[len(_HEADER):]
         if header[0] == _STOP:
             return None
-        h = dict(zip(_HEADER, header, strict=False))
-        payload = tp.broadcast_host(torch.empty(header[-1], dtype=torch.int64)).numpy()
+        h = dict(zip(_HEADER, header, strict=True))
         step = cls(np.empty(0, np.int64), h["num_tokens"], h["num_seqs"], h["width"], h["num_pending"],
                    h["num_logit_rows"], h["max_seqlen_q"], h["num_decodes"], bool(h["sample"]))
         counts = [h["num_copies"], h["num_swap_out"], h["num_swap_in"], h["num_prompt_logprobs"]]
+        step.replica_call, num_temps = h["replica_call"], h["num_temperatures"]
+        step.temperatures = payload[len(payload) - num_temps:].view(np.float64).tolist()
+        payload = payload[:len(payload) - num_temps]
         num_long = h["num_long_context_ints"]
         step.long_context = LongContextRow.unpack_all(payload[len(payload) - num_long:].tolist())
         payload = payload[:len(payload) - num_long]

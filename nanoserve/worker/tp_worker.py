@@ -28,7 +28,9 @@ import torch
 import torch.distributed as dist
 
 from nanoserve.config import EngineConfig
+from nanoserve.distributed import symm_all_reduce
 from nanoserve.distributed.group import TensorParallelGroup
+from nanoserve.distributed.shm_broadcast import ShmBroadcast, ShmHandle
 from nanoserve.worker.model_runner import ModelRunner
 from nanoserve.worker.step_inputs import StepInputs
 
@@ -40,8 +42,10 @@ LOST_PEER_GRACE_S = 10.0
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
 
 
-def init_rank(config: EngineConfig, rank: int, init_method: str) -> tuple[EngineConfig, TensorParallelGroup]:
-    """Join the tensor-parallel world as `rank`: this rank's config (its GPU) and its groups."""
+def init_rank(config: EngineConfig, rank: int, init_method: str,
+              ring: ShmBroadcast | None = None) -> tuple[EngineConfig, TensorParallelGroup]:
+    """Join the tensor-parallel world as `rank`: this rank's config (its GPU) and its groups. ring: node 0's step
+    ring, rank 0's end or this rank's (None where it could not be made or attached, and on other nodes)."""
     size, nnodes = config.args.tensor_parallel_size, config.args.nnodes
     if config.device.type == "cuda":
         local_rank = rank % (size // nnodes)
@@ -56,7 +60,31 @@ def init_rank(config: EngineConfig, rank: int, init_method: str) -> tuple[Engine
                             timeout=COLLECTIVE_TIMEOUT)
     # Host messages go through gloo whatever moves the activations (distributed/group.py says why).
     cpu_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
-    return config, TensorParallelGroup(rank, size, dist.group.WORLD, cpu_group)
+    tp = TensorParallelGroup(rank, size, dist.group.WORLD, cpu_group)
+    _connect_host_messages(tp, ring, size // nnodes, nnodes)
+    if config.device.type == "cuda":
+        tp.symm = symm_all_reduce.connect(tp.group, cpu_group, config.device, size // nnodes, nnodes,
+                                          disabled=config.args.disable_custom_all_reduce)
+    return config, tp
+
+
+def _connect_host_messages(tp: TensorParallelGroup, ring: ShmBroadcast | None, per_node: int, nnodes: int) -> None:
+    """Rank 0's step messages: through the ring to node 0's ranks if every one of them has its end (decided together:
+    a rank left out would wait for a gloo broadcast that never comes), through gloo to the others."""
+    on_node_0 = tp.rank < per_node
+    use_ring = per_node > 1 and tp.all_reduce_min_host(int(ring is not None or not on_node_0)) == 1
+    if not use_ring:
+        if ring is not None:
+            ring.close()
+        tp.host_group = tp.cpu_group
+        if tp.rank == 0 and per_node > 1:
+            logger.warning("tensor parallel: step inputs go through gloo (a rank has no shared-memory ring)")
+        return
+    # Every rank makes every group, members or not (torch.distributed's rule).
+    remote = dist.new_group([0, *range(per_node, tp.size)], backend="gloo", timeout=COLLECTIVE_TIMEOUT) \
+        if nnodes > 1 else None
+    tp.host_ring = ring if on_node_0 else None
+    tp.host_group = remote if tp.rank == 0 or not on_node_0 else None
 
 
 def free_local_init_method() -> str:
@@ -65,19 +93,32 @@ def free_local_init_method() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-def run_worker(config: EngineConfig, rank: int, init_method: str) -> None:
-    """A rank other than 0: build the model's shard, then run the steps rank 0 sends until it says stop."""
+def run_worker(config: EngineConfig, rank: int, init_method: str, ring_handle: ShmHandle | None = None) -> None:
+    """A rank other than 0: build the model's shard, then run the steps rank 0 sends until it says stop.
+    ring_handle: rank 0's step ring, for the ranks of its node."""
     parent = os.getppid()
-    config, tp = init_rank(config, rank, init_method)
+    ring = None
+    if ring_handle is not None:
+        try:
+            ring = ShmBroadcast.attach(ring_handle, rank - 1)
+        except OSError as exc:
+            logger.warning("rank %d: cannot attach the step ring (%s): step inputs come through gloo", rank, exc)
+    config, tp = init_rank(config, rank, init_method, ring)
     _exit_with_parent(parent)
     runner = ModelRunner(config, tp)
     prev_tokens = None
     with torch.inference_mode():
         while (step := StepInputs.recv(tp)) is not None:
             _, logits = runner.execute(step, prev_tokens)
-            if logits is not None:  # rank 0's samples, for the next step's pending tokens
+            if logits is None:
+                continue
+            # Rank 0's samples, for the next step's pending tokens: drawn here as rank 0 draws them, or its broadcast.
+            if step.replica_call >= 0:
+                prev_tokens = runner.sampler.sample_replica(logits, step.temperatures, step.replica_call)
+            else:
                 prev_tokens = tp.broadcast(torch.empty(logits.shape[0], dtype=torch.int64, device=config.device))
     runner.release_graphs()
+    _release_symm(tp)
     dist.destroy_process_group()
     # Not a normal interpreter exit: a gloo thread still freeing the last broadcast's tensor needs the GIL while
     # the interpreter shuts down, and aborted the process ("terminate called without an active exception", exit 1)
@@ -85,6 +126,13 @@ def run_worker(config: EngineConfig, rank: int, init_method: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _release_symm(tp: TensorParallelGroup) -> None:
+    """Free the symmetric buffers before the group they were made with goes, once no kernel reads them."""
+    if tp.symm is not None:
+        torch.cuda.synchronize()
+        tp.symm = None
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -115,16 +163,26 @@ class TensorParallelWorkers:
                              "(torch.distributed has one default group a process); shut it down first")
         init_method = args.distributed_init_method or free_local_init_method()
         per_node = args.tensor_parallel_size // args.nnodes
+        ring = None
+        if per_node > 1:
+            try:
+                ring = ShmBroadcast.create(num_readers=per_node - 1)
+            except OSError as exc:
+                logger.warning("tensor parallel: no shared memory for the step ring (%s): step inputs go through "
+                               "gloo", exc)
         ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
-        processes = [ctx.Process(target=run_worker, args=(config, rank, init_method), daemon=True,
+        handle = ring.handle if ring is not None else None
+        processes = [ctx.Process(target=run_worker, args=(config, rank, init_method, handle), daemon=True,
                                  name=f"nanoserve-tp-rank{rank}") for rank in range(1, per_node)]
         for p in processes:
             p.start()
         try:
-            config, tp = init_rank(config, 0, init_method)
+            config, tp = init_rank(config, 0, init_method, ring)
         except BaseException:  # the workers would wait in the rendezvous for its whole timeout
             for p in processes:
                 p.kill()
+            if ring is not None:
+                ring.close()
             raise
         workers = cls(config, tp, processes)
         threading.Thread(target=workers._watch, daemon=True, name="tp-watch").start()
@@ -185,6 +243,7 @@ class TensorParallelWorkers:
             # tensor-parallel engine (TensorParallelWorkers.start says so). gloo's needs no peer.
             if delivered or self.config.device.type != "cuda":
                 release_graphs()
+                _release_symm(self.tp)
                 dist.destroy_process_group()
         finally:
             for p in self.processes:
@@ -192,6 +251,8 @@ class TensorParallelWorkers:
                 if p.is_alive():
                     p.kill()
                     p.join()
+            if self.tp.host_ring is not None:
+                self.tp.host_ring.close()
 
 
 def run_node(config: EngineConfig) -> int:

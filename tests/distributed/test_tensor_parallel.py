@@ -28,7 +28,7 @@ from nanoserve import LLM, EngineArgs, SamplingParams
 from nanoserve.distributed.group import TensorParallelGroup
 from nanoserve.model.loader import load_model
 
-ARCH_NAMES = ["llama", "mistral", "qwen2", "qwen3"]
+ARCH_NAMES = ["llama", "mistral", "qwen2", "qwen3", "phi3"]
 VOCAB = 384
 BLOCK = 16
 # Chunked prefill (32-token steps) and a pool of 10 blocks (160 tokens): one long sequence fits, several don't.
@@ -142,7 +142,8 @@ class TestTwoRanksEqualOne:
         # Half of the vocabulary's rows, half of the heads on rank 0.
         model = tp2.engine.runner.model
         assert model.lm_head.weight.shape[0] == VOCAB // 2
-        assert model.model.layers[0].self_attn.num_heads == 2
+        whole = tp1.engine.runner.model
+        assert model.model.layers[0].self_attn.num_heads == whole.model.layers[0].self_attn.num_heads // 2
 
     def test_greedy_mixed_batch_with_prefix_hits_chunks_and_preemption(self, tp1, tp2):
         want, preempted1, hits1 = run_mixed(tp1)
@@ -200,9 +201,14 @@ class TestTwoRanksEqualOne:
             assert gc.cumulative_logprob == pytest.approx(wc.cumulative_logprob, abs=10 * LOGPROB_TOL)
 
 
-def test_async_scheduling_equals_sync(checkpoints):
-    """With async scheduling a decode's input token is the previous step's sample, still on the device: rank 0
-    broadcasts its samples, and the workers take the pending tokens from them."""
+def test_async_scheduling_equals_sync(checkpoints, monkeypatch):
+    """With async scheduling a decode's input token is the previous step's sample, still on the device: the workers
+    draw greedy steps' samples themselves from the same logits (no collective), and take seeded ones from rank 0's
+    broadcast."""
+    broadcasts = []
+    real_broadcast = TensorParallelGroup.broadcast
+    monkeypatch.setattr(TensorParallelGroup, "broadcast",
+                        lambda self, x: broadcasts.append(1) or real_broadcast(self, x))
     d = str(checkpoints["llama"])
     sync = LLM(d, async_scheduling=False, **SMALL_ENGINE)
     want, _, _ = run_mixed(sync)
@@ -214,7 +220,9 @@ def test_async_scheduling_equals_sync(checkpoints):
         got, preempted, hits = run_mixed(llm)
         assert preempted > 0 and hits > 0
         assert token_ids(got) == token_ids(want)
+        assert not broadcasts  # greedy: every rank drew the samples itself
         assert token_ids(llm.generate(mixed_prompts()[:3], seeded, use_tqdm=False)) == token_ids(want_seeded)
+        assert broadcasts  # a request's own seed: rank 0's generator only
         assert llm.engine.in_flight is None and not llm.engine.has_unfinished_requests()
     finally:
         llm.shutdown()
@@ -401,6 +409,24 @@ def test_loader_shard_of_tied_qk_norm_model(checkpoints, monkeypatch):
     assert elements_read((VOCAB, 64), reads["model.embed_tokens.weight"])[0] == set(range(VOCAB // 2, VOCAB))
 
 
+def test_loader_shard_of_packed_phi3(tmp_path, monkeypatch):
+    """Phi-3's packed qkv_proj ("q+k+v") and gate_up_proj ("gate+up"): rank 1 of 2 holds its q heads, its kv head
+    and its share of gate and of up, read as row ranges of the packed tensors."""
+    d = write_checkpoint(tmp_path / "phi3", "phi3", num_attention_heads=4, num_key_value_heads=2, rope_scaling=None)
+    model, reads, whole = load_shard(d, 1, 2, monkeypatch)
+    full = read_checkpoint(d)
+    assert whole == []
+    hd, p = 32, "model.layers.0."
+    qkv, gate_up = full[p + "self_attn.qkv_proj.weight"], full[p + "mlp.gate_up_proj.weight"]
+    assert qkv.shape == ((4 + 2 * 2) * hd, 128) and gate_up.shape == (2 * 128, 128)
+    want = torch.cat([qkv[2 * hd:4 * hd], qkv[(4 + 1) * hd:(4 + 2) * hd], qkv[(6 + 1) * hd:(6 + 2) * hd]])
+    assert torch.equal(model.model.layers[0].self_attn.qkv_proj.weight, want)
+    assert elements_read(tuple(qkv.shape), reads[p + "self_attn.qkv_proj.weight"])[0] == (
+        set(range(2 * hd, 4 * hd)) | set(range(5 * hd, 6 * hd)) | set(range(7 * hd, 8 * hd)))
+    assert torch.equal(model.model.layers[0].mlp.gate_up_proj.weight, torch.cat([gate_up[64:128], gate_up[192:]]))
+    assert torch.equal(model.model.layers[0].self_attn.o_proj.weight, full[p + "self_attn.o_proj.weight"][:, 64:])
+
+
 # -- 4. uneven shapes and node layouts are refused before anything starts ----------------------------------------
 def config_only(tmp_path: Path, base: Path, **overrides) -> Path:
     d = tmp_path / "cfg"
@@ -526,11 +552,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_second_node_from_worker_command(checkpoints, tmp_path):
-    d = str(checkpoints["mistral"])
+@pytest.mark.parametrize(("size", "arch"), [(2, "mistral"), (4, "qwen3")])
+def test_second_node_from_worker_command(checkpoints, tmp_path, size, arch):
+    """Two "nodes": rank 0 alone on node 0 (its step messages all go through gloo), or with rank 1 beside it (the
+    shared-memory ring for rank 1, gloo for ranks 2 and 3 on node 1)."""
+    d = str(checkpoints[arch])
     want = token_ids(LLM(d, num_kv_blocks=64).generate(PROMPTS, GREEDY, use_tqdm=False))
     init = f"tcp://127.0.0.1:{free_port()}"
-    node = ["--tensor-parallel-size", "2", "--nnodes", "2", "--distributed-init-method", init,
+    node = ["--tensor-parallel-size", str(size), "--nnodes", "2", "--distributed-init-method", init,
             "--num-kv-blocks", "64"]
     log_path = tmp_path / "worker.log"
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -540,10 +569,12 @@ def test_second_node_from_worker_command(checkpoints, tmp_path):
                                    "--node-rank", "1", *node], stdout=log, stderr=subprocess.STDOUT, env=env)
     llm = None
     try:
-        llm = LLM(d, tensor_parallel_size=2, nnodes=2, node_rank=0, distributed_init_method=init,
+        llm = LLM(d, tensor_parallel_size=size, nnodes=2, node_rank=0, distributed_init_method=init,
                   num_kv_blocks=64)
-        assert llm.engine.runner.workers.processes == []  # rank 1 is the other node's
-        assert llm.engine.runner.tp.size == 2
+        tp = llm.engine.runner.tp
+        assert len(llm.engine.runner.workers.processes) == size // 2 - 1  # the rest are the other node's
+        assert tp.size == size
+        assert (tp.host_ring is not None) == (size > 2) and tp.host_group is not None
         assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
         assert worker.poll() is None
         llm.shutdown()

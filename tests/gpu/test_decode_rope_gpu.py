@@ -177,6 +177,7 @@ def _greedy_tokens(ckpt, fused: str) -> list[list[int]]:
 @pytest.mark.parametrize("arch,overrides", [
     ("qwen3", dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64)),
     ("llama", dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=1)),
+    ("phi3", {}),  # partial rotary: 48 of 64 dims (24 a half, padded in the kernels)
 ])
 def test_model_tokens_with_switch_on_and_off(arch, overrides, tmp_path, monkeypatch):
     calls = _count_fused_calls(monkeypatch)
@@ -192,6 +193,7 @@ def test_model_tokens_with_switch_on_and_off(arch, overrides, tmp_path, monkeypa
 @pytest.mark.parametrize("arch,overrides,qk_norm", [
     ("qwen3", dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64), True),
     ("llama", dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=1), False),
+    ("phi3", {}, False),
 ])
 def test_auto_fuses_small_batches(arch, overrides, qk_norm, tmp_path, monkeypatch):
     """The default ("auto"): decode steps of up to FUSED_ROPE_DECODE_MAX_BATCH sequences of a model without q/k

@@ -116,3 +116,91 @@ def test_fused_moe_in_a_cuda_graph(num_tokens):
     want = fused_moe_ref(x, w13, w2, weights, ids)
     torch.testing.assert_close(out, want, **BF16_TOL)
     assert not torch.allclose(out, first, **BF16_TOL)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2])
+def test_moe_gemv_qwen3_30b_a3b(num_tokens):
+    """The decode GEMVs (kernels/moe_gemv.py) at Qwen3-30B-A3B's shape, whole and as rank 1 of 2 under tensor
+    parallelism (I = 384: other tiles); the same bits on a second run (the sum over top-k has a fixed order)."""
+    from nanoserve.kernels.moe_gemv import moe_gemv
+    from nanoserve.kernels.moe_reference import fused_moe_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    e, h, i, k = QWEN3_30B_A3B.values()
+    for inter in (i, i // 2):
+        w13, w2, _, _ = _weights(e, h, inter, gen)
+        x = torch.randn(num_tokens, h, generator=gen, device="cuda").bfloat16()
+        weights, ids = _routing(num_tokens, e, k, gen)
+        out = moe_gemv(x, w13, w2, weights, ids.int())
+        torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, weights, ids), **BF16_TOL)
+        assert torch.equal(out, moe_gemv(x, w13, w2, weights, ids.int()))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 4])
+def test_moe_gemv_gpt_oss_biases_and_expert_parallel(num_tokens):
+    """gpt-oss-20b's experts (swigluoai, biases, dims no tile divides) as rank 1 of 2 under expert parallelism."""
+    from nanoserve.kernels.moe_gemv import moe_gemv
+    from nanoserve.kernels.moe_reference import fused_moe_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    e, h, i, k = GPT_OSS_20B.values()
+    w13, w2, b13, b2 = _weights(e // 2, h, i, gen, bias=True)
+    x = torch.randn(num_tokens, h, generator=gen, device="cuda").bfloat16()
+    weights, ids = _routing(num_tokens, e, k, gen)
+    kw = dict(expert_start=e // 2, w13_bias=b13, w2_bias=b2, activation="swigluoai")
+    out = moe_gemv(x, w13, w2, weights, ids, **kw)
+    torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, weights, ids, **kw), **BF16_TOL)
+
+
+def test_moe_gemv_fp32_in_a_cuda_graph():
+    """fp32 (the GPU engine tests' dtype), captured at one token and replayed with a new routing and input."""
+    from nanoserve.kernels.moe_gemv import moe_gemv
+    from nanoserve.kernels.moe_reference import fused_moe_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13, w2, b13, b2 = (t.float() for t in _weights(64, 1024, 512, gen, bias=True))
+    x = torch.randn(1, 1024, generator=gen, device="cuda")
+    weights, ids = _routing(1, 64, 8, gen)
+    first = moe_gemv(x, w13, w2, weights, ids, w13_bias=b13, w2_bias=b2)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_gemv(x, w13, w2, weights, ids, w13_bias=b13, w2_bias=b2)
+    new_weights, new_ids = _routing(1, 64, 8, gen)
+    weights.copy_(new_weights)
+    ids.copy_(new_ids)
+    x.copy_(torch.randn(1, 1024, generator=gen, device="cuda"))
+    graph.replay()
+    want = fused_moe_ref(x, w13, w2, weights, ids, w13_bias=b13, w2_bias=b2)
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(out, first, atol=1e-4, rtol=1e-4)
+
+
+def test_router_topk_in_a_cuda_graph():
+    """router_topk (norm, router GEMV and top-k in one launch; the last of its programs takes the top-k) replayed
+    from a graph with new inputs, fp32 against the three steps it replaces: the counter protocol must hand every
+    program's logits to the last one, and leave the counter zero for the next replay."""
+    from nanoserve.kernels.moe_reference import topk_softmax_ref
+    from nanoserve.kernels.moe_routing import router_topk
+    from nanoserve.kernels.rms_norm import rms_norm_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    e, h, _, k = QWEN3_30B_A3B.values()
+    x, residual = (torch.randn(1, h, generator=gen, device="cuda") for _ in range(2))
+    norm_w = torch.rand(h, generator=gen, device="cuda") + 0.5
+    w = torch.randn(e, h, generator=gen, device="cuda") * h**-0.5
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    router_topk(x, residual, norm_w, 1e-6, w, None, k, True, counter)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        weights, ids, res_out = router_topk(x, residual, norm_w, 1e-6, w, None, k, True, counter)
+    for _ in range(20):
+        x.copy_(torch.randn(1, h, generator=gen, device="cuda") * 3)
+        residual.copy_(torch.randn(1, h, generator=gen, device="cuda"))
+        graph.replay()
+        want_res = residual.clone()
+        logits = rms_norm_ref(x, norm_w, 1e-6, want_res) @ w.T
+        want_weights, want_ids = topk_softmax_ref(logits, k, True)
+        assert counter.item() == 0
+        torch.testing.assert_close(res_out, want_res)
+        assert torch.equal(ids.long(), want_ids)
+        torch.testing.assert_close(weights, want_weights, rtol=1e-4, atol=1e-5)

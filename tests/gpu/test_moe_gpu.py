@@ -54,3 +54,25 @@ def test_bf16_mostly_agrees(ckpt):
     a = run(LLM(str(ckpt), device="cuda", dtype="bfloat16", num_kv_blocks=2048))
     b = run(eager_torch(ckpt, "bfloat16"))
     assert sum(x[0] == y[0] for x, y in zip(a, b, strict=True)) >= 56
+
+
+def test_batch_one_decode_takes_the_gemvs(ckpt, monkeypatch):
+    """One and two sequences decode through kernels/moe_gemv.py (the test models route 2 of 8 experts: up to 8
+    tokens a step take it) inside CUDA graphs, token for token as the eager PyTorch path, fp32. At one row the
+    post-attention norm runs inside router_topk and the experts' GEMVs, but for Qwen2-MoE (its shared expert)."""
+    from nanoserve.kernels import moe_gemv
+
+    calls = []
+    original = moe_gemv.moe_gemv
+    monkeypatch.setattr(moe_gemv, "moe_gemv",
+                        lambda *a, **kw: calls.append((a[0].shape[0], kw["norm"] is not None)) or original(*a, **kw))
+    prompts = mixed_prompts(384, 48, 200, num=2)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    reference = eager_torch(ckpt, "float32")
+    fast = LLM(str(ckpt), device="cuda", dtype="float32", num_kv_blocks=256)
+    assert fast.engine.runner.graphs is not None
+    for batch in ([prompts[0]], prompts):
+        want = [o.outputs[0].token_ids for o in reference.generate(batch, params, use_tqdm=False)]
+        assert [o.outputs[0].token_ids for o in fast.generate(batch, params, use_tqdm=False)] == want
+    # Captured (or run eagerly) at one and two tokens.
+    assert (1, "qwen2_moe" not in str(ckpt)) in calls and (2, False) in calls

@@ -19,7 +19,8 @@ from nanoserve.kernels.fused_moe import CONFIG_DIR, MoeConfig, fused_moe, fused_
 from nanoserve.kernels.gemv import skinny_linear, skinny_norm_linear, skinny_silu_mul_linear
 from nanoserve.kernels.kv_store import store_kvcache
 from nanoserve.kernels.moe_align import moe_align_block_size
-from nanoserve.kernels.moe_routing import topk_softmax
+from nanoserve.kernels.moe_gemv import moe_gemv
+from nanoserve.kernels.moe_routing import router_topk, topk_softmax
 from nanoserve.kernels.prefill.attention import prefill_attention
 from nanoserve.kernels.prefill.split_scratch import SplitScratch
 from nanoserve.kernels.prefill.tile_map import SPLIT_MAP_COLUMNS
@@ -28,6 +29,7 @@ from nanoserve.kernels.rms_norm import rms_norm
 from nanoserve.kernels.rotary import apply_rotary
 from nanoserve.kernels.sampling import gumbel_max_sample
 from nanoserve.kernels.silu_mul_gemv import silu_mul_gemv
+from nanoserve.kernels.w4a16_gemm import w4a16_linear
 
 BF16, FP32, I32, I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
 BLOCK_SIZE = 16  # KV cache block size
@@ -74,20 +76,23 @@ def _decode(dtype: torch.dtype, batch: int, head_dim: int, num_splits: int | Non
     return call
 
 
-def _rope_args(batch: int, hq: int, hkv: int, head_dim: int, norm: bool, dtype: torch.dtype = BF16) -> tuple:
-    """qkv_rope_store's arguments up to slot_mapping (decode_rope_attention takes the same first)."""
+def _rope_args(batch: int, hq: int, hkv: int, head_dim: int, norm: bool, dtype: torch.dtype = BF16,
+               rotary_dim: int | None = None) -> tuple:
+    """qkv_rope_store's arguments up to slot_mapping (decode_rope_attention takes the same first); rotary_dim <
+    head_dim: partial rotary (the tables' width)."""
     weights = (_zeros(head_dim, dtype=dtype), _zeros(head_dim, dtype=dtype)) if norm else (None, None)
+    half = (rotary_dim or head_dim) // 2
     return (_zeros(batch, (hq + 2 * hkv) * head_dim, dtype=dtype), hq, hkv, _zeros(batch, dtype=I64),
-            _zeros(64, head_dim // 2, dtype=FP32), _zeros(64, head_dim // 2, dtype=FP32), *weights, 1e-6,
+            _zeros(64, half, dtype=FP32), _zeros(64, half, dtype=FP32), *weights, 1e-6,
             _cache(hkv, head_dim, dtype), _cache(hkv, head_dim, dtype), _zeros(batch, dtype=I64))
 
 
 def _decode_rope(batch: int, norm: bool, num_splits: int | None, fused: bool, prefetch: bool, window: bool,
-                 sinks: bool):
+                 sinks: bool, rotary_dim: int | None = None):
     def call() -> None:
         hq, hkv = 16, 8
-        decode_rope_attention(*_rope_args(batch, hq, hkv, 128, norm), _zeros(batch, dtype=I32),
-                              _zeros(batch, 8, dtype=I32), 0.125, num_splits=num_splits,
+        decode_rope_attention(*_rope_args(batch, hq, hkv, 128, norm, rotary_dim=rotary_dim),
+                              _zeros(batch, dtype=I32), _zeros(batch, 8, dtype=I32), 0.125, num_splits=num_splits,
                               counters=_zeros(batch * hkv, dtype=I32) if fused else None, prefetch=prefetch,
                               window=128 if window else None, sinks=_zeros(hq, dtype=FP32) if sinks else None)
     return call
@@ -131,6 +136,18 @@ def _moe(tokens: int, activation: str, bias: bool, config: MoeConfig | None = No
     return call
 
 
+def _moe_gemv(tokens: int, top_k: int, hidden: int, inter: int, activation: str, bias: bool, norm: bool = False):
+    """moe_gemv (gate/up and down GEMVs): dims the tiles divide or not, top_k a power of two or padded to one, with the
+    RMSNorm prologue or without."""
+    def call() -> None:
+        e = 8
+        biases = dict(w13_bias=_zeros(e, 2 * inter), w2_bias=_zeros(e, hidden)) if bias else {}
+        moe_gemv(_zeros(tokens, hidden), _zeros(e, 2 * inter, hidden), _zeros(e, hidden, inter),
+                 _zeros(tokens, top_k, dtype=FP32), _zeros(tokens, top_k, dtype=I32), activation=activation,
+                 norm=(_zeros(hidden), 1e-6) if norm else None, **biases)
+    return call
+
+
 def _tuned_moe_configs() -> list[tuple[str, int, MoeConfig]]:
     """Each measured table's (fused_moe_configs/) configs for its least and most tokens, with a token count that
     takes the same alignment path."""
@@ -153,6 +170,17 @@ def _fp8_linear(m: int, block: tuple[int, int]):
     return call
 
 
+def _w4a16(m: int, n: int, k: int, group: int, zeros: bool, perm: bool, bias: bool):
+    """A 4-bit layer as quantization/w4_linear.py holds it: bf16 activations, fp16 scales (GPTQ's and AWQ's),
+    uint8 zero points, int32 act-order permutation."""
+    def call() -> None:
+        groups = 1 if group == -1 else k // group
+        w4a16_linear(_zeros(m, k), _zeros(k // 8, n, dtype=I32), _zeros(groups, n, dtype=torch.float16),
+                     _zeros(groups, n, dtype=torch.uint8) if zeros else None, _zeros(k, dtype=I32) if perm else None,
+                     group, _zeros(n) if bias else None)
+    return call
+
+
 def _sampling() -> None:
     try:
         gumbel_max_sample(_zeros(2, 1000, dtype=FP32), _zeros(2, dtype=FP32), 1234)
@@ -169,6 +197,7 @@ VARIANTS = [
     ("decode_rope bf16 fused norm window+sinks", _decode_rope(2, True, 4, True, True, True, True)),
     ("decode_rope bf16 split+reduce no prefetch", _decode_rope(2, False, 4, False, False, False, False)),
     ("decode_rope bf16 unsplit", _decode_rope(2, True, 1, False, True, False, False)),
+    ("decode_rope bf16 fused partial rotary 96/128", _decode_rope(2, False, 4, True, True, False, False, 96)),
     ("decode bf16 fused order window+sinks", _decode(BF16, 2, 128, 4, True, True, True, True)),
     ("decode bf16 split+reduce", _decode(BF16, 2, 128, 4, False, False, False, False)),
     ("decode bf16 batch 64 unsplit (128-key tiles)", _decode(BF16, 64, 128, 1, False, True, False, False)),
@@ -181,6 +210,9 @@ VARIANTS = [
       for name, tokens, config in _tuned_moe_configs()],
     ("fused_moe bf16 decode rule silu", _moe(4, "silu", False)),
     ("fused_moe bf16 prefill rule swigluoai+bias", _moe(512, "swigluoai", True)),
+    ("moe_gemv bf16 top-8 silu", _moe_gemv(2, 8, 512, 256, "silu", False)),
+    ("moe_gemv bf16 top-8 silu norm", _moe_gemv(1, 8, 512, 256, "silu", False, norm=True)),
+    ("moe_gemv bf16 top-3 ragged swigluoai+bias", _moe_gemv(2, 3, 320, 320, "swigluoai", True)),
     ("moe_align 8192 pairs (count/layout/scatter)", lambda: moe_align_block_size(_zeros(4096, 2, dtype=I64), 8, 64)),
     ("gemv bf16 M=1 CUDA cores", _gemv(1, 512, 1024)),
     ("gemv bf16 M=1 CUDA cores K>=3072 bias", _gemv(1, 1024, 3072, bias=True)),
@@ -192,17 +224,34 @@ VARIANTS = [
     ("fp8_block_linear M=1 FP8 dot", _fp8_linear(1, (128, 128))),
     ("fp8_block_linear M=200 FP8 dot", _fp8_linear(200, (128, 128))),
     ("fp8_block_linear M=32 upcast (16-wide K blocks)", _fp8_linear(32, (16, 16))),
+    ("w4a16 GEMV M=1 K split (o_proj shape) zeros", _w4a16(1, 4096, 4096, 128, True, False, False)),
+    ("w4a16 GEMV M=1 unsplit act-order bias", _w4a16(1, 28672, 4096, 128, False, True, True)),
+    ("w4a16 GEMV M=1 one group per row", _w4a16(1, 28672, 1024, -1, False, False, False)),
+    ("w4a16 GEMM M=8 split zeros", _w4a16(8, 4096, 4096, 128, True, False, False)),
+    ("w4a16 GEMM M=256 act-order bias group 32", _w4a16(256, 4096, 512, 32, False, True, True)),
     ("fp8 quantize_rows dynamic", lambda: quantize_rows(_zeros(4, 4096))),
     ("fp8 quantize_rows static", lambda: quantize_rows(_zeros(4, 4096), _zeros(1, dtype=FP32))),
     ("qkv_rope_store bf16 norm", lambda: qkv_rope_store(*_rope_args(4, 16, 8, 128, True))),
     ("qkv_rope_store bf16 D=64", lambda: qkv_rope_store(*_rope_args(4, 4, 1, 64, False))),
+    ("qkv_rope_store bf16 partial rotary 96/128",
+     lambda: qkv_rope_store(*_rope_args(4, 24, 8, 128, False, rotary_dim=96))),
+    ("qkv_rope_store bf16 norm partial rotary 32/64",
+     lambda: qkv_rope_store(*_rope_args(4, 4, 1, 64, True, rotary_dim=32))),
     ("rotary bf16", lambda: apply_rotary(_zeros(4, 8, 128), _zeros(4, 2, 128), _zeros(64, 64, dtype=FP32),
                                          _zeros(64, 64, dtype=FP32), _zeros(4, dtype=I64))),
+    ("rotary bf16 partial 96/128", lambda: apply_rotary(_zeros(4, 8, 128), _zeros(4, 2, 128),
+                                                        _zeros(64, 48, dtype=FP32), _zeros(64, 48, dtype=FP32),
+                                                        _zeros(4, dtype=I64))),
     ("kv_store bf16", lambda: store_kvcache(_zeros(4, 2, 128), _zeros(4, 2, 128), _cache(2, 128, BF16),
                                             _cache(2, 128, BF16), _zeros(4, dtype=I64))),
     ("rms_norm bf16 residual", lambda: rms_norm(_zeros(4, 4096), _zeros(4096), 1e-6, _zeros(4, 4096))),
     ("rms_norm bf16 per-head strided", lambda: rms_norm(_zeros(4, 24, 128)[:, :16], _zeros(128), 1e-6)),
     ("silu_and_mul bf16", lambda: silu_and_mul(_zeros(4, 2 * 3000))),
+    ("router_topk bf16 residual renormalize", lambda: router_topk(_zeros(1, 2048), _zeros(1, 2048), _zeros(2048), 1e-6,
+                                                                  _zeros(128, 2048), None, 8, True,
+                                                                  _zeros(1, dtype=I32))),
+    ("router_topk bf16 bias ragged", lambda: router_topk(_zeros(1, 2880), None, _zeros(2880), 1e-6, _zeros(32, 2880),
+                                                         _zeros(32), 4, True, _zeros(1, dtype=I32))),
     ("topk_softmax renormalize", lambda: topk_softmax(_zeros(4, 128), 8, True)),
     ("topk_softmax", lambda: topk_softmax(_zeros(4, 32, dtype=FP32), 4, False)),
     ("decode_order", lambda: longest_first_order(_zeros(200, dtype=I32), _zeros(200, dtype=I64))),

@@ -24,14 +24,15 @@ CASES = [
 ]
 
 
-def _rope_inputs(case, make_paged_kv, gen, device, slot_minus_one=(), spare_slot_for_empty=False):
-    """Random qkv rows, norm weights and rotary tables, NaN-poisoned paged caches holding each sequence's
-    earlier keys, and the new token's position and slot (its cache entry NaN: it must come from qkv)."""
+def _rope_inputs(case, make_paged_kv, gen, device, slot_minus_one=(), spare_slot_for_empty=False, rotary_dim=None):
+    """Random qkv rows, norm weights and rotary tables (for the first rotary_dim dims of a head: partial rotary),
+    NaN-poisoned paged caches holding each sequence's earlier keys, and the new token's position and slot (its cache
+    entry NaN: it must come from qkv)."""
     dtype, head_dim, hq, hkv, block_size, seq_lens, num_splits, norm, fused = case
     k_cache, v_cache, block_tables = make_paged_kv(seq_lens, hkv, head_dim, block_size, dtype, gen, pad_value=0)
     batch = len(seq_lens)
     qkv = torch.randn(batch, (hq + 2 * hkv) * head_dim, generator=gen).to(device, dtype)
-    freqs = torch.randn(max(seq_lens) + 1, head_dim // 2, generator=gen)
+    freqs = torch.randn(max(seq_lens) + 1, (rotary_dim or head_dim) // 2, generator=gen)
     cos, sin = freqs.cos().to(device), freqs.sin().to(device)
     q_w = torch.randn(head_dim, generator=gen).to(device, dtype) if norm else None
     k_w = torch.randn(head_dim, generator=gen).to(device, dtype) if norm else None
@@ -105,6 +106,27 @@ def test_matches_unfused_kernels(case, make_paged_kv, gen, device, tol):
         assert (new_k != k_unfused.view(-1, *k_cache.shape[2:])[stored]).float().mean() < 0.01
 
 
+@pytest.mark.parametrize("case,rotary_dim", [(CASES[3], 96), (CASES[0], 16)], ids=["96of128", "16of64-norm"])
+def test_partial_rotary(case, rotary_dim, make_paged_kv, gen, device, tol):
+    """Partial rotary (Phi-3's partial_rotary_factor; Phi-4-mini rotates 96 of 128 dims): against the references
+    and against qkv_rope_store then decode_attention, the new keys stored alike."""
+    rope, k_cache, v_cache, slots, seq, tables, splits, counters = _rope_inputs(
+        case, make_paged_kv, gen, device, rotary_dim=rotary_dim)
+    qkv, hq = rope[0], rope[1]
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    want = decode_rope_attention_ref(*rope, k_ref, v_ref, slots, seq, tables, 0.2)
+    k_unfused, v_unfused, qkv_unfused = k_cache.clone(), v_cache.clone(), qkv.clone()
+    qkv_rope_store(qkv_unfused, *rope[1:], k_unfused, v_unfused, slots)
+    q = qkv_unfused[:, : hq * k_cache.shape[3]].view(qkv.shape[0], hq, -1)
+    unfused = decode_attention(q, k_unfused, v_unfused, seq, tables, 0.2, num_splits=splits)
+    got = decode_rope_attention(*rope, k_cache, v_cache, slots, seq, tables, 0.2, num_splits=splits,
+                                counters=counters)
+    torch.testing.assert_close(got, want, **tol[qkv.dtype])
+    torch.testing.assert_close(got, unfused, **tol[qkv.dtype])
+    torch.testing.assert_close(k_cache, k_ref, equal_nan=True, **tol[qkv.dtype])
+    torch.testing.assert_close(k_cache, k_unfused, equal_nan=True, **tol[qkv.dtype])
+
+
 def test_strided_rows_and_repeated_calls(make_paged_kv, gen, device, tol):
     """qkv the leading columns of a padded buffer and out the first rows of a larger one, as in a CUDA graph;
     called twice with one counter buffer (sized for more sequences): same output, counters back at zero."""
@@ -165,7 +187,7 @@ def test_auto_rule(qk_norm, fused_rows):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="counts Python calls, which graph replays skip; on a GPU "
                     "tests/gpu/test_decode_rope_gpu.py checks the model's tokens")
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "phi3"])  # phi3: partial rotary, 48 of 64 dims
 def test_model_fuses_where_planned(tmp_path, monkeypatch, arch):
     """A model on the CPU whose one-sequence decode steps are planned as if on the Triton kernels, so that they take
     the fused launch (run by the interpreter over the PyTorch backend's caches): it runs exactly there, in every

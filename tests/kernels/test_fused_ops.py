@@ -48,6 +48,25 @@ def test_rotary_in_place_on_views(device, gen, tol, dtype, heads):
     assert torch.equal(qkv[:, (hq + hk) * d:], before[:, (hq + hk) * d:])  # v untouched
 
 
+@pytest.mark.parametrize("rotary_dim", [48, 32])
+def test_partial_rotary_leaves_the_other_dims(device, gen, tol, rotary_dim):
+    """Partial rotary (Phi-3's partial_rotary_factor): the first rotary_dim dims of each head rotate, in rotate-half
+    layout among themselves (a half of 24 is padded in the kernel); the others are untouched."""
+    hq, hk, d, t = 4, 2, 64, 9
+    q = torch.randn(t, hq, d, generator=gen).to(device, torch.float16)
+    k = torch.randn(t, hk, d, generator=gen).to(device, torch.float16)
+    freqs = torch.randn(50, rotary_dim // 2, generator=gen)
+    cos, sin = freqs.cos().to(device), freqs.sin().to(device)
+    positions = torch.randint(0, 50, (t,), generator=gen).to(device)
+    q_ref, k_ref, q_before = q.clone(), k.clone(), q.clone()
+    apply_rotary(q, k, cos, sin, positions)
+    apply_rotary_ref(q_ref, k_ref, cos, sin, positions)
+    torch.testing.assert_close(q, q_ref, **tol[torch.float16])
+    torch.testing.assert_close(k, k_ref, **tol[torch.float16])
+    assert torch.equal(q[..., rotary_dim:], q_before[..., rotary_dim:])
+    assert not torch.allclose(q[..., :rotary_dim], q_before[..., :rotary_dim])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_silu_and_mul(device, gen, tol, dtype):
     x = torch.randn(6, 2 * 1500, generator=gen).to(device, dtype)  # more than one 1024-wide block

@@ -7,13 +7,15 @@ from nanoserve.kernels.qkv_rope_store import qkv_rope_store, qkv_rope_store_ref
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("heads,head_dim,norm", [((4, 2), 64, True), ((7, 1), 128, False), ((2, 2), 64, False),
-                                                 ((8, 1), 128, True)])
-def test_matches_unfused_references(device, gen, tol, dtype, heads, head_dim, norm):
+@pytest.mark.parametrize("heads,head_dim,norm,rotary_dim", [
+    ((4, 2), 64, True, None), ((7, 1), 128, False, None), ((2, 2), 64, False, None), ((8, 1), 128, True, None),
+    # Partial rotary (Phi-3's partial_rotary_factor): Phi-4-mini's 96 of 128 dims, and a quarter of a head.
+    ((3, 1), 128, False, 96), ((4, 2), 64, True, 16)])
+def test_matches_unfused_references(device, gen, tol, dtype, heads, head_dim, norm, rotary_dim):
     hq, hkv = heads
     t, block_size, num_blocks = 9, 4, 6
     qkv = torch.randn(t, (hq + 2 * hkv) * head_dim, generator=gen).to(device, dtype)
-    freqs = torch.randn(50, head_dim // 2, generator=gen)
+    freqs = torch.randn(50, (rotary_dim or head_dim) // 2, generator=gen)
     cos, sin = freqs.cos().to(device), freqs.sin().to(device)
     positions = torch.randint(0, 50, (t,), generator=gen).to(device)
     # Distinct slots in shuffled order, two tokens not stored (-1).

@@ -80,3 +80,31 @@ def test_sampler_kernel_path_keeps_logprobs_and_min_tokens(device):
     top_ids, top_lps, chosen, rank = out.logprobs[0]
     assert top_ids[0] == 0 and len(top_ids) == 2 and rank > 1  # raw logprobs: taken before the mask
     assert out.logprobs[1][3] == 1
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_another_rank_draws_the_same_tokens(device, fused):
+    """Tensor parallelism: a rank holding the same logits draws rank 0's tokens itself (sample_replica) for the
+    batches replicable() admits (on CUDA the fused kernel's, on the CPU greedy ones), with a sampler of its own."""
+    rank0, other = (Sampler(torch.device(device), eos_token_ids=[0], seed=5) for _ in range(2))
+    rank0.fused = other.fused = fused
+    plain = [SamplingParams(temperature=0.8), SamplingParams(temperature=0), SamplingParams(temperature=1.3)]
+    greedy = [SamplingParams(temperature=0)] * 3
+    for step in range(4):
+        logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(step)).to(device)
+        seqs = [_seq(p) for p in (plain if fused else greedy)]
+        assert rank0.replicable(seqs, None)
+        call = rank0.num_calls + 1
+        want = rank0.sample(logits, seqs).token_ids
+        temps = [s.params.temperature for s in seqs] if fused else []
+        assert torch.equal(other.sample_replica(logits, temps, call), want)
+    if fused:
+        assert len(set(want.tolist())) > 1  # not all argmax: the draws did use the noise
+    refused = [SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=0, presence_penalty=1.0),
+               SamplingParams(temperature=0, logit_bias={3: 1.0}), SamplingParams(temperature=0, min_tokens=2),
+               SamplingParams(temperature=0.7, seed=1)]
+    for p in refused:
+        seed = p.seed
+        assert not rank0.replicable([_seq(plain[1]), _seq(p, seed=seed, device=device)], None), p
+    assert not rank0.replicable([_seq(plain[1])], masks=object())
+    assert rank0.replicable([_seq(plain[0])], None) is fused  # a sampled row needs the fused kernel's key

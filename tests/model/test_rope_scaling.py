@@ -145,3 +145,34 @@ def test_bad_rope_scaling_is_refused_naming_the_field(scaling, message, tmp_path
     ours = _model_config(tmp_path, {"max_position_embeddings": 64, "rope_scaling": scaling})
     with pytest.raises(ValueError, match=message):
         RotaryEmbedding(32, 64, 10000.0, ours.rope_scaling)
+
+
+def test_partial_rotary_matches_transformers_phi3():
+    """partial_rotary_factor 0.75 (Phi-4-mini's): transformers' Phi-3 rotation on the CPU path, and the kernels'
+    reference on the half tables the GPU reads; the last quarter of each head passes through."""
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding, apply_rotary_pos_emb
+
+    from nanoserve.kernels.rotary import apply_rotary_ref
+
+    hf = Phi3Config(hidden_size=256, num_attention_heads=4, partial_rotary_factor=0.75, max_position_embeddings=64)
+    rotary = RotaryEmbedding(64, 64, 10000.0, None, rotary_dim=48)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(9, 4, 64, generator=g), torch.randn(9, 2, 64, generator=g)
+    positions = torch.randint(0, 64, (9,), generator=g)
+    got_q, got_k = rotary(positions, q, k)
+    cos, sin = Phi3RotaryEmbedding(hf)(q, positions[None, :])
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    torch.testing.assert_close(got_q, want_q[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_k, want_k[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
+    assert torch.equal(got_q[..., 48:], q[..., 48:])
+    ref_q, ref_k = q.clone(), k.clone()
+    apply_rotary_ref(ref_q, ref_k, rotary.cos_half, rotary.sin_half, positions)
+    torch.testing.assert_close(ref_q, got_q, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ref_k, got_k, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rotary_dim", [13, 80])
+def test_bad_rotary_dim_is_refused(rotary_dim):
+    with pytest.raises(ValueError, match="^partial_rotary_factor: the rotary dimension"):
+        RotaryEmbedding(64, 16, 10000.0, None, rotary_dim=rotary_dim)

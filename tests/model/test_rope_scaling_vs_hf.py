@@ -9,7 +9,7 @@ is unchanged there in both). yarn does not depend on the length, and its prompts
 
 import pytest
 import torch
-from checkpoints import write_checkpoint
+from checkpoints import rope_factors, write_checkpoint
 from transformers import AutoModelForCausalLM
 
 from nanoserve import LLM, SamplingParams
@@ -35,12 +35,17 @@ CASES = [
     ("llama longrope long", "llama", LONGROPE, None, (70, 130)),
     ("llama longrope short", "llama", LONGROPE, OLD_LEN, (5, 37, OLD_LEN - NEW_TOKENS)),
     ("llama dynamic", "llama", {"rope_type": "dynamic", "factor": 4.0}, None, (5, 70, 130)),
+    # Phi-3's layout: partial rotary (24 factors for 48 of 64 dims) and the original length at the top level.
+    ("phi3 longrope long", "phi3", {"rope_type": "longrope", "short_factor": rope_factors(24, 2),
+                                    "long_factor": rope_factors(24, 3)}, None, (70, 130)),
 ]
+# Fields beside rope_scaling, per case id.
+OVERRIDES = {"phi3 longrope long": {"original_max_position_embeddings": OLD_LEN}}
 
 
-@pytest.mark.parametrize("arch, scaling, max_model_len, lens", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_greedy_and_logits_match_transformers(arch, scaling, max_model_len, lens, tmp_path, monkeypatch):
-    path = write_checkpoint(tmp_path / "ckpt", arch, rope_scaling=scaling)
+@pytest.mark.parametrize("case_id, arch, scaling, max_model_len, lens", CASES, ids=[c[0] for c in CASES])
+def test_greedy_and_logits_match_transformers(case_id, arch, scaling, max_model_len, lens, tmp_path, monkeypatch):
+    path = write_checkpoint(tmp_path / "ckpt", arch, rope_scaling=scaling, **OVERRIDES.get(case_id, {}))
     llm = LLM(str(path), num_kv_blocks=64, max_num_batched_tokens=512, max_model_len=max_model_len)
     seen: list[torch.Tensor] = []
     compute_logits = llm.engine.runner.model.compute_logits

@@ -28,12 +28,12 @@ def with_group(**changes) -> dict:
 
 @pytest.mark.parametrize("qc, flag, message", [
     ({"quant_method": "gguf"}, None,
-     "quantization_config.quant_method: 'gguf' is not supported; supported: compressed-tensors, fp8"),
-    (None, "awq", "quantization: 'awq' is not supported; supported: compressed-tensors, fp8"),
+     "quantization_config.quant_method: 'gguf' is not supported; supported: awq, compressed-tensors, fp8, gptq, mxfp4"),
+    (None, "gguf", "quantization: 'gguf' is not supported; supported: awq, compressed-tensors, fp8, gptq, mxfp4"),
     (None, "compressed-tensors", "quantization: 'compressed-tensors' needs a checkpoint written in that format"),
     (CT, "fp8", "quantization: 'fp8' does not match the checkpoint's quantization_config.quant_method "
                 "'compressed-tensors'"),
-    ({**CT, "format": "pack-quantized"}, None, "quantization_config.format: 'pack-quantized' is not supported"),
+    ({**CT, "format": "marlin-24"}, None, "quantization_config.format: 'marlin-24' is not supported"),
     (with_group(weights__type="int"), None, "quantization_config.config_groups.group_0.weights: only 8-bit floats"),
     (with_group(weights__strategy="group"), None,
      "quantization_config.config_groups.group_0.weights.strategy: 'group' is not supported"),
@@ -116,4 +116,4 @@ def test_cli_refuses_unknown_quantization(checkpoints):
                           "--quantization", "gguf", "--prompt", "hi"], capture_output=True, text=True, env=env,
                          timeout=120)
     assert run.returncode != 0
-    assert "quantization: 'gguf' is not supported; supported: compressed-tensors, fp8" in run.stderr
+    assert "quantization: 'gguf' is not supported; supported: awq, compressed-tensors, fp8, gptq, mxfp4" in run.stderr

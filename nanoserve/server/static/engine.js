@@ -81,6 +81,10 @@ export function startEngineView() {
     setHTML("stat-itl", itl.itlN ? `${formatNumber(itl.itlSum / itl.itlN)}<small>ms</small>` : "–");
     setHTML("stat-prefix", e.prefix_cache_queries ? `${(100 * e.prefix_cache_hit_rate).toFixed(0)}<small>%</small>` : "–");
     setText("stat-preempt", e.preemptions);
+    // Speculative decoding's mean acceptance length, only on an engine that runs it.
+    const spec = e.spec_mean_acceptance_length;
+    document.getElementById("tile-spec").hidden = spec == null;
+    if (spec != null) setText("stat-spec", spec.toFixed(2));
     setHTML("stat-kv", `${(100 * e.kv_usage).toFixed(0)}<small>% of ${formatCount(e.kv_blocks_total)}</small>`);
     setHTML("stat-busy", short.secs ? `${(100 * short.busy / short.secs).toFixed(0)}<small>%</small>` : "–");
 

@@ -1,0 +1,78 @@
+"""SpeculativeConfig: vLLM's speculative_config dict, checked at the edge.
+
+A plain module under the engine's tiers (config.py reads it while validating EngineArgs), so it imports nothing of
+nanoserve's.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+# vLLM's keys; only ngram runs today. The methods that need a second model are named so their refusal is clear.
+KNOWN_KEYS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "model",
+    "draft_tensor_parallel_size",
+    "max_model_len",
+    "disable_by_batch_size",
+)
+LATER_METHODS = ("eagle", "eagle3", "draft_model", "medusa", "mlp_speculator", "mtp", "suffix")
+# More than this many drafted tokens per step costs far more verify work than any acceptance pays back.
+MAX_SPECULATIVE_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int  # k: tokens proposed (and verified) per sequence and step, at most
+    prompt_lookup_max: int  # the longest n-gram matched against the sequence's earlier tokens
+    prompt_lookup_min: int  # the shortest
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> "SpeculativeConfig":
+        """vLLM's speculative_config: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
+        "prompt_lookup_min": m}. Without either lookup bound both are 5; with one, the other equals it (vLLM's)."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"speculative_config: must be a dict (JSON object), got {type(raw).__name__}")
+        unknown = sorted(set(raw) - set(KNOWN_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (known: {', '.join(KNOWN_KEYS)})")
+        method = raw.get("method")
+        if method is None and "model" in raw:
+            method = "draft_model"
+        if method in LATER_METHODS or (method is not None and "model" in raw):
+            raise ValueError(
+                f"speculative_config.method: {method!r} is not supported yet (a draft model or an "
+                "EAGLE head comes later); only 'ngram' runs"
+            )
+        if method != "ngram":
+            raise ValueError(f"speculative_config.method: must be 'ngram', got {method!r}")
+        for key in ("draft_tensor_parallel_size", "max_model_len", "disable_by_batch_size"):
+            if raw.get(key) is not None:
+                raise ValueError(f"speculative_config.{key}: not supported with method 'ngram'")
+        k = _int(raw, "num_speculative_tokens", None)
+        if k is None:
+            raise ValueError("speculative_config.num_speculative_tokens: required")
+        if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens: must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}"
+            )
+        high, low = _int(raw, "prompt_lookup_max", None), _int(raw, "prompt_lookup_min", None)
+        if high is None and low is None:
+            high = low = 5
+        high = low if high is None else high
+        low = high if low is None else low
+        if low < 1:
+            raise ValueError(f"speculative_config.prompt_lookup_min: must be >= 1, got {low}")
+        if high < low:
+            raise ValueError(f"speculative_config.prompt_lookup_max: must be >= prompt_lookup_min ({low}), got {high}")
+        return cls("ngram", k, high, low)
+
+
+def _int(raw: dict, key: str, default: int | None) -> int | None:
+    value = raw.get(key, default)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"speculative_config.{key}: must be an integer, got {value!r}")
+    return value

@@ -1,0 +1,174 @@
+"""Verification: the target's logits at every drafted position -> the tokens to emit, the target's distribution kept.
+
+A sequence with k drafts d_1..d_k brings k + 1 rows of logits: row j is the target's next-token distribution after
+its tokens and d_1..d_j. Each row is first made what the plain sampler would make of it at that position
+(Sampler.processed: min_tokens, logit_bias, penalties over the tokens before it, drafts included; then temperature
+and top-k/top-p/min-p), so speculation changes no request's distribution:
+
+- greedy rows: d_{j+1} is accepted while it is the row's argmax; the first row that disagrees emits its argmax;
+- sampled rows (speculative sampling; the draft distribution q is a point mass on d_{j+1}): d_{j+1} is accepted with
+  probability p(d_{j+1}); on rejection the row emits a draw from p with d_{j+1} removed (max(p - q, 0), normalized);
+- when all k are accepted, row k emits a bonus token drawn from it as the plain sampler would.
+
+So a sequence emits a + 1 tokens, a the accepted count. Every draw of a seeded request comes from its own generator,
+in a fixed order, so its output is reproducible whatever shares its batch. A method whose drafts have a real
+distribution q (a draft model) replaces the point mass here by q's rows.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from nanoserve.layers.sampler import AllowedTokens, Sampler, SamplerOutput, SamplingRow
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.utils import to_device
+
+
+@dataclass(eq=False)
+class DraftPosition:
+    """A sequence as the sampler sees it at one verified position: with the drafts before that position appended."""
+
+    seq: SamplingRow
+    drafts: list[int]  # the drafted tokens before this position
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.seq.params
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return self.seq.generator
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids + self.drafts
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.seq.output_token_ids + self.drafts
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.seq.num_output_tokens + len(self.drafts)
+
+
+@dataclass
+class _RowMasks:
+    """A step's grammar masks with their rows moved to the verify rows (constrained sequences have no drafts)."""
+
+    rows: list[int]
+    bits: torch.Tensor
+    failed: dict[int, Exception] = field(default_factory=dict)
+
+    def wait(self) -> None:
+        pass  # the masks it was made from were waited for
+
+
+def rejection_sample(
+    probs: torch.Tensor, drafts: torch.Tensor, uniforms: torch.Tensor, noise: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling of rows whose draft is a point mass: (accepted [R] bool, token to emit on rejection [R]).
+
+    probs [R, V] the target's (filtered) distributions; drafts [R] the token drafted at each row (-1: none, the
+    bonus row); uniforms [R] in [0, 1); noise [R, V] Exp(1) draws. A draft is accepted when u < p(draft); the
+    replacement is argmax((p with the draft removed) / noise), a draw from the normalized remainder (the exponential
+    race: scaling a row does not change its argmax, so no normalizing is needed)."""
+    has_draft = drafts >= 0
+    index = drafts.clamp(min=0)[:, None]
+    p_draft = probs.gather(1, index)[:, 0]
+    accepted = has_draft & (uniforms < p_draft)
+    # The draft's probability zeroed; a bonus row (no draft) writes its own p back at index 0, unchanged.
+    remainder = probs.scatter(1, index, torch.where(has_draft, 0.0, p_draft)[:, None].to(probs.dtype))
+    return accepted, (remainder / noise).argmax(dim=-1)
+
+
+def verify(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    seqs: Sequence[SamplingRow],
+    drafts: Sequence[list[int]],
+    masks: AllowedTokens | None = None,
+) -> SamplerOutput:
+    """The tokens each of `seqs` emits from its 1 + len(drafts[i]) rows of `logits` (in order), read to the host.
+    SamplerOutput.offsets says where each sequence's tokens (accepted drafts, then one more) lie in token_ids."""
+    device = logits.device
+    rows: list[DraftPosition] = []
+    first_row: list[int] = []
+    draft_of_row: list[int] = []
+    for seq, seq_drafts in zip(seqs, drafts, strict=True):
+        first_row.append(len(rows))
+        rows += [DraftPosition(seq, seq_drafts[:j]) for j in range(len(seq_drafts) + 1)]
+        draft_of_row += [*seq_drafts, -1]
+    seq_of_row = [i for i, d in enumerate(drafts) for _ in range(len(d) + 1)]
+    failed: dict[int, Exception] = {}
+    row_masks = None
+    if masks is not None:
+        masks.wait()
+        assert all(not drafts[i] for i in masks.rows), "a constrained sequence is never drafted for"
+        row_masks = _RowMasks([first_row[i] for i in masks.rows], masks.bits)
+        failed.update({first_row[i]: exc for i, exc in masks.failed.items()})
+    params = [r.params for r in rows]
+    processed, raw_logprobs = sampler.processed(logits, rows, params, row_masks, failed)
+    draft_tokens = to_device(draft_of_row, torch.int64, device)
+    tokens = processed.argmax(dim=-1)  # greedy rows keep these
+    accepted = (tokens == draft_tokens) & (draft_tokens >= 0)
+    sampled = [r for r, p in enumerate(params) if p.temperature != 0]
+    if sampled:
+        probs = sampler.filtered_probs(
+            processed[sampled] if len(sampled) < len(rows) else processed,
+            [params[r].temperature for r in sampled],
+            [params[r].top_k for r in sampled],
+            [params[r].top_p for r in sampled],
+            [params[r].min_p for r in sampled],
+        )
+        uniforms = torch.rand(len(sampled), device=device, generator=sampler.generator)
+        noise = torch.empty_like(probs).exponential_(generator=sampler.generator)
+        _seeded_draws(sampled, rows, seq_of_row, uniforms, noise, failed)
+        picked = to_device(sampled, torch.int64, device)
+        row_accepted, replacement = rejection_sample(probs, draft_tokens[picked], uniforms, noise)
+        accepted[picked] = row_accepted
+        tokens[picked] = replacement
+    emitted = torch.where(accepted, draft_tokens, tokens)
+    out = sampler.token_logprobs(raw_logprobs, emitted, params).result()
+    accepted_host = accepted.tolist()
+    keep: list[int] = []
+    offsets = [0]
+    for start, seq_drafts in zip(first_row, drafts, strict=True):
+        count = 1
+        while count <= len(seq_drafts) and accepted_host[start + count - 1]:
+            count += 1
+        offsets.append(offsets[-1] + count)
+        keep += range(start, start + count)
+    seq_failed: dict[int, Exception] = {}
+    for r, exc in failed.items():
+        seq_failed.setdefault(seq_of_row[r], exc)
+    return SamplerOutput([out.token_ids[r] for r in keep], [out.logprobs[r] for r in keep], seq_failed, offsets)
+
+
+def _seeded_draws(
+    sampled: list[int],
+    rows: list[DraftPosition],
+    seq_of_row: list[int],
+    uniforms: torch.Tensor,
+    noise: torch.Tensor,
+    failed: dict[int, Exception],
+) -> None:
+    """A seeded sequence's uniforms and noise redrawn from its own generator, one sequence's rows at a time (its
+    rows are adjacent), so what it draws depends on nothing else in the batch."""
+    at = 0
+    while at < len(sampled):
+        end = at
+        while end < len(sampled) and seq_of_row[sampled[end]] == seq_of_row[sampled[at]]:
+            end += 1
+        generator = rows[sampled[at]].generator
+        if generator is not None:
+            try:
+                # Uniforms for its drafts only: without drafts it draws what the plain sampler draws (one row of
+                # noise), so whether others in its batch have drafts changes nothing of its output.
+                if end - at > 1:
+                    uniforms[at : end - 1] = torch.rand(end - at - 1, device=uniforms.device, generator=generator)
+                noise[at:end].exponential_(generator=generator)
+            except Exception as exc:
+                failed.setdefault(sampled[at], exc)
+        at = end

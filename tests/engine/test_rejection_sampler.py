@@ -1,0 +1,162 @@
+"""Rejection sampling keeps the target's distribution (chi-square, fixed seeds: deterministic); n-gram lookup; the
+speculative config's checks."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nanoserve.layers.sampler import Sampler
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.spec_decode.config import SpeculativeConfig
+from nanoserve.spec_decode.ngram import NgramProposer, ngram_lookup
+from nanoserve.spec_decode.rejection import rejection_sample, verify
+
+VOCAB = 6
+# The 99.9 % quantile of chi-square with VOCAB - 1 = 5 degrees of freedom.
+CHI2_999 = 20.52
+
+
+def chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * len(tokens)
+    counts = torch.bincount(tokens, minlength=len(probs)).double()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a token of probability 0 was emitted"
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+def target() -> torch.Tensor:
+    return torch.softmax(torch.randn(VOCAB, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 1.5, 0)
+
+
+@pytest.mark.parametrize("draft", [0, 1, 2, 3, -1])  # every token drafted in turn; -1: a bonus row
+def test_rejection_sampling_keeps_the_target_distribution(draft):
+    p = target()
+    n = 100_000
+    g = torch.Generator().manual_seed(draft + 10)
+    probs = p.repeat(n, 1)
+    drafts = torch.full((n,), draft)
+    accepted, replacement = rejection_sample(probs, drafts, torch.rand(n, generator=g, dtype=torch.float64),
+                                             torch.empty_like(probs).exponential_(generator=g))
+    emitted = torch.where(accepted, drafts, replacement)
+    assert chi_square(emitted, p) < CHI2_999
+    if draft >= 0:  # accepted as often as its probability says
+        assert abs(accepted.double().mean().item() - p[draft].item()) < 5 * (p[draft] * (1 - p[draft]) / n) ** 0.5
+        assert not (replacement[~accepted] == draft).any()
+
+
+def fake_seq(params: SamplingParams, seed: int | None = None, output=()):
+    return SimpleNamespace(params=params, token_ids=[2, 3, *output], output_token_ids=list(output),
+                           num_output_tokens=len(output),
+                           generator=torch.Generator().manual_seed(seed) if seed is not None else None)
+
+
+def test_verify_samples_each_position_from_the_filtered_target():
+    """Through the sampler's own filters (temperature, top-k), both verified positions and the bonus: the first
+    emitted token follows row 0's filtered distribution, the second (when the first draft is accepted) row 1's."""
+    sampler = Sampler(torch.device("cpu"), eos_token_ids=[0], seed=3)
+    params = SamplingParams(temperature=0.7, top_k=4)
+    n = 20_000
+    base = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(2)) * 2
+    draft = int(base[0].argmax())  # likely accepted, so the second position is reached often
+    out = verify(sampler, base.repeat(n, 1), [fake_seq(params) for _ in range(n)], [[draft]] * n)
+    firsts, seconds, at = [], [], 0
+    for count in out.counts:
+        firsts.append(out.token_ids[at])
+        if count == 2:
+            seconds.append(out.token_ids[at + 1])
+        at += count
+    rows = [fake_seq(params), fake_seq(params)]
+    expected = sampler.filtered_probs(sampler.processed(base, rows, [params] * 2, None, {})[0], [0.7] * 2, [4] * 2,
+                                      [1.0] * 2, [0.0] * 2).double()
+    assert chi_square(torch.tensor(firsts), expected[0]) < CHI2_999
+    assert chi_square(torch.tensor(seconds), expected[1]) < CHI2_999
+    assert all(t == draft for t, c in zip(firsts, out.counts, strict=True) if c == 2)
+
+
+def test_verify_greedy_accepts_while_drafts_are_the_argmax():
+    sampler = Sampler(torch.device("cpu"), eos_token_ids=[0], seed=0)
+    logits = torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(4))
+    best = logits.argmax(-1).tolist()
+    wrong = (best[5] + 1) % VOCAB
+    greedy = SamplingParams(temperature=0)
+    # Sequence 0: 3 drafts, all right, bonus from row 3. Sequence 1: the 2nd of 2 drafts wrong. Sequence 2: none.
+    out = verify(sampler, logits, [fake_seq(greedy)] * 3, [best[0:3], [best[4], wrong], []])
+    assert out.counts == [4, 2, 1]
+    assert out.token_ids == best[0:4] + [best[4], best[5], best[7]]
+
+
+def test_ngram_lookup():
+    t = torch.tensor([1, 2, 3, 4, 5, 9, 1, 2, 3]).numpy()
+    assert ngram_lookup(t, 3, 1, 2) == [4, 5]  # the 3-gram (1, 2, 3) matched
+    assert ngram_lookup(t, 3, 1, 9) == [4, 5, 9, 1, 2, 3]  # to the end, no further
+    assert ngram_lookup(torch.tensor([7, 7, 7, 7, 7]).numpy(), 2, 1, 3) == [7, 7, 7]  # a repeat: a full draft
+    assert ngram_lookup(torch.tensor([1, 2, 8]).numpy(), 3, 1, 2) == []
+    assert ngram_lookup(torch.tensor([4, 8, 1, 2, 8, 4, 8]).numpy(), 2, 2, 1) == [1]  # not the 1-gram's later hit
+
+
+def test_ngram_proposer_keeps_each_sequence_in_step():
+    """The proposer grows its copy of a sequence's tokens as they come: it drafts as a fresh lookup would."""
+    proposer = NgramProposer(3, 3, 1)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 5, (10,), generator=g).tolist()
+    for step in range(60):
+        drafts = proposer.propose([SimpleNamespace(seq_id=7, token_ids=ids)], [2 if step % 5 == 0 else 3])[0]
+        assert drafts == ngram_lookup(torch.tensor(ids).numpy(), 3, 1, 2 if step % 5 == 0 else 3)
+        ids = ids + torch.randint(0, 5, (1 + step % 3,), generator=g).tolist()
+    proposer.release(7)
+    assert proposer.tokens == {}
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"method": "eagle3", "model": "x", "num_speculative_tokens": 3}, "'eagle3' is not supported yet"),
+    ({"model": "draft-dir", "num_speculative_tokens": 3}, "'draft_model' is not supported yet"),
+    ({"method": "medusa", "num_speculative_tokens": 3}, "'medusa' is not supported yet"),
+    ({"method": "ngrams", "num_speculative_tokens": 3}, "method: must be 'ngram'"),
+    ({"method": "ngram"}, "num_speculative_tokens: required"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens: must be in"),
+    ({"method": "ngram", "num_speculative_tokens": "4"}, "num_speculative_tokens: must be an integer"),
+    ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 0}, "prompt_lookup_min: must be >= 1"),
+    ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 2, "prompt_lookup_min": 3},
+     "prompt_lookup_max: must be >= prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 4, "lookahead": 2}, "unknown key 'lookahead'"),
+    ("ngram", "must be a dict"),
+])
+def test_config_refusals_name_the_key(raw, message):
+    with pytest.raises(ValueError, match="speculative_config") as info:
+        SpeculativeConfig.from_dict(raw)
+    assert message in str(info.value)
+
+
+def test_config_defaults_follow_vllm():
+    both = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})
+    assert (both.prompt_lookup_max, both.prompt_lookup_min) == (5, 5)
+    one = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
+    assert (one.prompt_lookup_max, one.prompt_lookup_min) == (4, 4)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"tensor_parallel_size": 2}, "not supported with tensor_parallel_size > 1"),
+    ({"kv_offload_gb": 1}, "not supported with kv_offload_gb > 0"),
+    ({"speculative_config": {"method": "eagle3", "model": "d", "num_speculative_tokens": 2}}, "'eagle3'"),
+])
+def test_engine_refuses_what_speculation_cannot_run_with(extra, message):
+    from nanoserve.config import EngineArgs
+
+    args = EngineArgs(**({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}} | extra))
+    with pytest.raises(ValueError, match="speculative_config") as info:
+        args.create_config()
+    assert message in str(info.value)
+
+
+def test_command_line_flag_takes_json():
+    import argparse
+
+    from nanoserve.args import add_engine_args, engine_args_from
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser, serving=False)
+    ns = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert engine_args_from(ns).speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", "[3]"])

@@ -1,0 +1,69 @@
+"""The W4A16 GEMM and GEMV against their PyTorch reference on random 4-bit weights (on the CPU through
+TRITON_INTERPRET=1, fp32 and fp16 activations), with and without zero points, act-order permutations, biases, one
+group per row, partial column tiles and K split over programs; and the reference against a plain dequantized
+matmul written here from the layout's definition."""
+
+import pytest
+import torch
+
+from nanoserve.kernels import w4a16_gemm
+from nanoserve.kernels.w4a16_gemm import w4a16_linear, w4a16_linear_ref
+
+
+def random_w4(n: int, k: int, group: int, zeros: bool, perm: bool, gen: torch.Generator):
+    groups = 1 if group == -1 else k // group
+    qweight = torch.randint(-1 << 31, 1 << 31, (k // 8, n), generator=gen, dtype=torch.int64).to(torch.int32)
+    scales = (torch.rand(groups, n, generator=gen) * 0.02 + 0.005).half()
+    z = torch.randint(0, 17, (groups, n), generator=gen).to(torch.uint8) if zeros else None
+    p = torch.randperm(k, generator=gen).to(torch.int32) if perm else None
+    return qweight, scales, z, p
+
+
+def dense(qweight, scales, zeros, perm, group) -> torch.Tensor:
+    """W [K, N] in the checkpoint's column order, element by element from the layout's definition."""
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    q = torch.stack([(qweight >> (4 * j)) & 0xF for j in range(8)], dim=1).reshape(k, n).float()
+    g = torch.arange(k) // group if group != -1 else torch.zeros(k, dtype=torch.long)
+    w = (q - (zeros.float()[g] if zeros is not None else 8.0)) * scales.float()[g]
+    if perm is not None:
+        w = torch.empty_like(w).index_copy_(0, perm.long(), w)
+    return w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m, n, k, group, zeros, perm, bias", [
+    (1, 40, 128, 16, True, False, True),     # one row, K split in four, partial column tile
+    (1, 520, 64, 32, False, True, False),    # one row, nine column tiles, no split, act-order
+    (1, 72, 96, -1, True, False, False),     # one group per row, K not a multiple of the tile
+    (3, 40, 128, 32, True, True, True),      # tensor cores, split
+    (20, 136, 64, 64, False, False, True),   # tensor cores, two column tiles plus a partial one
+])
+def test_w4a16_linear(dtype, m, n, k, group, zeros, perm, bias, device, gen):
+    qweight, scales, z, p = random_w4(n, k, group, zeros, perm, gen)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    args = [t.to(device) if t is not None else None for t in (x, qweight, scales, z, p)]
+    got = w4a16_linear(*args, group, None if b is None else b.to(device))
+    want = w4a16_linear_ref(*args, group, None if b is None else b.to(device))
+    assert got.dtype == dtype and got.shape == (m, n)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    # The reference is the layout's definition.
+    plain = x.float() @ dense(qweight, scales, z, p, group) + (b.float() if bias else 0)
+    torch.testing.assert_close(want.float().cpu(), plain.to(dtype).float(), atol=1e-4, rtol=1e-4)
+
+
+def test_strided_weight_is_refused(gen):
+    """The kernels index qweight as row-major: a transposed view (what packing along rows gave before
+    w4_packing.pack returned contiguous tensors) is refused rather than read wrongly."""
+    qweight, scales, z, p = random_w4(16, 64, 32, True, False, gen)
+    with pytest.raises(ValueError, match="qweight must be contiguous"):
+        w4a16_linear(torch.randn(1, 64), qweight.t().contiguous().t(), scales, z, p, 32)
+
+
+def test_splits_and_tiles_by_shape():
+    """One row of Llama-3.1-8B's o_proj on 132 SMs: 64 column tiles, K split in eight; gate_up's 448 tiles: none."""
+    cfg = w4a16_gemm._config(1, 4096, 4096, 128, 132)
+    assert cfg.gemv and cfg.split == 8 and cfg.block_k == 128
+    assert w4a16_gemm._config(1, 28672, 4096, 128, 132).split == 1
+    assert not w4a16_gemm._config(64, 4096, 4096, 128, 132).gemv
