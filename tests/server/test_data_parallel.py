@@ -26,7 +26,7 @@ SHARED = "You are a careful assistant. Answer briefly and cite the manual where 
 
 @pytest.fixture(scope="module")
 def dp(launch):
-    return launch("--data-parallel-size", "2")
+    return launch("--data-parallel-size", "2", "--device", "cpu")  # two GPUs are not a given
 
 
 def _per_engine(server, name: str) -> dict[str, float]:
@@ -147,7 +147,7 @@ def test_killed_replica_ends_the_server_non_zero(dp):
 
 def test_replicas_behind_several_api_servers(launch):
     # Each API server routes over its own channel into each replica; a lost replica stops them all.
-    server = launch("--data-parallel-size", "2", "--api-server-count", "2")
+    server = launch("--data-parallel-size", "2", "--api-server-count", "2", "--device", "cpu")
 
     async def one(i: int) -> tuple[str, int]:
         async with server.async_client() as client:  # a connection of its own: either API server may take it
