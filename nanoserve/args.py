@@ -8,12 +8,12 @@ import dataclasses
 import json
 import typing
 
-from nanoserve.config import EngineArgs
+from nanoserve.config import ROUTING_POLICIES, EngineArgs
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # EngineArgs fields only the server reads (they place and profile its engine process): generate, chat, worker and
 # the offline benchmarks build an engine in their own process and leave them out of their flags.
-SERVING_ONLY = ("engine_process", "profile_engine")
+SERVING_ONLY = ("engine_process", "profile_engine", "data_parallel_size", "data_parallel_routing")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -94,3 +94,21 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     """EngineArgs of the flags parsed; a field the command has no flag for keeps its default."""
     return EngineArgs(**{name: getattr(ns, name) for name in EngineArgs.field_names() if hasattr(ns, name)})
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    """`nanoserve router`'s flags (router/app.py)."""
+    parser.add_argument("--backend", action="append", default=[], metavar="URL",
+                        help="a nanoserve server's root URL (http://host:port); repeat for each; more can be added "
+                             "while running (POST /router/backends)")
+    parser.add_argument("--policy", choices=ROUTING_POLICIES, default="cache_aware",
+                        help="which backend takes a request (docs/scale_out.md)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--api-key", default=None, help="the key clients must send as a bearer token; None: no key")
+    parser.add_argument("--health-check-interval", type=float, default=2.0,
+                        help="seconds between checks of each backend's /health")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds that requests in flight get to finish on SIGTERM / Ctrl-C")
+    parser.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="info",
+                        help="uvicorn's own log level")

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 from nanoserve import __version__
-from nanoserve.args import HelpFormatter, add_engine_args, add_server_args, engine_args_from
+from nanoserve.args import HelpFormatter, add_engine_args, add_router_args, add_server_args, engine_args_from
 
 BENCHMARKS = ("throughput", "latency", "serve", "prefix", "multi-turn", "long-context")
 # The exit status of a command stopped by Ctrl-C, as a shell reports a process that SIGINT ended.
@@ -160,6 +160,12 @@ def cmd_worker(ns: argparse.Namespace) -> int:
     return run_node(engine_args_from(ns).create_config())
 
 
+def cmd_router(ns: argparse.Namespace) -> int:
+    from nanoserve.router.app import run_router_from
+
+    return run_router_from(ns)
+
+
 def cmd_bench(kind: str, argv: list[str]) -> int:
     """Run nanoserve/bench/<kind>.py with the rest of the command line, --help included."""
     module = importlib.import_module(f"nanoserve.bench.{kind.replace('-', '_')}")
@@ -190,6 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
                                         "same model and engine flags as node 0, and this node's --node-rank.")
     worker.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="the same as --model")
     add_engine_args(worker, serving=False)
+    router = sub.add_parser("router", help="cache-aware routing over nanoserve servers (on several machines)",
+                            formatter_class=HelpFormatter,
+                            description="One OpenAI-compatible endpoint in front of `nanoserve serve` processes: "
+                                        "each request goes to one of them, where its prompt's prefix is cached if "
+                                        "it can (docs/scale_out.md).")
+    add_router_args(router)
     bench = sub.add_parser("bench", help=f"{' | '.join(BENCHMARKS)} (flags: bench KIND --help)",
                            formatter_class=HelpFormatter)
     bench.add_argument("kind", choices=BENCHMARKS, help="the benchmark; `nanoserve bench KIND --help` lists its flags")
@@ -204,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_bench(argv[1], argv[2:])
         ns = build_parser().parse_args(argv)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        return {"serve": cmd_serve, "generate": cmd_generate, "chat": cmd_chat, "worker": cmd_worker}[ns.command](ns)
+        return {"serve": cmd_serve, "generate": cmd_generate, "chat": cmd_chat, "worker": cmd_worker,
+                "router": cmd_router}[ns.command](ns)
     # A bad flag or config (a model that is not a directory, a length that does not fit) is the user's to fix: one
     # line naming the field, as argparse's own errors, not a traceback.
     except ValueError as e:

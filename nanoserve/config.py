@@ -219,6 +219,10 @@ def _eos_ids(generation_config_dir: str | None, raw: dict) -> list[int]:
     return ids
 
 
+# Which replica or backend takes a request (runtime/routing.py): --data-parallel-routing, `nanoserve router --policy`.
+ROUTING_POLICIES = ("cache_aware", "least_load", "round_robin")
+
+
 def _check_speculative(args: "EngineArgs") -> SpeculativeConfig | None:
     """The speculative config, and a refusal of what it cannot run with yet, naming the flag."""
     if args.speculative_config is None:
@@ -281,6 +285,12 @@ class EngineArgs:
     nnodes: int = _arg(1, "tensor parallel: machines the ranks are spread over, tensor_parallel_size / nnodes each; "
                           "the others run `nanoserve worker` with the same engine flags")
     node_rank: int = _arg(0, "tensor parallel: this machine's place among nnodes (0: the one that runs the engine)")
+    data_parallel_size: int = _arg(1, "serve only: replicas of the engine, each in a process of its own on its own "
+                                      "GPU (tensor_parallel_size GPUs each), or on its share of the CPU's threads; "
+                                      "each request goes to one replica (cache-aware routing, docs/scale_out.md)")
+    data_parallel_routing: str = _arg("cache_aware", "serve only, with data_parallel_size > 1: which replica takes a "
+                                                     "request: cache_aware (where its prompt's prefix went before, "
+                                                     "unless that replica is much busier), least_load or round_robin")
     enable_expert_parallel: bool = _arg(False, "mixture-of-experts models under tensor parallelism: each rank holds "
                                                "whole experts (num_experts / tensor_parallel_size of them) instead "
                                                "of a slice of every expert")
@@ -344,6 +354,9 @@ class EngineConfig:
     # What config.json's quantization_config and args.quantization ask for.
     quantization: FP8Scheme | W4Scheme | MXFP4Scheme | None = None
     speculative: SpeculativeConfig | None = None  # args.speculative_config, checked
+    # A draft model's KV bytes per block (worker/draft_model.py), set once it is loaded: its pool has the target's
+    # block count, out of the same memory budget.
+    draft_kv_bytes_per_block: int = 0
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> "EngineConfig":
@@ -363,6 +376,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {args.gpu_memory_utilization}")
         if args.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format: must be 'auto' or 'dummy', got {args.load_format!r}")
+        _check_data_parallel(args)
         speculative = _check_speculative(args)
         _check_tensor_parallel(args, model)
         quantization = detect_quantization(model.raw, args.quantization)
@@ -530,6 +544,26 @@ def _check_profile_engine(args: EngineArgs) -> None:
         raise ValueError(f"profile_engine: the directory of {path!r} does not exist")
 
 
+def _check_data_parallel(args: EngineArgs) -> None:
+    """What the replicas of `serve --data-parallel-size N` (runtime/data_parallel.py) cannot share."""
+    _check_positive(args, "data_parallel_size")
+    if args.data_parallel_routing not in ROUTING_POLICIES:
+        raise ValueError(f"data_parallel_routing: must be one of {', '.join(ROUTING_POLICIES)}, got "
+                         f"{args.data_parallel_routing!r}")
+    if args.data_parallel_size == 1:
+        return
+    if args.engine_process is False:
+        raise ValueError("engine_process: data parallelism runs every replica in a process of its own; drop "
+                         "--no-engine-process")
+    # Replicas on other machines are what `nanoserve router` is for: one mechanism, not two.
+    if args.nnodes > 1:
+        raise ValueError("data_parallel_size: replicas run on this machine only; for several machines run "
+                         "`nanoserve serve` on each and `nanoserve router` in front of them")
+    if args.distributed_init_method:
+        raise ValueError("distributed_init_method: each replica's tensor-parallel ranks meet on a free port of "
+                         "their own; a fixed address would be shared by every replica")
+
+
 def _check_positive(args: EngineArgs, *names: str) -> None:
     for name in names:
         value = getattr(args, name)
@@ -542,6 +576,8 @@ def resolve_engine_process(args: EngineArgs) -> bool:
     before any config exists (the process loads its own), so this resolves the device itself."""
     if args.engine_process is not None:
         return args.engine_process
+    if args.data_parallel_size > 1:
+        return True
     return resolve_device(args.device).type == "cuda"
 
 

@@ -25,6 +25,10 @@ class LLM:
             raise ValueError(f"{sorted(unknown)[0]}: not an engine argument")
         if kwargs.get("engine_process"):
             raise ValueError("engine_process: only the server runs the engine in a process of its own")
+        if kwargs.get("data_parallel_size", 1) != 1:
+            # Replicas are separate engine processes, which only the server runs (AsyncEngine); offline, run one
+            # LLM per GPU, or `nanoserve serve --data-parallel-size N` and send it the prompts.
+            raise ValueError("data_parallel_size: only `nanoserve serve` runs replicas; LLM(...) runs one engine")
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
         self._counter = 0
         # Tensor-parallel workers stop with the LLM object, or at exit at the latest.

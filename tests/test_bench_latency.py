@@ -85,3 +85,13 @@ def test_draft_every_step_makes_every_decode_step_a_verify_step(capsys: pytest.C
     # Every step after the first token drafts 2 (capped near max_tokens).
     assert result["draft_every_step"] and result["spec_num_drafts"] >= 2
     assert result["spec_draft_tokens_per_draft"] > 1
+
+
+def test_draft_model_stays_in_place_under_draft_every_step(capsys: pytest.CaptureFixture) -> None:
+    """The bundled model as its own draft: every draft accepted, so the draft model (not the last-token stand-in)
+    drafted."""
+    from nanoserve.config import bundled_model_dir
+
+    result = run_bench(capsys, "--output-len", "11", "--draft-every-step", "--speculative-config",
+                       json.dumps({"model": bundled_model_dir(), "num_speculative_tokens": 2}))
+    assert result["spec_num_drafts"] > 0 and result["mean_acceptance_length"] == 3.0

@@ -71,7 +71,7 @@ def option_entries(text: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("command", [["serve"], ["generate"], ["chat"], ["bench", "throughput"],
                                      ["bench", "latency"], ["bench", "prefix"], ["bench", "serve"],
-                                     ["bench", "multi-turn"], ["bench", "long-context"]])
+                                     ["bench", "multi-turn"], ["bench", "long-context"], ["router"]])
 def test_every_flag_has_help_that_shows_its_default(capsys, command):
     entries = option_entries(help_text(capsys, *command))
     for flag, entry in entries.items():
@@ -79,7 +79,7 @@ def test_every_flag_has_help_that_shows_its_default(capsys, command):
             continue
         assert "(default:" in entry, entry
         assert len(entry.split("(default:")[0]) > len(flag) + 10, f"{flag} has no help of its own: {entry}"
-    if command[0] != "bench" or command[1] != "serve":
+    if command not in (["bench", "serve"], ["router"]):
         # Every engine flag, but those only a server reads on the commands that run no server.
         names = [n for n in EngineArgs.field_names() if command == ["serve"] or n not in SERVING_ONLY]
         assert {"--" + name.replace("_", "-") for name in names} <= set(entries)

@@ -28,6 +28,7 @@ TIERS: list[tuple[str, ...]] = [
     ("runtime", "chat_engine"),
     ("llm", "__init__"),
     ("server", "bench"),
+    ("router",),  # in front of servers: it reuses the server's gate, errors and streaming
     ("cli",),
 ]
 TIER = {name: rank for rank, names in enumerate(TIERS) for name in names}

@@ -43,9 +43,10 @@ def main(argv: list[str] | None = None) -> int:
                         "for --speculative-config ngram on a model that goes on repeating (the bundled one does); "
                         "None: random ids throughout")
     p.add_argument("--draft-every-step", action="store_true",
-                   help="with --speculative-config: every decoding step drafts its k tokens (the last token "
-                        "repeated, in place of the n-gram lookup): on random weights they are rejected, so "
-                        "ms_per_step is the cost of a verify step of k + 1 tokens")
+                   help="with --speculative-config: every decoding step drafts its k tokens (ngram: the last "
+                        "token repeated, in place of the lookup; a draft model drafts at every step anyway): on "
+                        "random weights they are rejected, so ms_per_step is the cost of a verify step of k + 1 "
+                        "tokens (and, with a draft model, of its k draft steps)")
     p.add_argument("--profile", action="store_true",
                    help="after the timed runs, profile --profile-steps decode steps of one more run")
     p.add_argument("--profile-steps", type=at_least_one, default=32, help="decode steps profiled")
@@ -59,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.draft_every_step:
         if engine.proposer is None:
             p.error("--draft-every-step needs --speculative-config")
-        engine.proposer = RepeatLastToken(cfg.speculative.num_speculative_tokens)
+        if cfg.speculative.method == "ngram":
+            engine.proposer = RepeatLastToken(cfg.speculative.num_speculative_tokens)
     fit_lengths(ns, RECIPE, lambda n: n["input_len"] + n["output_len"], cfg.max_model_len, "latency",
                 floors={"output_len": 2})  # a decode step's time is the gap between two tokens
     rng = np.random.default_rng(ns.seed)

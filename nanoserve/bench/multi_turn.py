@@ -11,8 +11,13 @@ generates one token (its TTFT is its prefill, cached or not); its answer is then
 next turn's history. Without --num-kv-blocks the GPU pool holds an eighth of the final histories; without
 --kv-offload-gb the tier holds all of them, up to 32 GiB (pinned memory; Qwen3-0.6B's 200 x 8 turns would take 90).
 Turn 1 (nothing cached but the system prompt) is left out of the figures.
+
+    nanoserve bench multi-turn --base-url http://127.0.0.1:8000 [--max-concurrency C]
+
+runs the same conversations against a server, or a router, to compare routing policies (bench/multi_turn_http.py).
 """
 
+import asyncio
 import time
 
 import numpy as np
@@ -20,6 +25,7 @@ import numpy as np
 from nanoserve.args import at_least_one
 from nanoserve.bench.common import emit, engine_args, engine_facts, free_device_memory, parser
 from nanoserve.bench.lengths import fit_lengths
+from nanoserve.bench.multi_turn_http import run_http
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.worker.kv_cache import bytes_per_block
@@ -66,11 +72,22 @@ def main(argv: list[str] | None = None) -> int:
                    help="tokens of each question; None: 100, as --system-len")
     p.add_argument("--answer-len", type=at_least_one, default=None,
                    help="tokens of each answer (random ids); None: 200, as --system-len")
+    p.add_argument("--base-url", default=None,
+                   help="run the conversations against this server (nanoserve serve, or nanoserve router) instead of "
+                        "an engine of its own, to compare routing (bench/multi_turn_http.py); the engine flags are "
+                        "then the server's; None: an engine in this process")
+    p.add_argument("--api-key", default=None, help="with --base-url: the server's API key")
+    p.add_argument("--max-concurrency", type=at_least_one, default=1,
+                   help="with --base-url: conversations sending their turn at once")
     ns = p.parse_args(argv)
-    context = engine_args(ns).create_config().max_model_len  # the model's, or --max-model-len
 
     def history(n: dict) -> int:  # the longest prompt: the last turn's, plus its one generated token
         return n["system_len"] + ns.turns * (n["question_len"] + 1 + n["answer_len"])
+
+    if ns.base_url is not None:
+        emit(asyncio.run(run_http(ns, RECIPE, conversations, history)))
+        return 0
+    context = engine_args(ns).create_config().max_model_len  # the model's, or --max-model-len
 
     fit_lengths(ns, RECIPE, history, context, "multi-turn")
     final = history(vars(ns))

@@ -21,6 +21,7 @@ from nanoserve.spec_decode.proposer import Proposer
 from nanoserve.spec_decode.stats import SpecDecodeStats
 from nanoserve.structured.backend import GrammarCompiler
 from nanoserve.structured.manager import StructuredOutputManager
+from nanoserve.worker.draft_model import DraftModelProposer
 from nanoserve.worker.kv_cache import prefix_load_pays
 from nanoserve.worker.model_runner import LaunchedStep, ModelRunner
 from nanoserve.worker.tp_worker import TensorParallelWorkers
@@ -41,7 +42,19 @@ class LLMEngine(EngineFrontend):
             config.model.eos_token_ids = [self.tokenizer.eos_token_id]
         # Under tensor parallelism this process is rank 0: it starts the node's other ranks, which the runner drives.
         workers = TensorParallelWorkers.start(config) if config.args.tensor_parallel_size > 1 else None
+        # A draft model is loaded first: its weights are then in use when the target's runner sizes the KV pool.
+        draft = None
+        if config.speculative is not None and config.speculative.method == "draft_model":
+            draft = DraftModelProposer(config)
+            config.draft_kv_bytes_per_block = draft.kv_bytes_per_block
         self.runner = ModelRunner(config, workers=workers)
+        if draft is not None:
+            draft.allocate(self.runner.num_kv_blocks, config.max_model_len, self.runner.graphs is not None)
+            logger.info("speculative decoding: draft model %s, its KV pool %d blocks (%.1f MiB, out of the KV budget), "
+                        "decode steps %s", config.speculative.model, self.runner.num_kv_blocks,
+                        self.runner.num_kv_blocks * draft.kv_bytes_per_block / 2**20,
+                        "in CUDA graphs" if draft.runner.graphs is not None else "eager")
+            self.runner.draft_probs = draft.draft_probs
         if workers is not None:
             # Stopped before the interpreter exits, whoever forgets to shut the engine down (nanoserve generate, a
             # script's LLM): otherwise multiprocessing's own exit hook, registered earlier and so run after this
@@ -63,10 +76,11 @@ class LLMEngine(EngineFrontend):
         self.async_scheduling = config.device.type == "cuda" if asked is None else asked
         # Speculative decoding (spec_decode/): a proposal reads the tokens the last step sampled, so the host must
         # have them before it schedules: its steps are synchronous.
-        self.proposer: Proposer | None = None  # spec_decode/proposer.py: n-gram now, a draft model later
+        self.proposer: Proposer | None = None  # spec_decode/proposer.py: n-gram or a draft model
         self.spec_stats: SpecDecodeStats | None = None
         if (spec := config.speculative) is not None:
-            self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
+            self.proposer = draft or NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max,
+                                                   spec.prompt_lookup_min)
             self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens)
             if asked:
                 logger.warning("async_scheduling: off with speculative_config (a proposal reads the last sampled "

@@ -9,6 +9,7 @@ EngineCore (engine_core.py) that runs the engine:
 - ProcessEngineClient (process_client.py, the default on CUDA, or `--engine-process`): the EngineCore in a
   process of its own, so that its host work does not take turns with the event loop on one GIL (and, with
   --api-server-count N, a ChannelEngineClient per API server process).
+- DataParallelClient (data_parallel.py, `--data-parallel-size N`): N engine processes, each request to one.
 
 All take the same calls (add, abort, abort_all, setup, shutdown) and publish the same stats, error and
 cumulative outputs. `async_engine.engine` is what the serving code asks about the model (config,
@@ -28,6 +29,7 @@ from typing import Protocol, TypeVar
 from nanoserve.config import EngineArgs, resolve_engine_process
 from nanoserve.engine.frontend import EngineFrontend, engine_config
 from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.runtime.data_parallel import DataParallelClient
 from nanoserve.runtime.engine_core import EngineStats, Watch
 from nanoserve.runtime.process_client import ProcessEngineClient
 from nanoserve.runtime.streams import EngineDeadError, RequestFailedError, RequestGroup, RequestStream
@@ -68,6 +70,8 @@ class AsyncEngine:
         """Load the model and start the engine: in its own process if args.engine_process (None: on CUDA)."""
         # Resolved once here, so that the config the engine reports says which way it runs.
         args = dataclasses.replace(args, engine_process=resolve_engine_process(args))
+        if args.data_parallel_size > 1:
+            return cls(DataParallelClient.start(args))
         if args.engine_process:
             return cls(ProcessEngineClient(args))
         return cls(LLMEngine(engine_config(args)))
@@ -76,6 +80,13 @@ class AsyncEngine:
     @property
     def stats(self) -> EngineStats:
         return self.client.stats
+
+    @property
+    def replica_stats(self) -> list[EngineStats]:
+        """Each replica's stats (--data-parallel-size); one engine's alone otherwise."""
+        if isinstance(self.client, DataParallelClient):
+            return self.client.replica_stats
+        return [self.client.stats]
 
     @property
     def error(self) -> str | None:

@@ -13,14 +13,18 @@ If step() raises, the child sends why on every channel and exits; if the child d
 the pipes reach end of file. Either way every request in flight gets EngineDeadError, on every server.
 """
 
+import contextlib
 import cProfile
 import logging
 import multiprocessing
+import os
 import signal
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
+
+import torch
 
 from nanoserve.config import EngineArgs
 from nanoserve.engine.llm_engine import LLMEngine
@@ -28,6 +32,16 @@ from nanoserve.runtime.channels import ChannelMux, LoadFailed, Ready
 from nanoserve.runtime.engine_core import EngineCore, EngineStats, Stop
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one replica of several runs: its index, the environment it adds (CUDA_VISIBLE_DEVICES: its GPUs),
+    and its share of the CPU threads (None: torch's default)."""
+
+    index: int
+    env: dict[str, str]
+    num_threads: int | None = None
 
 
 @dataclass
@@ -39,19 +53,23 @@ class EngineCoreProcess:
     channels: list[Connection]  # the API servers' ends, one per API server, to hand on
 
     @classmethod
-    def spawn(cls, args: EngineArgs, num_channels: int = 1) -> "EngineCoreProcess":
-        """Start loading the model in a new process; wait_ready() waits for it."""
+    def spawn(cls, args: EngineArgs, num_channels: int = 1, placement: Placement | None = None
+              ) -> "EngineCoreProcess":
+        """Start loading the model in a new process; wait_ready() waits for it. `placement`: where a replica of
+        several runs (runtime/data_parallel.py); None: as this process would."""
         # spawn, not fork: CUDA cannot be used in a child forked after the parent touched it.
         ctx = multiprocessing.get_context("spawn")
         control, child_control = ctx.Pipe()
         pipes = [ctx.Pipe() for _ in range(num_channels)]
         # A daemonic process may start no processes of its own, and with tensor parallelism the engine starts its
         # ranks; then its end of the control pipe (EOF when we are gone) is what stops it.
-        process = ctx.Process(target=run_engine_core_process, name="nanoserve-engine",
+        name = "engine" if placement is None else f"engine {placement.index}"
+        process = ctx.Process(target=run_engine_core_process, name=f"nanoserve-{name.replace(' ', '-')}",
                               daemon=args.tensor_parallel_size == 1,
                               args=(args, [child for _, child in pipes], child_control,
-                                    logging.getLogger().getEffectiveLevel()))
-        process.start()
+                                    logging.getLogger().getEffectiveLevel(), placement))
+        with _environment(placement.env if placement is not None else {}):
+            process.start()
         # The child's ends now live in the child only, so its exit is end of file here.
         for conn in (child_control, *(child for _, child in pipes)):
             conn.close()
@@ -106,15 +124,35 @@ class EngineCoreProcess:
         return f"exited with code {code}"
 
 
+@contextlib.contextmanager
+def _environment(env: dict[str, str]):
+    """os.environ with `env` added while a child starts: a spawned child's environment is copied at its start, so
+    CUDA_VISIBLE_DEVICES is there before its first import (the CUDA driver reads it once, at its initialization,
+    whatever touches it first), and its tensor-parallel ranks inherit it."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 # -- the engine core process ------------------------------------------------------------------------
 def run_engine_core_process(args: EngineArgs, channels: list[Connection], control: Connection,
-                            log_level: int) -> None:
+                            log_level: int, placement: Placement | None = None) -> None:
     """The engine core process's main: load the engine, say so, then run the EngineCore over the channels."""
     # The server decides when the engine stops. Ctrl-C in a terminal (and systemd's SIGTERM) reach the
     # whole process group; the engine must keep running while the server drains its requests.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s (engine): %(message)s")
+    name = "engine" if placement is None else f"engine {placement.index}"
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s ({name}): %(message)s")
+    if placement is not None and placement.num_threads is not None:
+        torch.set_num_threads(placement.num_threads)
     try:
         engine = LLMEngine(args.create_config())
     except Exception as exc:

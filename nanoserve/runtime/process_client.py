@@ -196,13 +196,21 @@ class ChannelEngineClient:
 
 
 class ProcessEngineClient(ChannelEngineClient):
-    def __init__(self, args: EngineArgs, stop_timeout: float = 10.0) -> None:
-        """Start the engine core process and wait until its model is loaded; raises what loading raised."""
-        config = engine_config(args)  # bad arguments fail here, before a process is started
-        self.core_process = EngineCoreProcess.spawn(args)
+    def __init__(self, args: EngineArgs, stop_timeout: float = 10.0, core_process: EngineCoreProcess | None = None,
+                 tokenizer=None) -> None:
+        """Start the engine core process and wait until its model is loaded; raises what loading raised.
+        `core_process`: one started already (a data-parallel replica: all load at once), owned from here on;
+        `tokenizer`: the model's, if loaded already."""
+        if core_process is None:
+            config = engine_config(args)  # bad arguments fail here, before a process is started
+            core_process = EngineCoreProcess.spawn(args)
+        elif tokenizer is None:
+            config = engine_config(args)
+        self.core_process = core_process
         self.process = self.core_process.process
         try:
-            tokenizer = load_tokenizer(config.tokenizer_dir)  # while the child loads the model
+            if tokenizer is None:
+                tokenizer = load_tokenizer(config.tokenizer_dir)  # while the child loads the model
             ready = self.core_process.wait_ready()
         except BaseException:
             self.core_process.kill()

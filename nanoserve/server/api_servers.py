@@ -23,6 +23,12 @@ An API server that exits on its own makes the supervisor drain the others and ex
 on with part of the deployment gone. The engine process dying is handled as with one server: every API
 server fails what it has in flight, says "dead" on /health and refuses new requests (503) until stopped.
 
+With --data-parallel-size D the supervisor starts D engine core processes (runtime/data_parallel.py's placements),
+each with one channel per API server; every API server routes its own requests over its D channels with a
+DataParallelClient of its own (so each keeps its own prefix index: requests sharing a prefix that arrive at
+different API servers may start on different replicas, and then each follows its own). A replica that dies stops
+the deployment: the supervisor drains the API servers and exits 1.
+
 /metrics: PROMETHEUS_MULTIPROC_DIR names a temporary directory while the API servers live, so that their
 request counters and latency histograms are summed over all of them, whichever one is scraped. The engine's
 gauges and counters come from the engine's own stats, the same behind every API server.
@@ -44,8 +50,10 @@ from nanoserve.config import EngineArgs
 from nanoserve.engine.frontend import engine_config, load_tokenizer
 from nanoserve.runtime.async_engine import AsyncEngine
 from nanoserve.runtime.channels import Ready
+from nanoserve.runtime.data_parallel import DataParallelClient, placements, replica_args
 from nanoserve.runtime.engine_core_process import EngineCoreProcess
 from nanoserve.runtime.process_client import ChannelEngineClient
+from nanoserve.runtime.routing import RoutingConfig
 from nanoserve.server.gate import GateState
 from nanoserve.server.http_limits import HEADER_TIMEOUT_S, MAX_HEADER_BYTES
 from nanoserve.server.routes import build_app
@@ -92,7 +100,7 @@ class _Supervisor:
     def __init__(self, count: int, options: ServerOptions) -> None:
         self.count = count
         self.options = options
-        self.engine: EngineCoreProcess | None = None
+        self.engines: list[EngineCoreProcess] = []  # one, or one a replica (--data-parallel-size)
         self.servers: list[_ApiServer] = []
         self.serving = False
         self.stopping = False
@@ -108,22 +116,28 @@ class _Supervisor:
         previous_env = os.environ.get(_MULTIPROC_ENV)
         previous_handlers = {sig: signal.signal(sig, self._on_signal) for sig in _SIGNALS}
         try:
-            self.engine = EngineCoreProcess.spawn(engine_args, self.count)
+            if engine_args.data_parallel_size > 1:
+                for p in placements(engine_args):  # appended one by one: a failed start stops those before it
+                    self.engines.append(EngineCoreProcess.spawn(replica_args(engine_args, p.index), self.count, p))
+            else:
+                self.engines.append(EngineCoreProcess.spawn(engine_args, self.count))
+            self.routing = RoutingConfig(policy=engine_args.data_parallel_routing)
             # Set before the API servers start: prometheus_client picks its multiprocess mode on import.
             os.environ[_MULTIPROC_ENV] = metrics_dir
             self._start_servers(sockets)
-            ready = self.engine.wait_ready()
-            self._wait_servers(ready)
+            readies = [engine.wait_ready() for engine in self.engines]
+            self._wait_servers(readies)
             for sock in sockets:  # the API servers hold them now: a dead one's socket must close with it
                 sock.close()
             for server in self.servers:
                 server.control.send("serve")
             self.serving = True
             logger.info("serving %s (max_model_len %d) on http://%s:%d with %d API server processes (pids %s) "
-                        "and the engine in its own process (pid %d)",
+                        "and the engine in its own process (pid %s)",
                         ", ".join(map(repr, self.options.served_model_name)),
-                        ready.config.max_model_len, *address, self.count,
-                        ", ".join(str(server.process.pid) for server in self.servers), self.engine.process.pid)
+                        readies[0].config.max_model_len, *address, self.count,
+                        ", ".join(str(server.process.pid) for server in self.servers),
+                        ", ".join(str(engine.process.pid) for engine in self.engines))
             return self._supervise()
         finally:
             for sig, handler in previous_handlers.items():
@@ -152,32 +166,37 @@ class _Supervisor:
     def _start_servers(self, sockets: list[socket.socket]) -> None:
         ctx = multiprocessing.get_context("spawn")
         log_level = logging.getLogger().getEffectiveLevel()
-        for index, channel in enumerate(self.engine.channels):
+        for index in range(self.count):
+            channels = [engine.channels[index] for engine in self.engines]  # its own channel into each engine
             control, child_control = ctx.Pipe()
             process = ctx.Process(target=run_api_server, name=f"nanoserve-api-server-{index}", daemon=True,
-                                  args=(index, sockets[index % len(sockets)], channel, child_control,
-                                        self.engine.process.pid, self.options, log_level))
+                                  args=(index, sockets[index % len(sockets)], channels, child_control,
+                                        [engine.process.pid for engine in self.engines], self.options, log_level,
+                                        self.routing))
             process.start()
             child_control.close()
-            channel.close()  # the API server's now: its exit must be end of file in the engine
+            for channel in channels:
+                channel.close()  # the API server's now: its exit must be end of file in the engine
             self.servers.append(_ApiServer(index, process, control))
 
-    def _wait_servers(self, ready: Ready) -> None:
+    def _wait_servers(self, readies: list[Ready]) -> None:
         for server in self.servers:
             try:
-                server.control.send(ready)
+                server.control.send(readies)
             except OSError:
                 pass  # it died: its sentinel says so below
+        engine_sentinels = [engine.process.sentinel for engine in self.engines]
         for server in self.servers:
-            handles = wait([server.control, server.process.sentinel, self.engine.process.sentinel])
+            handles = wait([server.control, server.process.sentinel, *engine_sentinels])
             if server.control in handles:
                 try:
                     if server.control.recv() == "ready":
                         continue
                 except EOFError:
                     pass
-            if server.process.sentinel not in handles and self.engine.process.sentinel in handles:
-                raise RuntimeError(f"the engine process {self.engine.exit_status()} while the API servers started")
+            dead = [engine for engine in self.engines if engine.process.sentinel in handles]
+            if server.process.sentinel not in handles and dead:
+                raise RuntimeError(f"the engine process {dead[0].exit_status()} while the API servers started")
             server.process.join(timeout=5)
             raise RuntimeError(f"API server {server.index} exited with code {server.process.exitcode} while "
                                "starting (see its log above)")
@@ -186,20 +205,28 @@ class _Supervisor:
         """Wait for the API servers to exit, relaying signals; returns the exit status."""
         failed = False
         live = {server.process.sentinel: server for server in self.servers}
-        engine_sentinel: int | None = self.engine.process.sentinel
+        engines = {engine.process.sentinel: index for index, engine in enumerate(self.engines)}
         while live:
-            for handle in wait([*live, self.wake] + ([engine_sentinel] if engine_sentinel is not None else [])):
+            for handle in wait([*live, self.wake, *engines]):
                 if handle is self.wake:
                     self.wake.recv(4096)
                     signals, self.signals = self.signals, []
                     for name in signals:
                         self._relay(name, live.values())
-                elif handle == engine_sentinel:
-                    engine_sentinel = None
-                    self.engine.process.join(timeout=5)
-                    if not self.stopping:  # else it stopped when the last API server closed its channel
+                elif handle in engines:
+                    engine = self.engines[engines.pop(handle)]
+                    engine.process.join(timeout=5)
+                    if self.stopping:
+                        continue  # it stopped when the last API server closed its channel
+                    if len(self.engines) == 1:
                         logger.error("the engine process %s: the API servers refuse requests (503) until stopped",
-                                     self.engine.exit_status())
+                                     engine.exit_status())
+                    else:
+                        # A lost replica ends the deployment, as with one API server (runtime/data_parallel.py).
+                        failed = True
+                        logger.error("engine %d: the engine process %s: stopping the API servers",
+                                     self.engines.index(engine), engine.exit_status())
+                        self._relay("an engine replica died", live.values())
                 else:
                     server = live.pop(handle)
                     server.process.join()
@@ -225,8 +252,8 @@ class _Supervisor:
                 server.process.kill()
             server.process.join(timeout=5)
             server.control.close()
-        if self.engine is not None:
-            self.engine.stop(timeout=10)
+        for engine in self.engines:
+            engine.stop(timeout=10)
 
 
 def _bind(host: str, port: int, count: int) -> list[socket.socket]:
@@ -261,18 +288,22 @@ def _pidfd(pid: int) -> int | None:
 
 
 # -- an API server process ----------------------------------------------------------------------------------
-def run_api_server(index: int, sock: socket.socket, channel: Connection, control: Connection, engine_pid: int,
-                   options: ServerOptions, log_level: int) -> None:
-    """An API server process's main: the app around a ChannelEngineClient on `channel`, served on `sock`."""
+def run_api_server(index: int, sock: socket.socket, channels: list[Connection], control: Connection,
+                   engine_pids: list[int], options: ServerOptions, log_level: int,
+                   routing: RoutingConfig | None = None) -> None:
+    """An API server process's main: the app around a ChannelEngineClient on its channel to the engine (or, with
+    data parallelism, a DataParallelClient over one a replica, routing by `routing`), served on `sock`."""
     # The supervisor relays signals over `control`; taking them here too would drain twice.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level,
                         format=f"%(asctime)s %(levelname)s %(name)s (api server {index}): %(message)s")
-    ready: Ready = control.recv()  # once the engine has loaded its model
-    watch = _pidfd(engine_pid)
-    client = ChannelEngineClient(channel, ready, load_tokenizer(ready.config.tokenizer_dir), watch)
-    async_engine = AsyncEngine(client)
+    readies: list[Ready] = control.recv()  # once every engine has loaded its model
+    watches = [_pidfd(pid) for pid in engine_pids]
+    tokenizer = load_tokenizer(readies[0].config.tokenizer_dir)
+    clients = [ChannelEngineClient(channel, ready, tokenizer, watch)
+               for channel, ready, watch in zip(channels, readies, watches, strict=True)]
+    async_engine = AsyncEngine(clients[0] if len(clients) == 1 else DataParallelClient(clients, routing))
     try:
         gate = GateState()
         app = build_app(async_engine, options.served_model_name, options.api_key, options.max_waiting_requests,
@@ -287,5 +318,6 @@ def run_api_server(index: int, sock: socket.socket, channel: Connection, control
                                         control=control))
     finally:
         async_engine.shutdown()
-        if watch is not None:
-            os.close(watch)
+        for watch in watches:
+            if watch is not None:
+                os.close(watch)

@@ -59,9 +59,10 @@ def run_server(engine_args: EngineArgs, host: str, port: int, api_key: str | Non
     logger.info("serving %s (max_model_len %d%s) on http://%s:%d", ", ".join(map(repr, names)),
                 async_engine.max_model_len,
                 ", engine in its own process" if async_engine.engine.config.args.engine_process else "", host, port)
-    # With tensor parallelism a lost rank kills the engine: a server that exits (non-zero) is one an orchestrator
-    # restarts, where one left answering 503 would wait for a person.
-    tp = engine_args.tensor_parallel_size > 1
+    # With tensor parallelism a lost rank kills the engine, and with data parallelism a lost replica the deployment:
+    # a server that exits (non-zero) is one an orchestrator restarts, where one left answering 503 (or serving on at
+    # a fraction of its capacity) would wait for a person.
+    tp = engine_args.tensor_parallel_size > 1 or engine_args.data_parallel_size > 1
     try:
         with startup_objects_frozen(), asyncio.Runner(loop_factory=event_loop_factory()) as runner:
             return runner.run(serve_with_drain(config, gate, async_engine, drain_timeout, exit_when_engine_dies=tp))

@@ -10,7 +10,8 @@
 The engine keeps its step view (engine/step_view.py) only while someone watches: these endpoints send it a
 Watch lease (AsyncEngine.watch) and renew it at most once a second while a stream is open, so nobody watching
 costs it nothing. Every API server (--api-server-count N) serves both: each reads the one engine's stats
-through its own channel, and any one's lease turns the view on for all.
+through its own channel, and any one's lease turns the view on for all. With --data-parallel-size N the view is the
+replicas' merged (runtime/data_parallel.py: their block grids one after the other), and `engines` lists each one's.
 """
 
 import asyncio
@@ -74,6 +75,7 @@ def engine_view_router(engine: AsyncEngine, gate: GateState, model_name: str,
         body["cpu_grid"] = grid_json(view.cpu_grid) if view is not None and view.cpu_grid is not None else None
         body["totals"] = totals(view)
         body["config"] = config_json(engine, model_name, api_server)
+        body["engines"] = engines_json(engine)
         return body
 
     @router.get("/v1/engine/events")
@@ -187,5 +189,18 @@ def config_json(engine: AsyncEngine, model_name: str, api_server: int | None) ->
             "block_size": args.block_size, "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "enable_prefix_caching": args.enable_prefix_caching, "engine_process": bool(args.engine_process),
+            "data_parallel_size": args.data_parallel_size,
             "device": str(config.device), "dtype": str(config.dtype).removeprefix("torch."),
             "api_server": api_server}
+
+
+def engines_json(engine: AsyncEngine) -> list[dict] | None:
+    """Each replica's queue, KV pool and prefix cache (--data-parallel-size N > 1; None with one engine, whose
+    figures are the body's own)."""
+    replicas = engine.replica_stats
+    if len(replicas) == 1:
+        return None
+    return [{"engine": index, "waiting": s.num_waiting, "running": s.num_running, "kv_blocks_total": s.num_blocks,
+             "kv_blocks_used": s.num_blocks - s.num_free_blocks, "prefix_cache_queries": s.prefix_queries,
+             "prefix_cache_hits": s.prefix_hits, "prefix_cache_hit_rate": s.prefix_hit_rate}
+            for index, s in enumerate(replicas)]

@@ -6,7 +6,9 @@ RequestTracker per HTTP request.
 
 Each metric is exported under nanoserve's own name and, for dashboards built for vLLM, under vLLM's
 (`vllm:...`, labelled with model_name, the first served name), with vLLM's types and, for the request token
-histograms and iteration_tokens_total, its buckets.
+histograms and iteration_tokens_total, its buckets. With --data-parallel-size N the nanoserve_ engine metrics are
+the replicas' sums, and the vllm: engine metrics come once per replica, labelled engine="0" .. "N-1" as vLLM's
+are; the request latency histograms, observed in the API server, count every replica's requests together.
 """
 
 import os
@@ -77,22 +79,33 @@ class _EngineCollector:
         yield from self._vllm(s, waiting)
 
     def _vllm(self, s: EngineStats, waiting: int):
+        """vLLM's engine metrics, one series per engine (label `engine`, "0" .. as vLLM numbers its data-parallel
+        engines); the nanoserve_ names above give their sums."""
+        replicas = self.engine.replica_stats
         for kind, name, doc, value in (
-                (GaugeMetricFamily, "num_requests_running", "Sequences running in the engine", s.num_running),
-                (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be processed", waiting),
-                (GaugeMetricFamily, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage", s.kv_usage),
-                (CounterMetricFamily, "prefix_cache_queries", "Prefix cache queries, in tokens", s.prefix_queries),
-                (CounterMetricFamily, "prefix_cache_hits", "Prefix cache hits, in tokens", s.prefix_hits),
-                (CounterMetricFamily, "prompt_tokens", "Number of prefill tokens processed", s.prompt_tokens),
+                (GaugeMetricFamily, "num_requests_running", "Sequences running in the engine",
+                 lambda r: r.num_running),
+                (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be processed",
+                 # One engine: counting what is on its way to it, as nanoserve_num_requests_waiting does.
+                 lambda r: waiting if len(replicas) == 1 else r.num_waiting),
+                (GaugeMetricFamily, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage",
+                 lambda r: r.kv_usage),
+                (CounterMetricFamily, "prefix_cache_queries", "Prefix cache queries, in tokens",
+                 lambda r: r.prefix_queries),
+                (CounterMetricFamily, "prefix_cache_hits", "Prefix cache hits, in tokens", lambda r: r.prefix_hits),
+                (CounterMetricFamily, "prompt_tokens", "Number of prefill tokens processed",
+                 lambda r: r.prompt_tokens),
                 (CounterMetricFamily, "generation_tokens", "Number of generation tokens processed",
-                 s.generation_tokens),
+                 lambda r: r.generation_tokens),
                 (CounterMetricFamily, "num_preemptions", "Cumulative number of preemption from the engine",
-                 s.num_preemptions)):
-            family = kind("vllm:" + name, doc, labels=["model_name"])
-            family.add_metric(self.model, value)
+                 lambda r: r.num_preemptions)):
+            family = kind("vllm:" + name, doc, labels=["model_name", "engine"])
+            for index, replica in enumerate(replicas):
+                family.add_metric([*self.model, str(index)], value(replica))
             yield family
-        yield self._iteration_tokens(s)
-        yield self._cache_config(s)
+        yield self._iteration_tokens(replicas)
+        yield self._cache_config(replicas)
+        # Summed over the replicas (merge_stats), under the model_name label only.
         if s.spec_decode is not None:
             yield from self._spec_decode(s.spec_decode)
 
@@ -111,28 +124,31 @@ class _EngineCollector:
             family.add_metric([*self.model, str(position)], value)
         yield family
 
-    def _iteration_tokens(self, s: EngineStats) -> HistogramMetricFamily:
+    def _iteration_tokens(self, replicas: list[EngineStats]) -> HistogramMetricFamily:
         family = HistogramMetricFamily("vllm:iteration_tokens_total", "Histogram of number of tokens per "
-                                       "engine_step", labels=["model_name"])
-        counts = s.iteration_tokens or (0,) * (len(ITERATION_TOKEN_BUCKETS) + 1)
-        cumulative, buckets = 0, []
-        for bound, count in zip([*map(floatToGoString, ITERATION_TOKEN_BUCKETS), "+Inf"], counts, strict=True):
-            cumulative += count
-            buckets.append((bound, cumulative))
-        family.add_metric(self.model, buckets, sum_value=s.iteration_tokens_sum)
+                                       "engine_step", labels=["model_name", "engine"])
+        for index, s in enumerate(replicas):
+            counts = s.iteration_tokens or (0,) * (len(ITERATION_TOKEN_BUCKETS) + 1)
+            cumulative, buckets = 0, []
+            for bound, count in zip([*map(floatToGoString, ITERATION_TOKEN_BUCKETS), "+Inf"], counts, strict=True):
+                cumulative += count
+                buckets.append((bound, cumulative))
+            family.add_metric([*self.model, str(index)], buckets, sum_value=s.iteration_tokens_sum)
         return family
 
-    def _cache_config(self, s: EngineStats) -> GaugeMetricFamily:
+    def _cache_config(self, replicas: list[EngineStats]) -> GaugeMetricFamily:
         config = self.engine.engine.config
-        labels = {"block_size": config.args.block_size, "num_gpu_blocks": s.num_blocks,
+        labels = {"block_size": config.args.block_size, "num_gpu_blocks": None,
                   "enable_prefix_caching": config.args.enable_prefix_caching,
                   "gpu_memory_utilization": config.args.gpu_memory_utilization,
                   "cache_dtype": str(config.dtype).removeprefix("torch."),
                   # What the weights run in, beside the KV cache's dtype.
                   "quantization": config.quantization.describe() if config.quantization else "none"}
         family = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                                   labels=list(labels))
-        family.add_metric([str(value) for value in labels.values()], 1)
+                                   labels=[*labels, "engine"])
+        for index, s in enumerate(replicas):
+            values = {**labels, "num_gpu_blocks": s.num_blocks, "engine": index}
+            family.add_metric([str(value) for value in values.values()], 1)
         return family
 
 

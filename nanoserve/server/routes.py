@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, Response
 
 import nanoserve
 from nanoserve.runtime.async_engine import AsyncEngine
-from nanoserve.server.engine_view import engine_view_router
+from nanoserve.server.engine_view import engine_view_router, engines_json
 from nanoserve.server.errors import APIError, bad_request, install_error_handlers
 from nanoserve.server.gate import GateMiddleware, GateState
 from nanoserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -70,6 +70,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: list[str] | str, api
                 "kv_blocks_used": s.num_blocks - s.num_free_blocks, "kv_blocks_total": s.num_blocks,
                 "kv_blocks_free": s.num_free_blocks, "prefix_cache_hit_rate": s.prefix_hit_rate,
                 "in_flight": gate.in_flight}
+        if (engines := engines_json(async_engine)) is not None:  # --data-parallel-size N
+            body["engines"] = engines
         if s.num_cpu_blocks:  # the CPU tier (--kv-offload-gb)
             body |= {"cpu_kv_blocks_used": s.num_cpu_blocks_used, "cpu_kv_blocks_total": s.num_cpu_blocks,
                      "cpu_prefix_cache_hits": s.cpu_prefix_hits}

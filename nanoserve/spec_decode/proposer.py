@@ -1,9 +1,10 @@
 """What the engine asks of a proposer: the Protocol each speculative method implements.
 
 A proposer is asked, once a step, for the drafts of the sequences about to decode. The n-gram proposer reads only
-the tokens; a draft model or an EAGLE head (later) would run on the device over its own KV cache, and gets each
-sequence's id so it can keep that state between steps (and `release` to drop it when a sequence ends or is
-preempted).
+the tokens; a draft model (worker/draft_model.py) runs on the device over its own KV cache, keeps that state per
+sequence id between steps (`release` drops it when a sequence ends), and reads each row's sampling fields too
+(layers/sampler.py's SamplingRow: the engine's Sequence has them) to draw its drafts with the request's parameters.
+An EAGLE head (later) would also need the target's hidden states.
 """
 
 from collections.abc import Sequence

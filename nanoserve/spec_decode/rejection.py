@@ -6,13 +6,14 @@ its tokens and d_1..d_j. Each row is first made what the plain sampler would mak
 and top-k/top-p/min-p), so speculation changes no request's distribution:
 
 - greedy rows: d_{j+1} is accepted while it is the row's argmax; the first row that disagrees emits its argmax;
-- sampled rows (speculative sampling; the draft distribution q is a point mass on d_{j+1}): d_{j+1} is accepted with
-  probability p(d_{j+1}); on rejection the row emits a draw from p with d_{j+1} removed (max(p - q, 0), normalized);
+- sampled rows (speculative sampling): d_{j+1}, drawn from the draft's distribution q, is accepted with probability
+  min(1, p(d_{j+1}) / q(d_{j+1})); on rejection the row emits a draw from max(p - q, 0), normalized. For n-gram drafts
+  q is a point mass on d_{j+1} (accepted with probability p(d_{j+1}), a rejection draws from p without d_{j+1}); a
+  draft model passes its rows of q, made with the same parameters;
 - when all k are accepted, row k emits a bonus token drawn from it as the plain sampler would.
 
 So a sequence emits a + 1 tokens, a the accepted count. Every draw of a seeded request comes from its own generator,
-in a fixed order, so its output is reproducible whatever shares its batch. A method whose drafts have a real
-distribution q (a draft model) replaces the point mass here by q's rows.
+in a fixed order, so its output is reproducible whatever shares its batch.
 """
 
 from collections.abc import Sequence
@@ -66,20 +67,30 @@ class _RowMasks:
 
 
 def rejection_sample(
-    probs: torch.Tensor, drafts: torch.Tensor, uniforms: torch.Tensor, noise: torch.Tensor
+    probs: torch.Tensor,
+    drafts: torch.Tensor,
+    uniforms: torch.Tensor,
+    noise: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative sampling of rows whose draft is a point mass: (accepted [R] bool, token to emit on rejection [R]).
+    """Speculative sampling: (accepted [R] bool, token to emit on rejection [R]).
 
     probs [R, V] the target's (filtered) distributions; drafts [R] the token drafted at each row (-1: none, the
-    bonus row); uniforms [R] in [0, 1); noise [R, V] Exp(1) draws. A draft is accepted when u < p(draft); the
-    replacement is argmax((p with the draft removed) / noise), a draw from the normalized remainder (the exponential
-    race: scaling a row does not change its argmax, so no normalizing is needed)."""
+    bonus row); uniforms [R] in [0, 1); noise [R, V] Exp(1) draws; draft_probs [R, V] the distributions q the drafts
+    were drawn from (zeros at a bonus row), None for point masses. A draft is accepted when u < p(draft) / q(draft)
+    (u * q < p: no division); the replacement is argmax(max(p - q, 0) / noise), a draw from the normalized remainder
+    (the exponential race: scaling a row does not change its argmax, so no normalizing is needed)."""
     has_draft = drafts >= 0
     index = drafts.clamp(min=0)[:, None]
     p_draft = probs.gather(1, index)[:, 0]
-    accepted = has_draft & (uniforms < p_draft)
-    # The draft's probability zeroed; a bonus row (no draft) writes its own p back at index 0, unchanged.
-    remainder = probs.scatter(1, index, torch.where(has_draft, 0.0, p_draft)[:, None].to(probs.dtype))
+    if draft_probs is None:
+        accepted = has_draft & (uniforms < p_draft)
+        # The draft's probability zeroed; a bonus row (no draft) writes its own p back at index 0, unchanged.
+        remainder = probs.scatter(1, index, torch.where(has_draft, 0.0, p_draft)[:, None].to(probs.dtype))
+    else:
+        q_draft = draft_probs.gather(1, index)[:, 0]
+        accepted = has_draft & (uniforms * q_draft < p_draft)
+        remainder = (probs - draft_probs).clamp(min=0)
     return accepted, (remainder / noise).argmax(dim=-1)
 
 
@@ -89,9 +100,12 @@ def verify(
     seqs: Sequence[SamplingRow],
     drafts: Sequence[list[int]],
     masks: AllowedTokens | None = None,
+    draft_probs: Sequence[torch.Tensor | None] | None = None,
 ) -> SamplerOutput:
     """The tokens each of `seqs` emits from its 1 + len(drafts[i]) rows of `logits` (in order), read to the host.
-    SamplerOutput.offsets says where each sequence's tokens (accepted drafts, then one more) lie in token_ids."""
+    SamplerOutput.offsets says where each sequence's tokens (accepted drafts, then one more) lie in token_ids.
+    draft_probs[i]: the distributions sequence i's drafts were drawn from ([>= len(drafts[i]), V]; None: point
+    masses, as when draft_probs is None); greedy rows ignore them."""
     device = logits.device
     rows: list[DraftPosition] = []
     first_row: list[int] = []
@@ -126,7 +140,8 @@ def verify(
         noise = torch.empty_like(probs).exponential_(generator=sampler.generator)
         _seeded_draws(sampled, rows, seq_of_row, uniforms, noise, failed)
         picked = to_device(sampled, torch.int64, device)
-        row_accepted, replacement = rejection_sample(probs, draft_tokens[picked], uniforms, noise)
+        q = _draft_rows(sampled, seq_of_row, drafts, draft_probs, probs)
+        row_accepted, replacement = rejection_sample(probs, draft_tokens[picked], uniforms, noise, q)
         accepted[picked] = row_accepted
         tokens[picked] = replacement
     emitted = torch.where(accepted, draft_tokens, tokens)
@@ -144,6 +159,37 @@ def verify(
     for r, exc in failed.items():
         seq_failed.setdefault(seq_of_row[r], exc)
     return SamplerOutput([out.token_ids[r] for r in keep], [out.logprobs[r] for r in keep], seq_failed, offsets)
+
+
+def _draft_rows(
+    sampled: list[int],
+    seq_of_row: list[int],
+    drafts: Sequence[list[int]],
+    draft_probs: Sequence[torch.Tensor | None] | None,
+    probs: torch.Tensor,
+) -> torch.Tensor | None:
+    """q at each sampled row ([len(sampled), V]): the draft's rows at a sequence's drafted positions, zeros at its
+    bonus row, point masses where its drafts came without distributions. None when no sequence has them (all point
+    masses). A sequence's rows are adjacent and all sampled or none (one sequence, one set of parameters), so this
+    goes a sequence at a time, in one concatenation."""
+    if draft_probs is None or all(draft_probs[seq_of_row[r]] is None for r in sampled):
+        return None
+    zero = probs.new_zeros(1, probs.shape[1])
+    pieces = []
+    at = 0
+    while at < len(sampled):
+        i = seq_of_row[sampled[at]]
+        count = len(drafts[i])
+        if count:
+            seq_q = draft_probs[i]
+            if seq_q is None:
+                index = torch.tensor(drafts[i], device=probs.device)
+                pieces.append(torch.nn.functional.one_hot(index, probs.shape[1]).to(probs.dtype))
+            else:
+                pieces.append(seq_q[:count].to(probs.dtype))
+        pieces.append(zero)
+        at += count + 1
+    return torch.cat(pieces)
 
 
 def _seeded_draws(

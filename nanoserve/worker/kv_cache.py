@@ -20,7 +20,8 @@ def num_blocks_for(config: EngineConfig, free_bytes: int | None) -> int:
     if config.args.num_kv_blocks is not None:
         return config.args.num_kv_blocks
     budget = _CPU_POOL_BYTES if free_bytes is None else free_bytes
-    num = budget // bytes_per_block(config)
+    # A draft model's pool (speculative decoding) has as many blocks as this one: it comes out of the same budget.
+    num = budget // (bytes_per_block(config) + config.draft_kv_bytes_per_block)
     needed = -(-config.max_model_len // config.args.block_size)
     if num < needed and not config.args.kv_offload_gb:  # with a CPU pool, long context goes there
         raise ValueError(f"gpu_memory_utilization: the KV pool fits {num} blocks, but one sequence of "

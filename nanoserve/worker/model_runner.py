@@ -106,6 +106,8 @@ class ModelRunner:
         self.ring = KVRing(self.offloader, self.block_size) if self.offloader is not None else None
         self.sampler = Sampler(self.device, config.model.eos_token_ids, config.args.seed)
         self.speculative = config.speculative is not None
+        # A draft model's distributions of its drafts, by seq_id (worker/draft_model.py; the engine sets it).
+        self.draft_probs: Callable[[int], torch.Tensor | None] | None = None
         self.graphs = self.prefill_graphs = None
         if self.device.type == "cuda" and not config.args.enforce_eager:
             args = config.args
@@ -203,9 +205,11 @@ class ModelRunner:
             self.workers.check()
         seqs = [s for e in batch.scheduled for s in e.sample_seqs]
         # Speculative decoding: each sample's drafts (a verify entry has one sample), when the step has any.
-        drafts = None
+        drafts = draft_probs = None
         if self.speculative and any(e.draft_token_ids for e in batch.scheduled):
             drafts = [e.draft_token_ids for e in batch.scheduled for _ in e.sample_seqs]
+            if self.draft_probs is not None:
+                draft_probs = [self.draft_probs(s.seq_id) if d else None for s, d in zip(seqs, drafts, strict=True)]
         # Structured output's token masks: a thread steps the grammars over the previous step's tokens (once its
         # sampling, just queued, is done) and fills the masks, while this thread queues the forward pass and goes on
         # to the previous step's outputs and the next step's inputs. This step's sampling waits for them: it is
@@ -234,7 +238,7 @@ class ModelRunner:
 
         def sample() -> None:
             if drafts is not None:  # reads back to the host: speculative steps are synchronous
-                launched.verified = verify(self.sampler, logits, seqs, drafts, masks)
+                launched.verified = verify(self.sampler, logits, seqs, drafts, masks, draft_probs)
                 return
             sampled = self.sampler.sample(logits, seqs, masks)
             assert step.replica_call <= 0 or self.sampler.num_calls == step.replica_call, "the ranks' keys differ"

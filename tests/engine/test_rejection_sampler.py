@@ -45,6 +45,35 @@ def test_rejection_sampling_keeps_the_target_distribution(draft):
         assert not (replacement[~accepted] == draft).any()
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rejection_sampling_with_a_draft_distribution_keeps_the_target(seed):
+    """Drafts drawn from a real q (a draft model's): accepted with min(1, p/q), else redrawn from max(p - q, 0); the
+    emitted tokens follow p, and drafts are accepted at the rate sum(min(p, q)). q = 0 on a token p favours, and
+    q > 0 on one p excludes, so both sides of the rule are exercised."""
+    p = target()
+    g = torch.Generator().manual_seed(seed + 20)
+    q = torch.softmax(torch.randn(VOCAB, generator=g, dtype=torch.float64) * 1.5, 0)
+    q[int(p.argmax())] = 0
+    p = p.clone()
+    p[int(q.argmax())] = 0
+    p, q = p / p.sum(), q / q.sum()
+    n = 100_000
+    drafts = torch.multinomial(q, n, replacement=True, generator=g)
+    accepted, replacement = rejection_sample(p.repeat(n, 1), drafts, torch.rand(n, generator=g, dtype=torch.float64),
+                                             torch.empty(n, VOCAB, dtype=torch.float64).exponential_(generator=g),
+                                             q.repeat(n, 1))
+    emitted = torch.where(accepted, drafts, replacement)
+    assert chi_square(emitted, p) < CHI2_999
+    rate = torch.minimum(p, q).sum().item()
+    assert abs(accepted.double().mean().item() - rate) < 5 * (rate * (1 - rate) / n) ** 0.5
+    assert not accepted[drafts == int(q.argmax())].any()  # p = 0 there: never accepted
+    # A bonus row (no draft, q = 0) draws from p itself.
+    bonus_accepted, bonus = rejection_sample(p.repeat(n, 1), torch.full((n,), -1), torch.rand(n, generator=g),
+                                             torch.empty(n, VOCAB, dtype=torch.float64).exponential_(generator=g),
+                                             torch.zeros(n, VOCAB, dtype=torch.float64))
+    assert not bonus_accepted.any() and chi_square(bonus, p) < CHI2_999
+
+
 def fake_seq(params: SamplingParams, seed: int | None = None, output=()):
     return SimpleNamespace(params=params, token_ids=[2, 3, *output], output_token_ids=list(output),
                            num_output_tokens=len(output),
@@ -72,6 +101,28 @@ def test_verify_samples_each_position_from_the_filtered_target():
     assert chi_square(torch.tensor(firsts), expected[0]) < CHI2_999
     assert chi_square(torch.tensor(seconds), expected[1]) < CHI2_999
     assert all(t == draft for t, c in zip(firsts, out.counts, strict=True) if c == 2)
+
+
+def test_verify_with_draft_distributions_samples_from_the_filtered_target():
+    """A draft model's drafts come with q: through the sampler's filters, the first emitted token follows row 0's
+    filtered distribution whatever q is, and the acceptance rate is sum(min(p, q))."""
+    sampler = Sampler(torch.device("cpu"), eos_token_ids=[0], seed=5)
+    params = SamplingParams(temperature=0.7, top_k=4)
+    n = 20_000
+    g = torch.Generator().manual_seed(6)
+    base = torch.randn(2, VOCAB, generator=g) * 2
+    q = torch.softmax(torch.randn(VOCAB, generator=g), 0)
+    drafts = torch.multinomial(q, n, replacement=True, generator=g).tolist()
+    out = verify(sampler, base.repeat(n, 1), [fake_seq(params) for _ in range(n)], [[d] for d in drafts], None,
+                 [q[None]] * n)
+    firsts = torch.tensor([out.token_ids[a] for a in out.offsets[:-1]])
+    rows = [fake_seq(params), fake_seq(params)]
+    expected = sampler.filtered_probs(sampler.processed(base, rows, [params] * 2, None, {})[0], [0.7] * 2, [4] * 2,
+                                      [1.0] * 2, [0.0] * 2).double()
+    assert chi_square(firsts, expected[0]) < CHI2_999
+    rate = torch.minimum(expected[0], q.double()).sum().item()
+    accepted = sum(c == 2 for c in out.counts) / n
+    assert abs(accepted - rate) < 5 * (rate * (1 - rate) / n) ** 0.5
 
 
 def test_verify_greedy_accepts_while_drafts_are_the_argmax():
@@ -110,9 +161,9 @@ def test_ngram_proposer_keeps_each_sequence_in_step():
 
 @pytest.mark.parametrize("raw, message", [
     ({"method": "eagle3", "model": "x", "num_speculative_tokens": 3}, "'eagle3' is not supported yet"),
-    ({"model": "draft-dir", "num_speculative_tokens": 3}, "'draft_model' is not supported yet"),
+    ({"method": "draft_model", "num_speculative_tokens": 3}, "model: a draft model's directory is required"),
     ({"method": "medusa", "num_speculative_tokens": 3}, "'medusa' is not supported yet"),
-    ({"method": "ngrams", "num_speculative_tokens": 3}, "method: must be 'ngram'"),
+    ({"method": "ngrams", "num_speculative_tokens": 3}, "method: must be 'ngram' or 'draft_model'"),
     ({"method": "ngram"}, "num_speculative_tokens: required"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens: must be in"),
     ({"method": "ngram", "num_speculative_tokens": "4"}, "num_speculative_tokens: must be an integer"),
@@ -139,6 +190,10 @@ def test_config_defaults_follow_vllm():
     ({"tensor_parallel_size": 2}, "not supported with tensor_parallel_size > 1"),
     ({"kv_offload_gb": 1}, "not supported with kv_offload_gb > 0"),
     ({"speculative_config": {"method": "eagle3", "model": "d", "num_speculative_tokens": 2}}, "'eagle3'"),
+    ({"speculative_config": {"model": "d", "num_speculative_tokens": 2}, "tensor_parallel_size": 2},
+     "not supported with tensor_parallel_size > 1"),
+    ({"speculative_config": {"model": "d", "num_speculative_tokens": 2}, "kv_offload_gb": 1},
+     "not supported with kv_offload_gb > 0"),
 ])
 def test_engine_refuses_what_speculation_cannot_run_with(extra, message):
     from nanoserve.config import EngineArgs

@@ -145,7 +145,7 @@ def test_metrics_reach_prometheus_under_vllm_names(spec):
     assert 1 < counts.mean_acceptance_length <= 1 + 4
     engine = spec.engine
     stats = EngineStats.of(engine, 0)
-    client = SimpleNamespace(stats=stats, num_waiting_in=lambda s: 0, engine=engine)
+    client = SimpleNamespace(stats=stats, replica_stats=[stats], num_waiting_in=lambda s: 0, engine=engine)
     text = ServerMetrics(client, "m").render().decode()
     samples = {(s.name, s.labels.get("position")): s.value
                for f in text_string_to_metric_families(text) for s in f.samples if s.name.startswith("vllm:spec")}
@@ -182,9 +182,11 @@ def test_bench_serve_reads_acceptance_from_metrics(spec):
     from nanoserve.server.metrics import ServerMetrics
 
     engine = spec.engine
-    client = SimpleNamespace(stats=EngineStats.of(engine, 0), num_waiting_in=lambda s: 0, engine=engine)
+    stats = EngineStats.of(engine, 0)
+    client = SimpleNamespace(stats=stats, replica_stats=[stats], num_waiting_in=lambda s: 0, engine=engine)
     counts = engine.spec_stats
     assert spec_counts_in(ServerMetrics(client, "m").render().decode()) == \
         (counts.num_drafts, counts.num_accepted_tokens)
-    plain = SimpleNamespace(stats=EngineStats(), num_waiting_in=lambda s: 0, engine=engine)
+    plain = SimpleNamespace(stats=EngineStats(), replica_stats=[EngineStats()], num_waiting_in=lambda s: 0,
+                            engine=engine)
     assert spec_counts_in(ServerMetrics(plain, "m").render().decode()) is None

@@ -48,9 +48,11 @@ def test_w4a16_linear(dtype, m, n, k, group, zeros, perm, bias, device, gen):
     assert got.dtype == dtype and got.shape == (m, n)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got.float(), want.float(), **tol)
-    # The reference is the layout's definition.
+    # The reference is the layout's definition; in fp16 on a GPU its matmul may round an element one ulp away from
+    # fp32-then-round (seen on an H200: 2.4e-4 at 0.26).
     plain = x.float() @ dense(qweight, scales, z, p, group) + (b.float() if bias else 0)
-    torch.testing.assert_close(want.float().cpu(), plain.to(dtype).float(), atol=1e-4, rtol=1e-4)
+    exact = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-3, rtol=2e-3)
+    torch.testing.assert_close(want.float().cpu(), plain.to(dtype).float(), **exact)
 
 
 def test_strided_weight_is_refused(gen):

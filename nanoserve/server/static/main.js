@@ -18,7 +18,9 @@ async function describeServer() {
   if (!stats.ok) return;
   const c = (await stats.json()).config;
   info.textContent = `${c.model} · ${c.device} · ${c.dtype} · max ${c.max_model_len} tokens · v${c.version}`;
-  const where = c.engine_process ? "engine process" : "engine thread";
+  const where = c.data_parallel_size > 1
+    ? `${c.data_parallel_size} engine replicas (their KV pools side by side below)`
+    : c.engine_process ? "engine process" : "engine thread";
   const server = c.api_server === null ? "" : ` · API server ${c.api_server}`;
   document.getElementById("engine-config").textContent =
     `block size ${c.block_size} · max ${c.max_num_seqs} seqs · ${c.max_num_batched_tokens} tokens/step · `

@@ -1,0 +1,1 @@
+"""`nanoserve router`: cache-aware routing over nanoserve servers on several machines (app.py)."""

@@ -1,0 +1,277 @@
+"""DraftModelProposer: a smaller model of the target's vocabulary drafts k tokens a step (speculative_config's
+draft_model method), over its own paged KV pool.
+
+The draft runs through a second ModelRunner (its single-token steps replay decode CUDA graphs where the target uses
+graphs; the rest is eager) whose pool has its own block tables, kept here: a sequence's table holds the KV of the
+tokens it has seen (`cached`). At each proposal the draft first catches up on the sequence's tokens it has not seen
+(a prompt, the tokens the last verify step emitted: one forward pass, every sequence a chunk), whose last row gives
+the first draft, then runs k - 1 single-token steps. The tokens it cached that the target rejected are found by
+comparing `cached` with the sequence's tokens, and written over. Simple and exact; it pays no attention to the
+target's prefix cache (a prompt the target found cached is prefilled by the draft all the same).
+
+Each draft is drawn from the draft's distribution q at its position, made with the request's own parameters
+(Sampler.processed and filtered_probs, the drafts before it counted as its tokens, as verification counts them), and
+q is kept for verification (spec_decode/rejection.py: accept with min(1, p/q)); greedy requests take q's argmax.
+"""
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from nanoserve.config import EngineConfig, read_config_json
+from nanoserve.model.registry import check_architecture
+from nanoserve.spec_decode.proposer import DraftRow
+from nanoserve.spec_decode.rejection import DraftPosition
+from nanoserve.worker.cuda_graphs import CUDAGraphRunner
+from nanoserve.worker.kv_cache import allocate_kv_cache, bytes_per_block
+from nanoserve.worker.model_runner import ModelRunner
+from nanoserve.worker.step_inputs import StepInputs
+
+
+@dataclass
+class _DraftSeq:
+    """A sequence as the draft's StepInputs sees it: its tokens (drafts appended) and its block table in the draft's
+    pool."""
+
+    seq_id: int
+    token_ids: list[int]
+    block_table: list[int]
+    cpu_blocks: None = None
+
+
+@dataclass
+class _Entry:
+    seq: _DraftSeq
+    start: int
+    num_new_tokens: int
+    sample_seqs: list = field(default_factory=list)
+    draft_token_ids: tuple = ()
+
+
+@dataclass
+class _Batch:
+    scheduled: list[_Entry]
+    num_decodes: int
+    block_copies: tuple = ()
+    kv_swap_out: tuple = ()
+    kv_swap_in: tuple = ()
+
+
+def draft_engine_config(config: EngineConfig) -> EngineConfig:
+    """The draft's config: its own checkpoint, with the target's dtype, device, block size and max_model_len; eager,
+    no prefix caching, no speculation of its own. Refuses a vocabulary that differs from the target's."""
+    spec = config.speculative
+    try:
+        check_architecture(read_config_json(spec.model)["architectures"][0])
+        args = dataclasses.replace(
+            config.args,
+            model=spec.model,
+            tokenizer=None,
+            speculative_config=None,
+            enforce_eager=True,
+            enable_prefix_caching=False,
+            num_kv_blocks=1,
+            quantization=None,
+            max_model_len=config.max_model_len,
+            async_scheduling=False,
+        )
+        draft = args.create_config()
+    except (ValueError, OSError, KeyError) as exc:
+        raise ValueError(f"speculative_config.model: the draft {spec.model!r}: {exc}") from exc
+    if draft.model.vocab_size != config.model.vocab_size:
+        raise ValueError(
+            f"speculative_config.model: the draft's vocab_size {draft.model.vocab_size} differs from the "
+            f"target's {config.model.vocab_size}"
+        )
+    return dataclasses.replace(draft, dtype=config.dtype, device=config.device)
+
+
+class DraftModelProposer:
+    """Loads the draft (before the target's runner, so its weights count as used memory when the target sizes its
+    KV pool); `allocate` then gives it a pool of the target's block count."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = draft_engine_config(config)
+        self.k = config.speculative.num_speculative_tokens
+        self.runner = ModelRunner(self.config)  # a one-block placeholder pool until allocate()
+        self.block_size = config.args.block_size
+        self.max_num_batched_tokens = config.args.max_num_batched_tokens
+        # The target's eos ids (min_tokens masks them), so q is made as the target's rows are.
+        self.runner.sampler.eos_token_ids = config.model.eos_token_ids
+        self.generator = torch.Generator(device=config.device).manual_seed(config.args.seed + 1)
+        self.free: list[int] = []
+        self.tables: dict[int, list[int]] = {}
+        self.cached: dict[int, list[int]] = {}  # seq_id -> the tokens whose KV the draft's pool holds
+        # seq_id -> q of its latest drafts ([n, V]; None: greedy), replaced with them: drafts a step did not schedule
+        # are kept by the sequence until its next proposal, and must still find their own q.
+        self.probs: dict[int, torch.Tensor | None] = {}
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return bytes_per_block(self.config)
+
+    def allocate(self, num_blocks: int, max_model_len: int, cuda_graphs: bool) -> None:
+        """The draft's pool, of the target's block count; then, where the target steps in CUDA graphs, the draft's
+        decode graphs (its k - 1 single-token steps, and a catch-up with one new token a sequence, replay them). They
+        capture the pool as bound now, so only after it. Their memory pool is their own (the draft's activations at
+        up to 512 sequences: small for a draft), allocated after the target sized its KV pool."""
+        self.runner.kv_cache = allocate_kv_cache(self.config, num_blocks)
+        self.runner._bind_kv_cache(self.runner.kv_cache)
+        self.free = list(range(num_blocks))
+        if cuda_graphs and self.config.device.type == "cuda":
+            max_blocks = -(-max_model_len // self.block_size)
+            graphs = CUDAGraphRunner(
+                self.runner.model,
+                min(self.config.args.max_num_seqs, 512),
+                max_blocks,
+                self.config.device,
+                self.runner.planner,
+            )
+            graphs.capture()
+            self.runner.graphs = graphs
+
+    def draft_probs(self, seq_id: int) -> torch.Tensor | None:
+        return self.probs.get(seq_id)
+
+    def release(self, seq_id: int) -> None:
+        self.free += self.tables.pop(seq_id, [])
+        self.cached.pop(seq_id, None)
+        self.probs.pop(seq_id, None)
+
+    @torch.inference_mode()
+    def propose(self, rows: Sequence[DraftRow], max_tokens: Sequence[int]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in rows]
+        work = []  # (index in rows, the row, its draft view, tokens it has not seen, its k)
+        decoding = {row.seq_id for row in rows}
+        for i, (row, cap) in enumerate(zip(rows, max_tokens, strict=True)):
+            tokens = list(row.token_ids)
+            k = min(self.k, cap)
+            # The draft must see at least the last token: its row gives the first draft.
+            common = self._common_prefix(self.cached.get(row.seq_id, []), tokens)
+            table = self.tables.setdefault(row.seq_id, [])
+            if not self._grow(table, len(tokens) + k - 1, decoding):
+                self.release(row.seq_id)  # no room: this sequence decodes without drafts this step (q dropped too)
+                continue
+            self.cached[row.seq_id] = tokens[:common]
+            work.append([i, row, _DraftSeq(row.seq_id, tokens, table), common, k])
+        if not work:
+            return drafts
+        self._catch_up(work)
+        entries = [_Entry(view, start, len(view.token_ids) - start, [view]) for _, _, view, start, _ in work]
+        live = list(range(len(work)))
+        probs: list[list[torch.Tensor]] = [[] for _ in work]
+        for j in range(max(w[4] for w in work)):
+            logits = self._forward(entries)
+            positions = [DraftPosition(work[w][1], drafts[work[w][0]]) for w in live]
+            tokens, q = self._draw(logits, positions)
+            next_live = []
+            for at, w in enumerate(live):
+                i, _, view, _, k = work[w]
+                if tokens[at] is None:  # its own sampling work raised: no more drafts for it
+                    continue
+                drafts[i].append(tokens[at])
+                if q is not None and q[at] is not None:
+                    probs[w].append(q[at])
+                if j + 1 < k:
+                    view.token_ids.append(tokens[at])
+                    next_live.append(w)
+            live = next_live
+            if not live:
+                break
+            entries = [_Entry(work[w][2], len(work[w][2].token_ids) - 1, 1, [work[w][2]]) for w in live]
+        for w, (i, row, view, _, _) in enumerate(work):
+            # Its KV now holds its tokens and every draft but the last.
+            self.cached[row.seq_id] = view.token_ids[: len(row.token_ids) + len(drafts[i]) - 1]
+            self.probs[row.seq_id] = torch.stack(probs[w]) if probs[w] and len(probs[w]) == len(drafts[i]) else None
+        return drafts
+
+    def _grow(self, table: list[int], num_positions: int, decoding: set[int]) -> bool:
+        """Blocks for positions 0 .. num_positions - 1; when the pool runs short, sequences not decoding now
+        (waiting, preempted) give theirs back first."""
+        needed = -(-num_positions // self.block_size) - len(table)
+        if needed > len(self.free):
+            for seq_id in [s for s in self.tables if s not in decoding]:
+                self.release(seq_id)
+        if needed > len(self.free):
+            return False
+        for _ in range(max(needed, 0)):
+            table.append(self.free.pop())
+        return True
+
+    def _forward(self, entries: list[_Entry]) -> torch.Tensor | None:
+        """The logits of each entry's last row, in the entries' order (every entry samples, or none does: None).
+        Single-token entries go first in the batch, as every step's batch orders them (attention treats its first
+        num_decodes sequences as decodes)."""
+        order = sorted(range(len(entries)), key=lambda i: entries[i].num_new_tokens != 1)
+        batch = [entries[i] for i in order]
+        num_decodes = next((n for n, e in enumerate(batch) if e.num_new_tokens != 1), len(batch))
+        step = StepInputs.build(_Batch(batch, num_decodes), {}, self.block_size, [])
+        _, logits = self.runner.execute(step, None)
+        if logits is None or order == sorted(order):
+            return logits
+        back = sorted(range(len(order)), key=order.__getitem__)  # batch row of each entry
+        return logits[back]
+
+    def _catch_up(self, work: list[list]) -> None:
+        """Prompts and other unseen tokens beyond one step's token budget go through first, in chunks, without
+        sampling: no draft forward is larger than the target's largest, which sized the memory left for activations."""
+        while sum(len(w[2].token_ids) - w[3] for w in work) > self.max_num_batched_tokens:
+            chunks, left = [], self.max_num_batched_tokens
+            for w in work:
+                n = min(len(w[2].token_ids) - w[3] - 1, left)  # the last token is left for the sampling pass
+                if n > 0:
+                    chunks.append((w, n))
+                    left -= n
+                if not left:
+                    break
+            if not chunks:
+                return
+            self._forward([_Entry(w[2], w[3], n) for w, n in chunks])
+            for w, n in chunks:
+                w[3] += n
+
+    def _common_prefix(self, cached: list[int], tokens: list[int]) -> int:
+        """How many of `tokens` the cache holds, at most all but the last (whose row gives the first draft).
+        A sequence's tokens are only ever appended to, so the cached tokens can differ from them only in the
+        drafts at their end: compared one by one there, the rest at once."""
+        most = min(len(cached), len(tokens) - 1)
+        head = max(0, most - self.k)
+        if tokens[:head] != cached[:head]:
+            head = 0
+        for i in range(head, most):
+            if cached[i] != tokens[i]:
+                return i
+        return most
+
+    def _draw(self, logits: torch.Tensor, rows: list[DraftPosition]) -> tuple[list, list | None]:
+        """Each row's draft and q (None: greedy): argmax of the processed logits, or a draw from q."""
+        sampler = self.runner.sampler
+        params = [r.params for r in rows]
+        failed: dict[int, Exception] = {}
+        processed, _ = sampler.processed(logits, rows, params, None, failed)
+        tokens = processed.argmax(dim=-1)
+        sampled = [r for r, p in enumerate(params) if p.temperature != 0]
+        q_rows: list | None = None
+        if sampled:
+            probs = sampler.filtered_probs(
+                processed[sampled],
+                [params[r].temperature for r in sampled],
+                [params[r].top_k for r in sampled],
+                [params[r].top_p for r in sampled],
+                [params[r].min_p for r in sampled],
+            )
+            noise = torch.empty_like(probs).exponential_(generator=self.generator)
+            for at, r in enumerate(sampled):
+                if rows[r].generator is not None:  # a seeded request draws from its own generator
+                    try:
+                        noise[at].exponential_(generator=rows[r].generator)
+                    except Exception as exc:
+                        failed.setdefault(r, exc)
+            tokens[sampled] = (probs / noise).argmax(dim=-1)
+            q_rows = [None] * len(rows)
+            for at, r in enumerate(sampled):
+                q_rows[r] = probs[at]
+        out = tokens.tolist()
+        return [None if r in failed else t for r, t in enumerate(out)], q_rows
