@@ -6,16 +6,15 @@ columns in the rows' order: act-order). W[k, n] = (q[k, n] - zeros[k // group, n
 The packed weight is read from memory once and unpacked in registers; the products are summed in fp32. Two kernels:
 - one row (batch-1 decode, bound by the weight's bytes): a program owns BLOCK_N output columns and walks its slab of
   qweight in [BLOCK_K / 8, BLOCK_N] tiles of int32, each read once (not once per value, as a tile of unpacked rows
-  would), its eight values per int32 unpacked into a [BLOCK_K / 8, 8, BLOCK_N] tile of q - z (by float bit tricks,
-  MAGIC below); x's values, a few KB, come from cache. Each tile lies in one group, so its sums over an int32's
-  eight values are scaled once.
+  would), and takes the eight values of its int32s one at a time as q - z (by float bit tricks, MAGIC below); x's
+  values, a few KB, come from cache. Each tile lies in one group, so its sums are scaled once.
 - more rows: a [BLOCK_M, BLOCK_N] tile on the tensor cores, each [BLOCK_K, BLOCK_N] weight tile (its int32s read
   once and unpacked as above) turned into (q - z), small integers that x's dtype holds exactly, multiplied by the x
   tile and scaled per group in fp32.
 Both split K over several programs where the column tiles alone would leave the GPU's SMs idle (the partial sums go
 through an fp32 buffer and a second launch adds them), so the results of a split differ from one program's by the
 order of fp32 sums only. Tile sizes come from shapes by a rule (no autotuning, which cannot run inside a CUDA graph);
-the rule is a first guess, not yet timed on a GPU.
+the one-row rule was timed on an H200 (in _config), the GEMM's is a first guess.
 """
 
 from typing import NamedTuple
@@ -38,13 +37,6 @@ MAGIC = tl.constexpr(8388608.0)
 def _unpack(packed, shifts):
     """[P, BLOCK_N] int32 -> [P, 8, BLOCK_N] fp32 2^23 + q, q the value at bits `shifts` of each."""
     return (((packed[:, None, :] >> shifts[None, :, None]) & 0xF) | MAGIC_BITS).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _load_packed(qw_ptr, k0, offs_p, cols, N, k_end):
-    """The [BLOCK_K / 8, BLOCK_N] int32 tile of qweight holding input rows k0.. (zeros from k_end on)."""
-    p = k0 // 8 + offs_p
-    return tl.load(qw_ptr + p[:, None] * N + cols[None, :], mask=(p < k_end // 8)[:, None], other=0)
 
 
 @triton.jit
@@ -80,28 +72,28 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, b_ptr, out_ptr, M,
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.minimum(offs_n, N - 1)  # tail columns read a valid one again; the store drops them
     offs_p = tl.arange(0, BLOCK_K // 8)
-    offs_j = tl.arange(0, 8)
-    shifts = offs_j * 4
     # Summed over the tile's rows only after the loop: reducing every tile would cost a cross-thread exchange per
-    # iteration. What is summed in the loop, over the eight values of one int32, stays within a thread.
+    # iteration.
     acc = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    # The next tile is loaded before this one is multiplied, so that a program has a load in flight while it
-    # computes: the compiler does not pipeline this loop's loads (no asynchronous copies in its PTX).
-    packed = _load_packed(qw_ptr, k_start, offs_p, cols, N, k_end)
     for k0 in range(k_start, k_end, BLOCK_K):
-        packed_next = _load_packed(qw_ptr, k0 + BLOCK_K, offs_p, cols, N, k_end)
         p = k0 // 8 + offs_p
-        p_mask = p < K // 8
-        k = p[:, None] * 8 + offs_j[None, :]
-        if HAS_PERM:
-            k = tl.load(perm_ptr + k, mask=p_mask[:, None], other=0)
-        x = tl.load(x_ptr + m * stride_xm + k, mask=p_mask[:, None], other=0.0).to(tl.float32)
+        p_mask = p < k_end // 8
+        packed = tl.load(qw_ptr + p[:, None] * N + cols[None, :], mask=p_mask[:, None], other=0)
         s, z = _group_scale_zero(s_ptr, z_ptr, k0, cols, N, GROUP, HAS_ZEROS)
-        w = _unpack(packed, shifts) - z[None, None, :]  # q - z, [BLOCK_K / 8, 8, BLOCK_N]
-        acc += s[None, :] * tl.sum(w * x[:, :, None], axis=1)
-        packed = packed_next
+        # The eight values of each int32 one at a time, as [BLOCK_K / 8, BLOCK_N] tiles: a [BLOCK_K / 8, 8, BLOCK_N]
+        # tile of all of them at once (the first form of this kernel) ran at 173-195 GB/s of packed bytes on an
+        # H200, this one at 820-1,570 GB/s (Llama-3.1-8B's projections at one row, 2026-11-28).
+        part = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
+        for j in tl.static_range(8):
+            k = p * 8 + j
+            if HAS_PERM:
+                k = tl.load(perm_ptr + k, mask=p_mask, other=0)
+            x = tl.load(x_ptr + m * stride_xm + k, mask=p_mask, other=0.0).to(tl.float32)
+            q = (((packed >> (4 * j)) & 0xF) | MAGIC_BITS).to(tl.float32, bitcast=True)  # 2^23 + q
+            part += (q - z[None, :]) * x[:, None]
+        acc += part * s[None, :]
     _store(out_ptr, tl.sum(acc, axis=0)[None, :], b_ptr, m + tl.arange(0, 1), offs_n, cols, M, N, pid_k, SPLIT,
            HAS_BIAS)
 
@@ -168,12 +160,17 @@ def _sm_count(x: torch.Tensor) -> int:
 
 
 def _config(m: int, n: int, k: int, group: int, sms: int) -> _Config:
-    """Tiles by shape (a first rule, untimed): a tile of K lies in one group (block_k divides it, 16..128); K is
-    split until the tiles give about four programs an SM (batch-1 decode of an 8B model has N = 4096 columns, 64
-    tiles of 64), a split being whole tiles."""
+    """Tiles by shape: a tile of K lies in one group (block_k divides it, 16..128). One row: the measured rule
+    below. More rows (a first rule, untimed): K is split until the tiles give about four programs an SM, a split
+    being whole tiles."""
     block_k = 128 if group <= 0 else min(128, group & -group)
     gemv = m == 1
-    block_m = 1 if gemv else min(64, max(16, triton.next_power_of_2(m)))
+    if gemv:
+        # Measured at Llama-3.1-8B's four projections on an H200 (128 or 256 columns, K split 1, 2 or 4, 4 or 8
+        # warps): 128 columns and a split of 4 were fastest at every shape.
+        split = 4 if triton.cdiv(k, block_k) >= 8 else 1
+        return _Config(True, 1, 128, block_k, split, 4)
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
     block_n = 64
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     split = 1

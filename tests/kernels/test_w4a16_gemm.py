@@ -35,6 +35,7 @@ def dense(qweight, scales, zeros, perm, group) -> torch.Tensor:
     (1, 40, 128, 16, True, False, True),     # one row, K split in four, partial column tile
     (1, 520, 64, 32, False, True, False),    # one row, nine column tiles, no split, act-order
     (1, 72, 96, -1, True, False, False),     # one group per row, K not a multiple of the tile
+    (1, 200, 256, 32, True, True, True),     # one row, K split in four, act-order, a partial column tile
     (3, 40, 128, 32, True, True, True),      # tensor cores, split
     (20, 136, 64, 64, False, False, True),   # tensor cores, two column tiles plus a partial one
 ])
@@ -64,8 +65,10 @@ def test_strided_weight_is_refused(gen):
 
 
 def test_splits_and_tiles_by_shape():
-    """One row of Llama-3.1-8B's o_proj on 132 SMs: 64 column tiles, K split in eight; gate_up's 448 tiles: none."""
+    """One row of Llama-3.1-8B's projections on an H200: 128 columns a program, K split in four (what the probe
+    found fastest at every projection); a K of fewer than eight tiles is not split."""
     cfg = w4a16_gemm._config(1, 4096, 4096, 128, 132)
-    assert cfg.gemv and cfg.split == 8 and cfg.block_k == 128
-    assert w4a16_gemm._config(1, 28672, 4096, 128, 132).split == 1
+    assert cfg.gemv and cfg.split == 4 and cfg.block_k == 128 and cfg.block_n == 128
+    assert w4a16_gemm._config(1, 28672, 4096, 128, 132).split == 4
+    assert w4a16_gemm._config(1, 4096, 896, 128, 132).split == 1
     assert not w4a16_gemm._config(64, 4096, 4096, 128, 132).gemv
