@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoserve.kernels.w4a16_gemm import dequantize_w4
+from nanoserve.kernels.w4a16_reference import dequantize_w4
 from nanoserve.layers.linear import Linear
 from nanoserve.quantization.w4_formats import G_IDX, SCALES, W4Weights, checkpoint_tensors, param_dtype, to_w4
 from nanoserve.quantization.w4_packing import PACK, pack

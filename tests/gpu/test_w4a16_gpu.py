@@ -8,7 +8,8 @@ from checkpoints import write_checkpoint
 from w4_checkpoints import W4Format, write_w4_checkpoint
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.kernels.w4a16_gemm import w4a16_linear, w4a16_linear_ref
+from nanoserve.kernels.w4a16_gemm import w4a16_linear
+from nanoserve.kernels.w4a16_reference import w4a16_linear_ref
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

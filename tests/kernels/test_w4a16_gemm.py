@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from nanoserve.kernels import w4a16_gemm
-from nanoserve.kernels.w4a16_gemm import w4a16_linear, w4a16_linear_ref
+from nanoserve.kernels.w4a16_gemm import w4a16_linear
+from nanoserve.kernels.w4a16_reference import w4a16_linear_ref
 
 
 def random_w4(n: int, k: int, group: int, zeros: bool, perm: bool, gen: torch.Generator):

@@ -10,7 +10,7 @@ import torch
 from w4_checkpoints import W4Format, write_w4_checkpoint
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.kernels.w4a16_gemm import dequantize_w4
+from nanoserve.kernels.w4a16_reference import dequantize_w4
 from nanoserve.layers.linear import Linear
 from nanoserve.quantization.w4_linear import W4LinearMethod
 
