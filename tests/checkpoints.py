@@ -103,3 +103,13 @@ def write_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
     model.save_pretrained(path, safe_serialization=True)
     write_tokenizer(path)
     return path
+
+
+def write_quantized_config(path: Path, source: Path, qc: dict) -> str:
+    """A model directory at `path` whose config.json is source's with quantization_config `qc` (config checks only:
+    no weights)."""
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = qc
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)

@@ -3,6 +3,7 @@ for 64 mixed-length prompts with prefix-cache hits and preemption (with async sc
 
 import pytest
 import torch
+from call_counts import count_calls
 from checkpoints import write_checkpoint
 from prompts import mixed_prompts
 
@@ -34,16 +35,6 @@ def eager_torch(ckpt) -> LLM:
     for layer in llm.engine.runner.attn_layers:
         layer.backend = TorchBackend
     return llm
-
-
-def count_calls(obj, name: str, counter: dict, key: str) -> None:
-    original = getattr(obj, name)
-
-    def counted(*args):
-        counter[key] += 1
-        return original(*args)
-
-    setattr(obj, name, counted)
 
 
 def test_triton_and_graphs_match_eager_torch(ckpt):

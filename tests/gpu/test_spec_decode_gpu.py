@@ -4,6 +4,7 @@ steps without drafts replay decode graphs and verify steps the prefill graphs.""
 
 import pytest
 import torch
+from call_counts import count_calls
 from checkpoints import write_checkpoint
 
 from nanoserve import LLM, SamplingParams
@@ -35,16 +36,6 @@ def prompts() -> list[list[int]]:
 
 def run(llm: LLM, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)]
-
-
-def count_calls(obj, name: str, counter: dict, key: str) -> None:
-    original = getattr(obj, name)
-
-    def counted(*args):
-        counter[key] += 1
-        return original(*args)
-
-    setattr(obj, name, counted)
 
 
 def test_greedy_tokens_unchanged_under_graphs(ckpt):

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from checkpoints import write_quantized_config
 from fp8_checkpoints import Format, write_fp8_checkpoint
 
 from nanoserve import LLM, EngineArgs
@@ -66,11 +67,7 @@ def test_detected_schemes():
 
 
 def write_config(path, checkpoints, arch: str, qc: dict) -> str:
-    config = json.loads((checkpoints[arch] / "config.json").read_text())
-    config["quantization_config"] = qc
-    path.mkdir(exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
-    return str(path)
+    return write_quantized_config(path, checkpoints[arch], qc)
 
 
 def test_block_that_does_not_divide_the_shards_is_refused(tmp_path, checkpoints):

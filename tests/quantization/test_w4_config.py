@@ -4,6 +4,7 @@ ones it runs are read as their formats mean."""
 import json
 
 import pytest
+from checkpoints import write_quantized_config
 from safetensors.torch import load_file, save_file
 from w4_checkpoints import W4Format, write_w4_checkpoint
 
@@ -61,11 +62,7 @@ def test_detected_schemes():
 
 
 def write_config(path, checkpoints, arch: str, qc: dict) -> str:
-    config = json.loads((checkpoints[arch] / "config.json").read_text())
-    config["quantization_config"] = qc
-    path.mkdir(exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
-    return str(path)
+    return write_quantized_config(path, checkpoints[arch], qc)
 
 
 def test_shapes_the_scheme_cannot_split_are_refused(tmp_path, checkpoints):
