@@ -3,7 +3,8 @@
 The conversations are bench/multi_turn.py's (a shared system prompt, each conversation's history growing turn by
 turn), sent as token-id prompts to /v1/completions with max_tokens 1, so that a request's time is its time to first
 token. Turn by turn: every conversation's turn t is sent, up to --max-concurrency at once, before any turn t + 1, so
-that by the time a conversation comes back the others have pushed its history out of a small KV pool. What it
+that by the time a conversation comes back the others have pushed its history out of a small KV pool; each turn's
+conversations go in a new seeded order, as users' do. What it
 measures, from turn 2 on: TTFT (the request's whole time, the client's view) and the prompt tokens the server found
 cached (`usage.prompt_tokens_details.cached_tokens`), as a hit rate. Run it against `serve --data-parallel-size N
 --data-parallel-routing POLICY` for each policy, against one replica with N times the KV pool, or through
@@ -12,6 +13,7 @@ cached (`usage.prompt_tokens_details.cached_tokens`), as a hit rate. Run it agai
 
 import argparse
 import asyncio
+import random
 import time
 
 import aiohttp
@@ -63,8 +65,12 @@ async def run_http(ns: argparse.Namespace, recipe: dict, conversations, history)
             # The one generated token is not known as an id here: the answer's random ids stand for it too.
             histories[index] += question + answer
 
+        # Each turn in its own seeded order: in one fixed order, round-robin over N replicas sends conversation i
+        # to replica i mod N every turn (as sticky as cache-aware routing, by accident of the benchmark).
+        rng = random.Random(ns.seed)
         for t in range(ns.turns):
-            await asyncio.gather(*(send(i, t) for i in range(len(turns))))
+            order = rng.sample(range(len(turns)), len(turns))
+            await asyncio.gather(*(send(i, t) for i in order))
     return {
         "bench": "multi-turn",
         "base_url": base,

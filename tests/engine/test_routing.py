@@ -1,5 +1,7 @@
 """runtime/routing.py: prefix hashes, the LRU prefix index, and the three policies' choices."""
 
+from collections import Counter
+
 import pytest
 
 from nanoserve.runtime.routing import PrefixIndex, RoutingConfig, RoutingPolicy, prefix_hashes
@@ -51,6 +53,23 @@ def test_cache_aware_follows_the_prefix_and_falls_back_to_least_load():
     assert short_cfg.choose("x" * 64 + "other tail", {"a": 5, "b": 0}) == "b"
 
 
+def test_a_shared_prefix_spreads_and_each_conversation_stays():
+    # Eight conversations behind one 10-chunk system prompt: once two have continued it differently it is shared,
+    # so new ones spread by load (not all to the backend that saw it first), and each comes back to its own.
+    policy = RoutingPolicy(RoutingConfig(), backends=range(4))
+    system = list(range(1000, 1160))
+    turns = [system + [i] * 32 for i in range(8)]
+    loads = dict.fromkeys(range(4), 0)
+    home = []
+    for prompt in turns:
+        home.append(policy.choose(prompt, loads))
+        loads[home[-1]] += 1
+    assert sorted(Counter(home).values()) == [2, 2, 2, 2]
+    assert policy.shared_prefix(prefix_hashes(turns[0], CONFIG)) == 10
+    idle = dict.fromkeys(range(4), 0)
+    assert [policy.choose(prompt + [7] * 48, idle) for prompt in turns] == home
+
+
 def test_cache_aware_leaves_an_overloaded_backend():
     policy = RoutingPolicy(RoutingConfig(balance_abs=8, balance_rel=0.25), backends=["a", "b"])
     assert policy.choose(LONG, {"a": 0, "b": 0}) == "a"
@@ -87,3 +106,5 @@ def test_backends_come_and_go_and_bad_input_is_refused():
         RoutingConfig(policy="random")
     with pytest.raises(ValueError, match="chunk_tokens"):
         RoutingConfig(chunk_tokens=0)
+    with pytest.raises(ValueError, match="hot_children"):
+        RoutingConfig(hot_children=0)
