@@ -99,12 +99,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         assert order.shape == (q.shape[0],) and order.is_contiguous(), "order must be a contiguous permutation [B]"
     _decode_split_kernel[launch.grid](
         q, k_cache, v_cache, seq_lens, block_tables, launch.mid_o, launch.mid_lse, out, launch.counters,
-        order if order is not None else seq_lens, scale * kv_scales(k_cache, k_scale) * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
-        q.shape[1] // k_cache.shape[2],
+        order if order is not None else seq_lens, scale * kv_scales(k_cache, k_scale) * LOG2E, q.stride(0),
+        q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0),
+        out.stride(1), q.shape[1] // k_cache.shape[2],
         launch.grid[2],  # num_splits as a runtime value: one compiled kernel serves every batch's split count
-        window or 0, sinks, (softcap or 0.0) * LOG2E, kv_scales(k_cache, v_scale), HAS_ORDER=order is not None, WINDOW=window is not None,
-        SINKS=sinks is not None, SOFTCAP=softcap is not None, **launch.options)
+        window or 0, sinks, (softcap or 0.0) * LOG2E, kv_scales(v_cache, v_scale), HAS_ORDER=order is not None,
+        WINDOW=window is not None, SINKS=sinks is not None, SOFTCAP=softcap is not None, **launch.options)
     launch_reduce(launch, out)
     return out
 

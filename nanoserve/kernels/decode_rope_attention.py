@@ -175,11 +175,12 @@ def decode_rope_attention(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int
     _decode_rope_split_kernel[launch.grid](
         qkv, q_weight if has_norm else cos, k_weight if has_norm else cos,  # cos stands in for unused weights
         cos, sin, positions, slot_mapping, k_cache, v_cache, seq_lens, block_tables, launch.mid_o, launch.mid_lse,
-        out, launch.counters, scale * kv_scales(k_cache, k_scale) * LOG2E, eps, qkv.stride(0), cos.stride(0), k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
+        out, launch.counters, scale * kv_scales(k_cache, k_scale) * LOG2E, eps, qkv.stride(0), cos.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         num_q_heads // num_kv_heads, launch.grid[2], window or 0, sinks, (softcap or 0.0) * LOG2E, k_scale,
-        kv_scales(v_cache, v_scale), HAS_NORM=has_norm, NORM_OFFSET=float(norm_offset), ROT_HALF=cos.shape[1], PREFETCH=prefetch,
-        WINDOW=window is not None, SINKS=sinks is not None, SOFTCAP=softcap is not None, **launch.options)
+        kv_scales(v_cache, v_scale), HAS_NORM=has_norm, NORM_OFFSET=float(norm_offset), ROT_HALF=cos.shape[1],
+        PREFETCH=prefetch, WINDOW=window is not None, SINKS=sinks is not None, SOFTCAP=softcap is not None,
+        **launch.options)
     launch_reduce(launch, out)
     return out
 

@@ -1,7 +1,7 @@
 """The fp8 KV cache's two conversions in PyTorch (the references, and the CPU's path): a value goes in as
 clamp(x / scale, -448, 448) rounded to float8_e4m3fn, and comes out as that times scale, with one scale per layer
-for keys and one for values (EngineArgs.kv_cache_dtype; docs/quantization.md says where the scales come from). A
-cache of any other dtype stores values as they are, and its scales are 1."""
+for keys and one for values (EngineArgs.kv_cache_dtype; docs/architecture.md, under quantization/, says where the
+scales come from). A cache of any other dtype stores values as they are, and its scales are 1."""
 
 import torch
 

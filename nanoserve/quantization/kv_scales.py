@@ -24,7 +24,7 @@ def kv_scale_target(ckpt_name: str) -> tuple[str, tuple[str, ...]] | None:
     """For a KV scale tensor: its layer's attention prefix (`....self_attn`) and the scales it sets; else None."""
     for suffix, names in _SUFFIXES.items():
         if ckpt_name.endswith(suffix):
-            return ckpt_name[:-len(suffix)] + ".self_attn", names
+            return ckpt_name[: -len(suffix)] + ".self_attn", names
     return None
 
 
@@ -39,8 +39,10 @@ def set_kv_scale(model: nn.Module, ckpt_name: str, tensor: torch.Tensor) -> None
     if attn is None:
         raise ValueError(f"model: checkpoint tensor {ckpt_name!r} matches no attention layer")
     if tensor.numel() != 1:
-        raise ValueError(f"model: {ckpt_name!r} has shape {tuple(tensor.shape)}: only one KV cache scale per layer "
-                         "(per-tensor) is supported, not per-head ones")
+        raise ValueError(
+            f"model: {ckpt_name!r} has shape {tuple(tensor.shape)}: only one KV cache scale per layer "
+            "(per-tensor) is supported, not per-head ones"
+        )
     value = float(tensor.float().item())
     if not 0 < value < float("inf"):
         raise ValueError(f"model: {ckpt_name!r} must be a positive finite scale, got {value}")

@@ -116,7 +116,8 @@ class LongContextAttention:
         """Replace each long-context sequence's rows of `out` with attention over all of its keys, each piece by
         `attention` (the layer's backend's: kernels/chunk_attention.py's kernel, or its PyTorch reference). A
         sliding window leaves out older chunks that no row sees; sinks join the merged result once, at the end; softcap
-        (Gemma 2's) caps every piece's scores; k_scale, v_scale: an fp8 cache's (the ring holds its bytes as they are)."""
+        (Gemma 2's) caps every piece's scores; k_scale, v_scale: an fp8 cache's (the ring holds its bytes as they
+        are)."""
         scales = {"k_scale": k_scale, "v_scale": v_scale}
         bs = self.block_size
         for row, window_ids, chunks in zip(self.rows, self.windows, self.chunks, strict=True):

@@ -25,8 +25,12 @@ def _prompts() -> list[list[int]]:
 
 def _prompt_logprobs(llm: LLM) -> list[float]:
     outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    return [lp[t].logprob for o, p in zip(outs, _prompts(), strict=True)
-            for lp, t in zip(o.prompt_logprobs, p, strict=True) if lp is not None]
+    return [
+        lp[t].logprob
+        for o, p in zip(outs, _prompts(), strict=True)
+        for lp, t in zip(o.prompt_logprobs, p, strict=True)
+        if lp is not None
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +52,12 @@ def test_fp8_cache_agrees_with_the_model_dtype(llama_dir, auto_logprobs, value):
 
 
 def test_twice_the_blocks_of_bf16_in_the_same_memory(llama_dir):
-    blocks = {value: num_blocks_for(EngineArgs(str(llama_dir), dtype="bfloat16", kv_cache_dtype=value)
-                                    .create_config(), 1 << 24) for value in ("auto", "fp8")}
+    blocks = {
+        value: num_blocks_for(
+            EngineArgs(str(llama_dir), dtype="bfloat16", kv_cache_dtype=value).create_config(), 1 << 24
+        )
+        for value in ("auto", "fp8")
+    }
     assert blocks["fp8"] == 2 * blocks["auto"]
 
 
@@ -58,23 +66,36 @@ def test_scales_from_the_checkpoint(llama_dir, auto_logprobs, tmp_path):
     config. Scales far from 1 still agree with the unquantized cache: they are applied on the way in and out."""
     path = tmp_path / "fp8kv"
     shutil.copytree(llama_dir, path)
-    save_file({"model.layers.0.self_attn.k_proj.k_scale": torch.tensor(0.02),
-               "model.layers.0.self_attn.v_proj.v_scale": torch.tensor([0.01]),
-               "model.layers.1.self_attn.kv_scale": torch.tensor(4.0)}, path / "kv_scales.safetensors")
+    save_file(
+        {
+            "model.layers.0.self_attn.k_proj.k_scale": torch.tensor(0.02),
+            "model.layers.0.self_attn.v_proj.v_scale": torch.tensor([0.01]),
+            "model.layers.1.self_attn.kv_scale": torch.tensor(4.0),
+        },
+        path / "kv_scales.safetensors",
+    )
     fp8 = LLM(str(path), num_kv_blocks=64, kv_cache_dtype="fp8")
     layers = fp8.engine.runner.model.model.layers
-    assert [(layer.self_attn.attn.k_scale, layer.self_attn.attn.v_scale) for layer in layers] == \
-        [(pytest.approx(0.02), pytest.approx(0.01)), (4.0, 4.0)]
+    assert [(layer.self_attn.attn.k_scale, layer.self_attn.attn.v_scale) for layer in layers] == [
+        (pytest.approx(0.02), pytest.approx(0.01)),
+        (4.0, 4.0),
+    ]
     _assert_within_bound(fp8, auto_logprobs)
     auto = LLM(str(path), num_kv_blocks=64)  # a cache in the model's dtype skips them
-    assert (auto.engine.runner.model.model.layers[1].self_attn.attn.k_scale, auto.engine.runner.kv_cache[0][0].dtype) \
-        == (1.0, torch.float32)
+    assert (
+        auto.engine.runner.model.model.layers[1].self_attn.attn.k_scale,
+        auto.engine.runner.kv_cache[0][0].dtype,
+    ) == (1.0, torch.float32)
 
-    save_file({"model.layers.0.self_attn.k_scale": torch.tensor(2.0),
-               "model.layers.0.self_attn.v_scale": torch.tensor(3.0)}, path / "kv_scales.safetensors")
+    save_file(
+        {"model.layers.0.self_attn.k_scale": torch.tensor(2.0), "model.layers.0.self_attn.v_scale": torch.tensor(3.0)},
+        path / "kv_scales.safetensors",
+    )
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "compressed-tensors", "kv_cache_scheme": {
-        "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True},
+    }
     (path / "config.json").write_text(json.dumps(config))
     llm = LLM(str(path), num_kv_blocks=16, kv_cache_dtype="fp8")
     attn = llm.engine.runner.model.model.layers[0].self_attn.attn
@@ -100,6 +121,7 @@ def test_refused(llama_dir, tmp_path):
     path = tmp_path / "per_head"
     shutil.copytree(llama_dir, path)
     save_file({"model.layers.0.self_attn.k_scale": torch.ones(2)}, path / "kv_scales.safetensors")
-    with pytest.raises(ValueError, match="'model.layers.0.self_attn.k_scale' has shape \\(2,\\): only one KV cache "
-                                         "scale per layer"):
+    with pytest.raises(
+        ValueError, match="'model.layers.0.self_attn.k_scale' has shape \\(2,\\): only one KV cache scale per layer"
+    ):
         LLM(str(path), num_kv_blocks=16, kv_cache_dtype="fp8")

@@ -71,8 +71,9 @@ def test_qkv_rope_store_fp8(norm, device, gen):
     caches = [quantize_kv(torch.randn(blocks, bs, hkv, d, generator=gen), FP8).to(device) for _ in range(2)]
     want_qkv, want_k, want_v = qkv.clone(), caches[0].clone(), caches[1].clone()
     qkv_rope_store(qkv, hq, hkv, positions, cos, sin, *weights, 1e-6, *caches, slots, k_scale=K_SCALE, v_scale=V_SCALE)
-    qkv_rope_store_ref(want_qkv, hq, hkv, positions, cos, sin, *weights, 1e-6, want_k, want_v, slots,
-                       k_scale=K_SCALE, v_scale=V_SCALE)
+    qkv_rope_store_ref(
+        want_qkv, hq, hkv, positions, cos, sin, *weights, 1e-6, want_k, want_v, slots, k_scale=K_SCALE, v_scale=V_SCALE
+    )
     torch.testing.assert_close(qkv, want_qkv, atol=1e-5, rtol=1e-5)
     _assert_same_fp8(caches[0], want_k)
     _assert_same_fp8(caches[1], want_v)
@@ -86,8 +87,9 @@ def test_reference_reads_scaled_values(make_paged_kv, gen, device):
     q = torch.randn(2, 4, 64, generator=gen).to(device)
     seq = torch.tensor([7, 40], dtype=torch.int32, device=device)
     got = decode_attention_ref(q, k8, v8, seq, tables, 0.125, k_scale=K_SCALE, v_scale=V_SCALE)
-    want = decode_attention_ref(q, dequantize_kv(k8, torch.float32, K_SCALE), dequantize_kv(v8, torch.float32, V_SCALE),
-                                seq, tables, 0.125)
+    want = decode_attention_ref(
+        q, dequantize_kv(k8, torch.float32, K_SCALE), dequantize_kv(v8, torch.float32, V_SCALE), seq, tables, 0.125
+    )
     torch.testing.assert_close(got, want)
 
 
@@ -110,8 +112,9 @@ def test_decode_attention_fp8(case, make_paged_kv, gen, device, tol):
     seq = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     counters = torch.zeros(len(seq_lens) * hkv, dtype=torch.int32, device=device) if fused else None
     want = decode_attention_ref(q, k8, v8, seq, tables, 0.125, k_scale=K_SCALE, v_scale=V_SCALE)
-    got = decode_attention(q, k8, v8, seq, tables, 0.125, num_splits=num_splits, counters=counters,
-                           k_scale=K_SCALE, v_scale=V_SCALE)
+    got = decode_attention(
+        q, k8, v8, seq, tables, 0.125, num_splits=num_splits, counters=counters, k_scale=K_SCALE, v_scale=V_SCALE
+    )
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, **tol[dtype])
 
@@ -128,21 +131,32 @@ def test_decode_rope_attention_fp8(make_paged_kv, gen, device, tol):
     freqs = torch.randn(max(seq_lens), d // 2, generator=gen)
     cos, sin = freqs.cos().to(device), freqs.sin().to(device)
     positions = torch.tensor([n - 1 for n in seq_lens], device=device)
-    slots = torch.tensor([int(tables[b, (n - 1) // bs]) * bs + (n - 1) % bs for b, n in enumerate(seq_lens)],
-                         device=device)
+    slots = torch.tensor(
+        [int(tables[b, (n - 1) // bs]) * bs + (n - 1) % bs for b, n in enumerate(seq_lens)], device=device
+    )
     seq = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     args = (qkv, hq, hkv, positions, cos, sin, None, None, 1e-6)
     k_ref, v_ref = k8.clone(), v8.clone()
     decode_rope_attention_ref(*args, k_ref, v_ref, slots, seq, tables, 0.125, k_scale=K_SCALE, v_scale=V_SCALE)
-    got = decode_rope_attention(*args, k8, v8, slots, seq, tables, 0.125, num_splits=2,
-                                counters=torch.zeros(len(seq_lens) * hkv, dtype=torch.int32, device=device),
-                                k_scale=K_SCALE, v_scale=V_SCALE)
+    got = decode_rope_attention(
+        *args,
+        k8,
+        v8,
+        slots,
+        seq,
+        tables,
+        0.125,
+        num_splits=2,
+        counters=torch.zeros(len(seq_lens) * hkv, dtype=torch.int32, device=device),
+        k_scale=K_SCALE,
+        v_scale=V_SCALE,
+    )
     _assert_same_fp8(k8, k_ref)
     _assert_same_fp8(v8, v_ref)
     # Attention over what the kernel stored (see _assert_same_fp8 for why it may differ in a few values).
     q = qkv.clone()
     qkv_rope_store_ref(q, hq, hkv, positions, cos, sin, None, None, 1e-6, k_ref.clone(), v_ref.clone(), slots)
-    q = q[:, :hq * d].view(-1, hq, d)
+    q = q[:, : hq * d].view(-1, hq, d)
     want = decode_attention_ref(q, k8, v8, seq, tables, 0.125, k_scale=K_SCALE, v_scale=V_SCALE)
     torch.testing.assert_close(got, want, **tol[torch.float32])
 
@@ -174,9 +188,9 @@ def test_chunk_attention_fp8(make_paged_kv, gen, device):
     for attend in (chunk_attention, chunk_attention_ref):
         out = torch.empty(5, hq, d, device=device)
         lse = torch.empty(5, hq, device=device)
-        attend(q, k8, v8, tables[0, :2], 32, 60, 60, 0.125, out, lse, accumulate=False, k_scale=K_SCALE,
-               v_scale=V_SCALE)
-        attend(q, k8, v8, tables[0, 2:4], 32, 0, 60, 0.125, out, lse, accumulate=True, k_scale=K_SCALE,
-               v_scale=V_SCALE)
+        attend(
+            q, k8, v8, tables[0, :2], 32, 60, 60, 0.125, out, lse, accumulate=False, k_scale=K_SCALE, v_scale=V_SCALE
+        )
+        attend(q, k8, v8, tables[0, 2:4], 32, 0, 60, 0.125, out, lse, accumulate=True, k_scale=K_SCALE, v_scale=V_SCALE)
         results.append((out, lse))
     torch.testing.assert_close(results[0], results[1], atol=1e-5, rtol=1e-5)

@@ -89,14 +89,14 @@ def _prefill_attention_kernel(
     # The constexprs go by name, not in `args`: compiled Triton makes a tuple of tensors of it (a string fails).
     if BLOCK_M > 16:
         if q_rows - start_r <= 16:
-            _attend_rows(*args, PACK, SPLITS, WINDOW, SINKS, SOFTCAP, KV_FP8, DOT_PRECISION, HEAD_DIM, BLOCK_SIZE, 16, BLOCK_M,
-                         BLOCK_N)
-        else:
-            _attend_rows(*args, PACK, SPLITS, WINDOW, SINKS, SOFTCAP, KV_FP8, DOT_PRECISION, HEAD_DIM, BLOCK_SIZE, BLOCK_M,
+            _attend_rows(*args, PACK, SPLITS, WINDOW, SINKS, SOFTCAP, KV_FP8, DOT_PRECISION, HEAD_DIM, BLOCK_SIZE, 16,
                          BLOCK_M, BLOCK_N)
+        else:
+            _attend_rows(*args, PACK, SPLITS, WINDOW, SINKS, SOFTCAP, KV_FP8, DOT_PRECISION, HEAD_DIM, BLOCK_SIZE,
+                         BLOCK_M, BLOCK_M, BLOCK_N)
     else:
-        _attend_rows(*args, PACK, SPLITS, WINDOW, SINKS, SOFTCAP, KV_FP8, DOT_PRECISION, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_M,
-                     BLOCK_N)
+        _attend_rows(*args, PACK, SPLITS, WINDOW, SINKS, SOFTCAP, KV_FP8, DOT_PRECISION, HEAD_DIM, BLOCK_SIZE, BLOCK_M,
+                     BLOCK_M, BLOCK_N)
 
 
 def prefill_attention(
