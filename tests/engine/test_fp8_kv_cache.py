@@ -125,3 +125,18 @@ def test_refused(llama_dir, tmp_path):
         ValueError, match="'model.layers.0.self_attn.k_scale' has shape \\(2,\\): only one KV cache scale per layer"
     ):
         LLM(str(path), num_kv_blocks=16, kv_cache_dtype="fp8")
+
+
+def test_refused_on_gpus_without_fp8(monkeypatch):
+    """Compute capability under 8.9 (an A100's 8.0) has no fp8 conversions: refused at start, as a GPU would see it."""
+    from pathlib import Path
+
+    from nanoserve import config
+
+    monkeypatch.setattr(config, "resolve_device", lambda device: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    model = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "qwen3-0.6b"
+    with pytest.raises(ValueError, match="^kv_cache_dtype: 'fp8' needs a GPU of compute capability 8.9 or later"):
+        EngineArgs(str(model), load_format="dummy", kv_cache_dtype="fp8").create_config()
+    assert EngineArgs(str(model), load_format="dummy").create_config().kv_dtype == torch.bfloat16
