@@ -1,7 +1,7 @@
-"""kv_cache_dtype fp8 on the CPU engine (the PyTorch path; the kernels' fp8 paths are tests/kernels/test_fp8_kv_cache.py
-and tests/gpu/test_fp8_kv_gpu.py): it agrees with the model-dtype cache within a stated bound, fits twice the
-blocks, takes the checkpoint's scales, long-context mode and the CPU tier move its bytes, and bad values are
-refused."""
+"""kv_cache_dtype fp8 on the CPU engine (the PyTorch path; the kernels' fp8 paths are in
+tests/kernels/test_fp8_kv_kernels.py and tests/gpu/test_fp8_kv_gpu.py): it agrees with the model-dtype cache within a
+stated bound, fits twice the blocks, takes the checkpoint's scales, long-context mode and the CPU tier move its bytes,
+and bad values are refused."""
 
 import json
 import shutil

@@ -102,7 +102,7 @@ def test_fp8_cache_agrees_with_bf16_cache(ckpt):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
 def test_decode_and_prefill_kernels_bf16(dtype):
-    """The kernels' fp8 reads with bf16 queries against the references (tests/kernels/test_fp8_kv_cache.py runs fp32
+    """The kernels' fp8 reads with bf16 queries against the references (tests/kernels/test_fp8_kv_kernels.py runs fp32
     and fp16 queries on the GPU too)."""
     from nanoserve.kernels.decode_attention import decode_attention, decode_attention_ref
     from nanoserve.kernels.kv_quant import quantize_kv
