@@ -130,3 +130,34 @@ def test_decode_and_prefill_kernels_bf16(dtype):
         atol=2e-2,
         rtol=2e-2,
     )
+
+
+def test_long_context_streams_fp8_blocks(tmp_path, monkeypatch):
+    """A 1,500-token prompt through a 256-token GPU pool of fp8 blocks: its older blocks go to an fp8 CPU pool on the
+    copy stream (half the bytes) and come back through the ring to the chunk kernel. Against an fp8 pool that holds
+    it: the pieces round differently from one pass over all keys, so the first tokens must agree (as
+    tests/gpu/test_kv_offload_gpu.py asks of bf16)."""
+    from nanoserve.worker import kv_ring
+
+    monkeypatch.setattr(kv_ring, "RING_SLOT_TOKENS", 256)
+    ckpt = write_checkpoint(
+        tmp_path / "qwen3",
+        "qwen3",
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_hidden_layers=3,
+        max_position_embeddings=2048,
+    )
+    prompt = torch.randint(2, 384, (1500,), generator=torch.Generator().manual_seed(2)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    common = dict(device="cuda", dtype="float32", max_model_len=2048, kv_cache_dtype="fp8")
+    big = LLM(str(ckpt), num_kv_blocks=4096, **common)
+    reference = big.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    del big
+    small = LLM(str(ckpt), num_kv_blocks=16, block_size=16, max_num_batched_tokens=512, kv_offload_gb=0.05, **common)
+    tokens = small.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert small.engine.runner.offloader.cpu.dtype == torch.float8_e4m3fn
+    assert small.engine.block_manager.cpu.allocated >= (1500 - 256) // 16
+    assert tokens[:2] == reference[:2]
