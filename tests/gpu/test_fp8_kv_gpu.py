@@ -72,8 +72,9 @@ def test_kernels_and_graphs_match_eager_torch_on_an_fp8_cache(ckpt, dtype, min_e
 
 def test_fp8_cache_agrees_with_bf16_cache(ckpt):
     """bf16 with CUDA graphs: teacher-forced log-probabilities of the prompts' tokens (prefill, chunked at 64 tokens a
-    step, and over a cached prefix) with an fp8 cache against a bf16 one. The CPU engine's fp32 run of another tiny
-    model measured a mean difference of 0.12 nats (tests/engine/test_fp8_kv_cache.py); the bound here is wider."""
+    step; prompt_logprobs requests take no prefix hits, which the test above has) with an fp8 cache against a bf16
+    one. The CPU engine's fp32 run of another tiny model measured a mean difference of 0.12 nats
+    (tests/engine/test_fp8_kv_cache.py); the bound here is wider, not yet measured on a GPU."""
     prompts = mixed_prompts(384, 48, 200, num=16)
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
 
