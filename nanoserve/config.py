@@ -14,6 +14,9 @@ from nanoserve.quantization.w4_scheme import W4Scheme
 from nanoserve.spec_decode.config import SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# kv_cache_dtype values that store the cache as float8_e4m3fn (vLLM's names; fp8 means e4m3 there too).
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+
 # The other names vLLM's --dtype takes.
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
 # config.json keys nanoserve cannot guess.
@@ -323,6 +326,10 @@ class EngineArgs:
                                           "compressed-tensors, fp8, gptq, awq or mxfp4: what a quantized "
                                           "checkpoint's quantization_config says, which is read without this flag; "
                                           "None: as the checkpoint is")
+    kv_cache_dtype: str = _arg("auto", "the KV cache's storage: auto (the model's dtype), fp8 or fp8_e4m3 (both "
+                                       "float8_e4m3fn with a scale per layer for keys and one for values, from the "
+                                       "checkpoint where it has them, else 1.0: half the bytes, twice the tokens; "
+                                       "CUDA needs compute capability 8.9 or later)")
     pdl: bool = _arg(True, "CUDA: launch kernels with programmatic dependent launch on compute capability 9.0+ "
                            "(--no-pdl to measure what it gives or rule it out)")
     speculative_config: dict | None = _arg(None, "speculative decoding, as a JSON object: {\"method\": \"ngram\", "
@@ -389,9 +396,13 @@ class EngineConfig:
         if not isinstance(args.pdl, bool):
             raise ValueError(f"pdl: must be True or False, got {args.pdl!r}")
         _check_profile_engine(args)
+        _check_kv_cache_dtype(args.kv_cache_dtype)
         device = resolve_device(args.device)
         if device.type == "cuda":
             _check_kernel_shapes(args, model)
+            if args.kv_cache_dtype in FP8_KV_CACHE_DTYPES and torch.cuda.get_device_capability(device) < (8, 9):
+                raise ValueError(f"kv_cache_dtype: {args.kv_cache_dtype!r} needs a GPU of compute capability 8.9 or "
+                                 f"later (fp8 arithmetic), this one is {torch.cuda.get_device_capability(device)}")
             ranks_here = args.tensor_parallel_size // args.nnodes
             if ranks_here > torch.cuda.device_count():
                 raise ValueError(f"tensor_parallel_size: {ranks_here} ranks on this node, but torch sees "
@@ -400,6 +411,11 @@ class EngineConfig:
         max_model_len, source = _resolve_max_model_len(args.max_model_len, model)
         return cls(args, model_dir, args.tokenizer or model_dir, model, dtype, device, max_model_len, source,
                    _load_chat_template(args.chat_template), quantization, speculative)
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """What the KV cache stores: the model's dtype, or fp8 (e4m3) for kv_cache_dtype fp8."""
+        return torch.float8_e4m3fn if self.args.kv_cache_dtype in FP8_KV_CACHE_DTYPES else self.dtype
 
     @property
     def num_kv_heads_per_rank(self) -> int:
@@ -423,9 +439,16 @@ class EngineConfig:
         dtype = str(self.dtype).removeprefix("torch.")
         block = self.args.block_size
         quantized = f"; {self.quantization.describe()}" if self.quantization else ""
+        kv_dtype = str(self.kv_dtype).removeprefix("torch.")
         return (f"loaded {self.model.architecture} {weights} from {self.model_dir} as {dtype} on {self.device}"
-                f"{quantized}; KV cache {num_kv_blocks} blocks x {block} = {num_kv_blocks * block} tokens; "
+                f"{quantized}; KV cache {num_kv_blocks} blocks x {block} = {num_kv_blocks * block} tokens in "
+                f"{kv_dtype}; "
                 f"max_model_len {self.max_model_len} ({self.max_model_len_source})")
+
+
+def _check_kv_cache_dtype(value: str) -> None:
+    if value not in ("auto", *FP8_KV_CACHE_DTYPES):
+        raise ValueError(f"kv_cache_dtype: must be auto, fp8 or fp8_e4m3, got {value!r}")
 
 
 def _check_kernel_shapes(args: EngineArgs, model: ModelConfig) -> None:

@@ -3,7 +3,7 @@
 # Usage, on the GPU machine from the repo root (the model configs are the repository's benchmarks/configs):
 #   NANOSERVE_COMMIT=<sha> bash scripts/gpu_bench.sh [steps...]
 # Steps: tests throughput latency-qwen latency-llama prefix serve-inf serve-16 multi-turn long-context structured
-# moe-tune moe moe-serve fp8
+# moe-tune moe moe-serve fp8 fp8-kv
 # (default: the first seven, ~20 minutes). structured needs QWEN3_TOKENIZER (scripts/qwen3_tokenizer.py's output).
 # On 2+ GPUs, with TP=2 (or TP=4, 8): tp-tests tp-throughput tp-latency tp-latency-nccl tp-profile tp-profile-nccl
 # tp-70b tp-serve-inf tp-serve-16.
@@ -79,6 +79,13 @@ for step in $steps; do
     # FP8 weights quantized at load beside bf16, batch 1 (table 10).
     fp8) for q in "" "--quantization fp8"; do timeout 120 python -m nanoserve.cli bench latency \
            --model "$cfg/llama-3.1-8b" --max-model-len 4096 --output-len 256 $q; done ;;
+    # The FP8 KV cache beside the model's (bf16) on the throughput recipe, Llama-3.1-8B (table 10): the KV tokens that
+    # fit (kv_cache_tokens in the JSON line) and output tok/s.
+    fp8-kv) for kv in auto fp8; do timeout 280 python -m nanoserve.cli bench throughput --model "$cfg/llama-3.1-8b" \
+              --kv-cache-dtype $kv; done
+            grep -h '^{' "$out/fp8-kv.log" | python3 -c 'import json, sys
+for line in sys.stdin:
+    r = json.loads(line); print(r["kv_cache_dtype"], "KV tokens", r["kv_cache_tokens"], "output tok/s", r["output_tok_s"])' ;;
     serve-inf) timeout 300 $serve ;;
     serve-16) timeout 300 $serve --request-rate 16 ;;
     *) echo "unknown step: $step" ;;

@@ -71,8 +71,10 @@ def environment() -> dict:
 
 
 def engine_facts(config: EngineConfig) -> dict:
-    """What the engine ran with that flags may not say: its dtype and context (lengths are fitted to it)."""
-    return {"dtype": str(config.dtype).removeprefix("torch."), "max_model_len": config.max_model_len}
+    """What the engine ran with that flags may not say: its dtype, its KV cache's, and context (lengths are fitted to
+    it)."""
+    return {"dtype": str(config.dtype).removeprefix("torch."), "kv_cache_dtype": str(config.kv_dtype).removeprefix(
+        "torch."), "max_model_len": config.max_model_len}
 
 
 def json_line(result: dict, sort_keys: bool = False) -> str:

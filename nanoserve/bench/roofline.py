@@ -89,7 +89,7 @@ def kv_bytes_per_token(config) -> int:
     """KV bytes one GPU reads per token of context: its kv heads only under tensor parallelism, where the bounds
     are one GPU's (rank 0's share of the weights over its own bandwidth; the ranks run in parallel)."""
     m = config.model
-    elem = torch.empty((), dtype=config.dtype).element_size()
+    elem = config.kv_dtype.itemsize  # kv_cache_dtype fp8: one byte
     return 2 * m.num_hidden_layers * config.num_kv_heads_per_rank * m.head_dim * elem
 
 

@@ -79,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
               "symm_all_reduce": llm.engine.runner.tp.symm is not None,  # small all-reduces off NCCL (TP on GPUs)
               # What the KV pool held: a pool that fits few sequences (a 70B shape on two cards) keeps the batch
               # small and the figure far under the bound, which assumes every request decodes together.
-              "num_kv_blocks": llm.engine.runner.num_kv_blocks, "preemptions": llm.engine.scheduler.num_preemptions}
+              "num_kv_blocks": llm.engine.runner.num_kv_blocks,
+              "kv_cache_tokens": llm.engine.runner.num_kv_blocks * cfg.args.block_size,  # what fits (kv_cache_dtype)
+              "preemptions": llm.engine.scheduler.num_preemptions}
     if bw is not None:
         model = llm.engine.runner.model
         bound = roofline.decode_bound_seconds([len(p) for p in prompts], out_lens, roofline.weight_bytes(model),

@@ -9,10 +9,13 @@ Keys are paged ([blocks, block_size, kv heads, head_dim], any block stride: a ri
 block side by side works as well as the pool) and listed by `block_ids`; key j sits at position key_pos0 + j and
 query i at q_pos0 + i, which sees keys up to its own position, and with a sliding window W only those after its
 position - W. A layer's attention sinks (gpt-oss) are no piece's: the caller adds them once to the merged result.
-softcap (Gemma 2) caps every score, kernels/softcap.py.
+softcap (Gemma 2) caps every score, kernels/softcap.py. An fp8 cache (or ring) is read with the layer's k_scale and
+v_scale (kernels/kv_quant.py).
 """
 
 import torch
+
+from nanoserve.kernels.kv_quant import dequantize_kv, kv_scales
 
 try:
     import triton
@@ -26,11 +29,12 @@ else:
 def chunk_attention_ref(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, block_ids: torch.Tensor,
                         num_keys: int, key_pos0: int, q_pos0: int, scale: float, out: torch.Tensor,
                         lse: torch.Tensor, accumulate: bool, window: int | None = None,
-                        softcap: float | None = None) -> None:
+                        softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """PyTorch reference (and the CPU path): same contract as chunk_attention."""
     group = q.shape[1] // k_blocks.shape[2]
-    k = k_blocks[block_ids.long()].flatten(0, 1)[:num_keys].float().repeat_interleave(group, 1)  # [N, Hq, D]
-    v = v_blocks[block_ids.long()].flatten(0, 1)[:num_keys].float().repeat_interleave(group, 1)
+    k = dequantize_kv(k_blocks[block_ids.long()].flatten(0, 1)[:num_keys], torch.float32, k_scale)
+    v = dequantize_kv(v_blocks[block_ids.long()].flatten(0, 1)[:num_keys], torch.float32, v_scale)
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [N, Hq, D]
     scores = torch.einsum("mhd,nhd->hmn", q.float(), k) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
@@ -59,8 +63,9 @@ if triton is not None:
     @triton.jit
     def _chunk_attention_kernel(q_ptr, k_ptr, v_ptr, block_ids_ptr, out_ptr, lse_ptr, num_keys, key_pos0, q_pos0,
                                 num_rows, qk_scale, stride_qm, stride_qh, stride_kb, stride_kt, stride_kh,
-                                group, num_q_heads, window, softcap, ACCUMULATE: tl.constexpr,
-                                WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                                group, num_q_heads, window, softcap, v_scale, ACCUMULATE: tl.constexpr,
+                                WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
+                                DOT_PRECISION: tl.constexpr,
                                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                                 BLOCK_N: tl.constexpr):
         # GQA packing: a program serves one kv head, and its tile's entries are (query row, query head of the group)
@@ -91,6 +96,8 @@ if triton is not None:
             kv_offs = blocks * stride_kb + (offs_n % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
             k = tl.load(k_ptr + kv_offs[None, :] + offs_d[:, None], mask=n_ok[None, :], other=0.0)
             v = tl.load(v_ptr + kv_offs[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+            # An fp8 cache's tiles widened to q's dtype (exactly); k_scale is in qk_scale, v_scale applied below.
+            k, v = k.to(q.dtype), v.to(q.dtype)
             # Products in the inputs' precision, accumulated in fp32; the softmax is fp32 throughout.
             qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # log2 units: qk_scale holds log2(e)
             if SOFTCAP:
@@ -108,6 +115,8 @@ if triton is not None:
             m_i = m_new
         nonempty = l_i > 0
         piece = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+        if KV_FP8:
+            piece = piece * v_scale
         ln2 = 0.6931471805599453
         piece_lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * ln2, float("-inf"))
         o_ptrs = out_ptr + (row * num_q_heads + head)[:, None] * HEAD_DIM + offs_d[None, :]
@@ -128,11 +137,12 @@ if triton is not None:
 
 def chunk_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, block_ids: torch.Tensor,
                     num_keys: int, key_pos0: int, q_pos0: int, scale: float, out: torch.Tensor, lse: torch.Tensor,
-                    accumulate: bool, window: int | None = None, softcap: float | None = None) -> None:
+                    accumulate: bool, window: int | None = None, softcap: float | None = None, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> None:
     """q [M, Hq, D] over keys 0..num_keys-1 of k/v_blocks[block_ids] ([blocks, block_size, Hkv, D], the last two
     dims contiguous; k and v with the same strides), into fp32 out [M, Hq, D] and lse [M, Hq] (contiguous): replaced,
     or with accumulate merged with what they hold. window: the sliding window (module docstring), None for none;
-    softcap: the scores' cap, None for none."""
+    softcap: the scores' cap, None for none. k_scale, v_scale: an fp8 cache's scales, ignored for others."""
     assert k_blocks.stride() == v_blocks.stride() and k_blocks.stride(3) == 1 and q.stride(2) == 1
     assert out.is_contiguous() and lse.is_contiguous() and out.dtype == lse.dtype == torch.float32
     rows, heads, head_dim = q.shape
@@ -145,9 +155,11 @@ def chunk_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Ten
     block_m, warps, stages = (64, 4, 2) if rows * group > 16 else (16, 4, 2)
     grid = (triton.cdiv(rows * group, block_m), kv_heads)
     _chunk_attention_kernel[grid](
-        q, k_blocks, v_blocks, block_ids, out, lse, num_keys, key_pos0, q_pos0, rows, scale * 1.4426950408889634,
+        q, k_blocks, v_blocks, block_ids, out, lse, num_keys, key_pos0, q_pos0, rows,
+        scale * kv_scales(k_blocks, k_scale) * 1.4426950408889634,
         q.stride(0), q.stride(1), k_blocks.stride(0), k_blocks.stride(1), k_blocks.stride(2),
-        group, heads, window or 0, (softcap or 0.0) * 1.4426950408889634, ACCUMULATE=accumulate,
-        WINDOW=window is not None, SOFTCAP=softcap is not None,
+        group, heads, window or 0, (softcap or 0.0) * 1.4426950408889634, kv_scales(v_blocks, v_scale),
+        ACCUMULATE=accumulate, WINDOW=window is not None, SOFTCAP=softcap is not None,
+        KV_FP8=k_blocks.dtype == torch.float8_e4m3fn,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HEAD_DIM=head_dim, BLOCK_SIZE=k_blocks.shape[1],
         BLOCK_M=block_m, BLOCK_N=64, num_warps=warps, num_stages=stages)

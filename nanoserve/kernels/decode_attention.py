@@ -24,6 +24,7 @@ import triton.language as tl
 
 from nanoserve.kernels.decode_launch import launch_reduce, plan_split_launch
 from nanoserve.kernels.decode_split import attend_split, split_range
+from nanoserve.kernels.kv_quant import kv_scales
 from nanoserve.kernels.pdl import wait_for_prior_grids
 from nanoserve.kernels.prefill.attention import gather_kv, softmax_with_sinks
 
@@ -34,8 +35,9 @@ LOG2E = 1.4426950408889634  # the kernels use exp2/log2: scores are scaled by sc
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_ptr, mid_o_ptr, mid_lse_ptr,
                          out_ptr, counters_ptr, order_ptr, qk_scale, stride_qb, stride_qh, stride_cb, stride_ct,
                          stride_ch, stride_bt, stride_ob, stride_oh, num_queries_per_kv, num_splits, window,
-                         sinks_ptr, softcap, SPLIT: tl.constexpr, FUSED: tl.constexpr, HAS_ORDER: tl.constexpr,
-                         WINDOW: tl.constexpr, SINKS: tl.constexpr, SOFTCAP: tl.constexpr,
+                         sinks_ptr, softcap, v_scale, SPLIT: tl.constexpr, FUSED: tl.constexpr,
+                         HAS_ORDER: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr, SOFTCAP: tl.constexpr,
+                         KV_FP8: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
                          USE_PDL: tl.constexpr):
@@ -57,20 +59,22 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_ta
     attend_split(q, None, None, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt, mid_o_ptr,
                  mid_lse_ptr, out_ptr, counters_ptr, seq, kv_head, split, seq_len, chunk, kv_start, kv_end, qk_scale,
                  stride_cb, stride_ct, stride_ch, stride_ob, stride_oh, num_queries_per_kv, num_splits, -1, None, None,
-                 sinks_ptr, softcap, False, False, SPLIT, FUSED, WINDOW, SINKS, SOFTCAP, DOT_PRECISION, HEAD_DIM,
-                 BLOCK_SIZE, BLOCK_H, BLOCK_N, BLOCK_G, BLOCK_S)
+                 sinks_ptr, softcap, v_scale, False, False, SPLIT, FUSED, WINDOW, SINKS, SOFTCAP, KV_FP8, DOT_PRECISION,
+                 HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_N, BLOCK_G, BLOCK_S)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                      block_tables: torch.Tensor, scale: float, num_splits: int | None = None,
                      out: torch.Tensor | None = None, counters: torch.Tensor | None = None,
                      order: torch.Tensor | None = None, window: int | None = None,
-                     sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None, softcap: float | None = None, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> torch.Tensor:
     """q [B, num_q_heads, head_dim], one token per sequence at position seq_lens[b] - 1; returns q's shape.
 
     window: a sliding window (the query sees the last `window` keys), None for none. sinks: fp32 [num_q_heads],
     each head's sink logit joining the softmax's denominator (gpt-oss), None for none. softcap: scores capped at
-    softcap * tanh(score / softcap) (Gemma 2; kernels/softcap.py), None for none.
+    softcap * tanh(score / softcap) (Gemma 2; kernels/softcap.py), None for none. k_scale, v_scale: an fp8 cache's
+    scales (kernels/kv_quant.py), ignored for a cache in q's dtype.
 
     num_splits must not depend on tensor values when the call is captured in a CUDA graph; by default it
     comes from shapes only (batch, kv heads, block_tables width). out, if given, is written in place.
@@ -95,12 +99,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         assert order.shape == (q.shape[0],) and order.is_contiguous(), "order must be a contiguous permutation [B]"
     _decode_split_kernel[launch.grid](
         q, k_cache, v_cache, seq_lens, block_tables, launch.mid_o, launch.mid_lse, out, launch.counters,
-        order if order is not None else seq_lens, scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
-        q.shape[1] // k_cache.shape[2],
+        order if order is not None else seq_lens, scale * kv_scales(k_cache, k_scale) * LOG2E, q.stride(0),
+        q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0),
+        out.stride(1), q.shape[1] // k_cache.shape[2],
         launch.grid[2],  # num_splits as a runtime value: one compiled kernel serves every batch's split count
-        window or 0, sinks, (softcap or 0.0) * LOG2E, HAS_ORDER=order is not None, WINDOW=window is not None,
-        SINKS=sinks is not None, SOFTCAP=softcap is not None, **launch.options)
+        window or 0, sinks, (softcap or 0.0) * LOG2E, kv_scales(v_cache, v_scale), HAS_ORDER=order is not None,
+        WINDOW=window is not None, SINKS=sinks is not None, SOFTCAP=softcap is not None, **launch.options)
     launch_reduce(launch, out)
     return out
 
@@ -109,7 +113,8 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          block_tables: torch.Tensor, scale: float, num_splits: int | None = None,
                          out: torch.Tensor | None = None, counters: torch.Tensor | None = None,
                          order: torch.Tensor | None = None, window: int | None = None,
-                         sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+                         sinks: torch.Tensor | None = None, softcap: float | None = None, k_scale: float = 1.0,
+                         v_scale: float = 1.0) -> torch.Tensor:
     """Plain PyTorch version of decode_attention, in fp32; num_splits, counters and order are accepted and
     ignored."""
     group = q.shape[1] // k_cache.shape[2]
@@ -118,7 +123,7 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         if seq_len == 0:
             out[b] = 0
             continue
-        k, v = gather_kv(k_cache, v_cache, block_tables[b], seq_len, group)
+        k, v = gather_kv(k_cache, v_cache, block_tables[b], seq_len, group, k_scale, v_scale)
         first = 0 if window is None else max(seq_len - window, 0)
         k, v = k[:, first:], v[:, first:]
         scores = (k @ q[b].float()[:, :, None]).squeeze(-1) * scale  # [H, keys]

@@ -82,9 +82,10 @@ def plan_split_launch(dtype: torch.dtype, out: torch.Tensor, k_cache: torch.Tens
     if head_dim == 256:
         # Gemma 2's and Gemma 3 1B-12B's heads: two stages of 64-key 16-bit K/V tiles take 128 KB of shared memory
         # (32-key ones in fp32), where 128-key tiles in three would need 384 KB. Not measured on a GPU yet.
-        block_n, num_stages = (_BLOCK_N if k_cache.element_size() == 2 else 32), 2
+        block_n, num_stages = (_BLOCK_N if k_cache.element_size() <= 2 else 32), 2
     options = dict(
         SPLIT=split, FUSED=fused,
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,  # scales apply (decode_split.py); else the cache is q's dtype
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",  # tf32 would lose fp32 inputs' bits
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         # tl.dot needs M >= 16: small groups are padded with zero queries, free since decode is memory bound.

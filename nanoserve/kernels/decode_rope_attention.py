@@ -34,6 +34,8 @@ import triton.language as tl
 from nanoserve.kernels.decode_attention import LOG2E, decode_attention_ref
 from nanoserve.kernels.decode_launch import launch_reduce, plan_split_launch
 from nanoserve.kernels.decode_split import attend_split, load_kv_tile, split_range
+from nanoserve.kernels.kv_quant import kv_scales
+from nanoserve.kernels.kv_store import to_cache
 from nanoserve.kernels.pdl import wait_for_prior_grids
 from nanoserve.kernels.qkv_rope_store import qkv_rope_store_ref
 from nanoserve.kernels.rope_pair import norm_rope, norm_weight, rope_cos_sin, rope_pair
@@ -45,9 +47,9 @@ def _decode_rope_split_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_p
                               v_cache_ptr, seq_lens_ptr, block_tables_ptr, mid_o_ptr, mid_lse_ptr, out_ptr,
                               counters_ptr, qk_scale, eps, stride_qkv, stride_c, stride_cb, stride_ct, stride_ch,
                               stride_bt, stride_ob, stride_oh, num_queries_per_kv, num_splits, window, sinks_ptr,
-                              softcap, HAS_NORM: tl.constexpr, NORM_OFFSET: tl.constexpr, ROT_HALF: tl.constexpr,
-                              PREFETCH: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr, WINDOW: tl.constexpr,
-                              SINKS: tl.constexpr, SOFTCAP: tl.constexpr,
+                              softcap, k_scale, v_scale, HAS_NORM: tl.constexpr, NORM_OFFSET: tl.constexpr,
+                              ROT_HALF: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
+                              WINDOW: tl.constexpr, SINKS: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
                               DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
                               BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr):
@@ -92,10 +94,12 @@ def _decode_rope_split_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_p
                   tl.load(q_rows + pair[None, :], mask=q_mask, other=0.0),
                   q_w, q_w_pair, cos, sin, eps, HAS_NORM, NORM_OFFSET, HEAD_DIM, ROT_HALF)
     k_row = row + (num_q_heads + kv_head) * HEAD_DIM
-    new_k = norm_rope(tl.load(k_row + offs_d[None, :]), tl.load(k_row + pair[None, :]),
-                      k_w, k_w_pair, cos, sin, eps, HAS_NORM, NORM_OFFSET, HEAD_DIM,
-                      ROT_HALF).to(k_cache_ptr.dtype.element_ty)
-    new_v = tl.load(row + (num_q_heads + num_kv_heads + kv_head) * HEAD_DIM + offs_d[None, :])
+    # The new K/V as the cache stores them: the sums below then see what later steps will read back.
+    new_k = to_cache(norm_rope(tl.load(k_row + offs_d[None, :]), tl.load(k_row + pair[None, :]),
+                               k_w, k_w_pair, cos, sin, eps, HAS_NORM, NORM_OFFSET, HEAD_DIM, ROT_HALF),
+                     k_scale, k_cache_ptr, KV_FP8)
+    new_v = to_cache(tl.load(row + (num_q_heads + num_kv_heads + kv_head) * HEAD_DIM + offs_d[None, :]), v_scale,
+                     v_cache_ptr, KV_FP8)
 
     # The split holding position seq_len - 1 stores the new K/V (split 0 for a length-0 row, which has none,
     # as qkv_rope_store stores whatever the row's length; a CUDA-graph padding row's slot is -1 anyway).
@@ -105,7 +109,8 @@ def _decode_rope_split_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_p
         dst = slot * stride_ct + kv_head * stride_ch + offs_d[None, :]
         tl.store(k_cache_ptr + dst, new_k)
         tl.store(v_cache_ptr + dst, new_v)
-    # The new key's scores, as the tile's dot would give them (exact products, fp32 sums) but for the order.
+    # The new key's scores, as the tile's dot would give them (exact products, fp32 sums) but for the order (an fp8
+    # key's k_scale is in qk_scale, as for the cache's keys).
     qk_new = tl.sum(q.to(tl.float32) * new_k.to(tl.float32), 1) * qk_scale
     if SOFTCAP:
         qk_new = softcap_scores(qk_new, softcap)
@@ -113,8 +118,8 @@ def _decode_rope_split_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_p
     attend_split(q, k if PREFETCH else None, v if PREFETCH else None, k_cache_ptr, v_cache_ptr, bt_row, mid_o_ptr,
                  mid_lse_ptr, out_ptr, counters_ptr, seq, kv_head, split, seq_len, chunk, kv_start, kv_end, qk_scale,
                  stride_cb, stride_ct, stride_ch, stride_ob, stride_oh, num_queries_per_kv, num_splits, new_pos, qk_new,
-                 new_v, sinks_ptr, softcap, PREFETCH, True, SPLIT, FUSED, WINDOW, SINKS, SOFTCAP, DOT_PRECISION,
-                 HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_N, BLOCK_G, BLOCK_S)
+                 new_v, sinks_ptr, softcap, v_scale, PREFETCH, True, SPLIT, FUSED, WINDOW, SINKS, SOFTCAP, KV_FP8,
+                 DOT_PRECISION, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_N, BLOCK_G, BLOCK_S)
 
 
 @functools.lru_cache
@@ -140,7 +145,8 @@ def decode_rope_attention(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int
                           scale: float, num_splits: int | None = None, out: torch.Tensor | None = None,
                           counters: torch.Tensor | None = None, prefetch: bool | None = None,
                           window: int | None = None, sinks: torch.Tensor | None = None,
-                          softcap: float | None = None, norm_offset: float = 0.0) -> torch.Tensor:
+                          softcap: float | None = None, norm_offset: float = 0.0, k_scale: float = 1.0,
+                          v_scale: float = 1.0) -> torch.Tensor:
     """qkv_rope_store(qkv, ...) then decode_attention(q, ...) in one launch (two with num_splits > 1 and no
     counters), for a batch of decodes: row b of qkv [B, (Hq + 2 Hkv) * D] is sequence b's one new token, at
     position seq_lens[b] - 1 and cache slot slot_mapping[b] (-1: not stored). Returns [B, Hq, D] (into out if
@@ -148,7 +154,7 @@ def decode_rope_attention(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int
 
     prefetch: whether each program loads its first key tile before waiting on the kernel before it (see
     _prefetch_pays); None decides from the grid. Tests set it to cover both paths; the output is the same either way.
-    window, sinks, softcap: as decode_attention takes them; norm_offset: as qkv_rope_store takes it.
+    window, sinks, softcap, k_scale, v_scale: as decode_attention takes them; norm_offset: as qkv_rope_store takes it.
     """
     num_tokens, width = qkv.shape
     head_dim = width // (num_q_heads + 2 * num_kv_heads)
@@ -169,11 +175,12 @@ def decode_rope_attention(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int
     _decode_rope_split_kernel[launch.grid](
         qkv, q_weight if has_norm else cos, k_weight if has_norm else cos,  # cos stands in for unused weights
         cos, sin, positions, slot_mapping, k_cache, v_cache, seq_lens, block_tables, launch.mid_o, launch.mid_lse,
-        out, launch.counters, scale * LOG2E, eps, qkv.stride(0), cos.stride(0), k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
-        num_q_heads // num_kv_heads, launch.grid[2], window or 0, sinks, (softcap or 0.0) * LOG2E,
-        HAS_NORM=has_norm, NORM_OFFSET=float(norm_offset), ROT_HALF=cos.shape[1], PREFETCH=prefetch,
-        WINDOW=window is not None, SINKS=sinks is not None, SOFTCAP=softcap is not None, **launch.options)
+        out, launch.counters, scale * kv_scales(k_cache, k_scale) * LOG2E, eps, qkv.stride(0), cos.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
+        num_q_heads // num_kv_heads, launch.grid[2], window or 0, sinks, (softcap or 0.0) * LOG2E, k_scale,
+        kv_scales(v_cache, v_scale), HAS_NORM=has_norm, NORM_OFFSET=float(norm_offset), ROT_HALF=cos.shape[1],
+        PREFETCH=prefetch, WINDOW=window is not None, SINKS=sinks is not None, SOFTCAP=softcap is not None,
+        **launch.options)
     launch_reduce(launch, out)
     return out
 
@@ -185,12 +192,13 @@ def decode_rope_attention_ref(qkv: torch.Tensor, num_q_heads: int, num_kv_heads:
                               block_tables: torch.Tensor, scale: float, num_splits: int | None = None,
                               out: torch.Tensor | None = None, counters: torch.Tensor | None = None,
                               window: int | None = None, sinks: torch.Tensor | None = None,
-                              softcap: float | None = None, norm_offset: float = 0.0) -> torch.Tensor:
+                              softcap: float | None = None, norm_offset: float = 0.0, k_scale: float = 1.0,
+                              v_scale: float = 1.0) -> torch.Tensor:
     """The unfused references: qkv_rope_store_ref on a copy of qkv (the caches are written), then
     decode_attention_ref; num_splits and counters are accepted and ignored."""
     qkv = qkv.clone()
     qkv_rope_store_ref(qkv, num_q_heads, num_kv_heads, positions, cos, sin, q_weight, k_weight, eps, k_cache,
-                       v_cache, slot_mapping, norm_offset)
+                       v_cache, slot_mapping, norm_offset, k_scale, v_scale)
     q = qkv[:, :num_q_heads * k_cache.shape[3]].view(qkv.shape[0], num_q_heads, k_cache.shape[3])
     return decode_attention_ref(q, k_cache, v_cache, seq_lens, block_tables, scale, out=out, window=window,
-                                sinks=sinks, softcap=softcap)
+                                sinks=sinks, softcap=softcap, k_scale=k_scale, v_scale=v_scale)

@@ -51,8 +51,10 @@ def attend_tile(q, k, v, start_n, kv_end, m_i, l_i, acc, qk_scale, new_pos, qk_n
     (load_kv_tile left zeros there) but one given by its scaled scores qk_new [BLOCK_H] and value new_v
     [1, HEAD_DIM]. Patching the scores and the sums, rather than the K/V tiles, keeps the tiles' loads going
     straight to shared memory in the pipelined loop: a select on the tiles cost ~100 registers a thread.
-    SOFTCAP: the scores are capped (kernels/softcap.py; softcap in log2 units; qk_new comes capped)."""
+    SOFTCAP: the scores are capped (kernels/softcap.py; softcap in log2 units; qk_new comes capped). An fp8 cache's
+    tiles are widened to q's dtype (exactly) for the dots; its scales are applied outside (qk_scale, write_split)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
+    k, v = k.to(q.dtype), v.to(q.dtype)
     qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
     if SOFTCAP:
         qk = softcap_scores(qk, softcap)
@@ -64,7 +66,7 @@ def attend_tile(q, k, v, start_n, kv_end, m_i, l_i, acc, qk_scale, new_pos, qk_n
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    p = p.to(v.dtype)  # the dot's inputs are in the cache's dtype: p is rounded here, the new key's weight too
+    p = p.to(v.dtype)  # the dot's inputs are in q's dtype: p is rounded here, the new key's weight too
     acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
     if NEW_KV:
         p_new = tl.sum(tl.where(is_new, p.to(tl.float32), 0.0), 1)  # the new key's column (or zeros)
@@ -74,12 +76,13 @@ def attend_tile(q, k, v, start_n, kv_end, m_i, l_i, acc, qk_scale, new_pos, qk_n
 
 @triton.jit
 def write_split(acc, m_i, l_i, seq, kv_head, split, seq_len, chunk, kv_start, mid_o_ptr, mid_lse_ptr, out_ptr,
-                counters_ptr, stride_ob, stride_oh, num_queries_per_kv, num_splits, SPLIT: tl.constexpr,
-                FUSED: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr):
+                counters_ptr, stride_ob, stride_oh, num_queries_per_kv, num_splits, v_scale, SPLIT: tl.constexpr,
+                FUSED: tl.constexpr, WINDOW: tl.constexpr, KV_FP8: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr):
     """Hand a (sequence, kv head, split) program's result on. SPLIT=False: it is the output (num_splits is 1).
     SPLIT, not FUSED: a partial for the reduce kernel. SPLIT and FUSED: a partial, and the last program of the
-    (sequence, kv head) merges them all."""
+    (sequence, kv head) merges them all. KV_FP8: the values were summed as stored, so the result takes v_scale
+    (the merge is linear in the partials)."""
     num_kv_heads = tl.num_programs(1)
     num_q_heads = num_kv_heads * num_queries_per_kv
     offs_g = tl.arange(0, BLOCK_H)
@@ -89,6 +92,8 @@ def write_split(acc, m_i, l_i, seq, kv_head, split, seq_len, chunk, kv_start, mi
     # An empty split (kv_start >= seq_len) leaves l_i = 0: o = 0 and lse = -inf.
     nonempty = l_i > 0
     acc = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    if KV_FP8:
+        acc = acc * v_scale
     if not SPLIT:
         # The only split: acc is the output (zeros for a length-0 padding row).
         tl.store(out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -132,16 +137,17 @@ def write_split(acc, m_i, l_i, seq, kv_head, split, seq_len, chunk, kv_start, mi
 def attend_split(q, k0, v0, k_cache_ptr, v_cache_ptr, bt_row, mid_o_ptr, mid_lse_ptr, out_ptr, counters_ptr, seq,
                  kv_head, split, seq_len, chunk, kv_start, kv_end, qk_scale, stride_cb, stride_ct, stride_ch,
                  stride_ob, stride_oh, num_queries_per_kv, num_splits, new_pos, qk_new, new_v, sinks_ptr, softcap,
-                 PREFETCHED: tl.constexpr, NEW_KV: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
-                 WINDOW: tl.constexpr, SINKS: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 HEAD_DIM: tl.constexpr,
+                 v_scale, PREFETCHED: tl.constexpr, NEW_KV: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
+                 WINDOW: tl.constexpr, SINKS: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr):
     """A (sequence, kv head, split) program's work once its queries q [BLOCK_H, HEAD_DIM] are known: the online
     softmax over its keys [kv_start, kv_end) (PREFETCHED: the first tile is k0/v0, loaded by the caller), then
     the result handed on (write_split). NEW_KV: see attend_tile. SINKS: the group's sink logits (fp32, natural
     log, at sinks_ptr by query head) join the first split's sums, so the merge counts each once. WINDOW: the
-    splits' ranges start at the window (split_range). SOFTCAP: see attend_tile."""
+    splits' ranges start at the window (split_range). SOFTCAP: see attend_tile. KV_FP8: the cache is fp8, whose
+    k_scale the caller folded into qk_scale and whose v_scale write_split applies."""
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
@@ -167,5 +173,5 @@ def attend_split(q, k0, v0, k_cache_ptr, v_cache_ptr, bt_row, mid_o_ptr, mid_lse
             l_i = l_i * alpha + tl.exp2(sink - m_new)
             m_i = m_new
     write_split(acc, m_i, l_i, seq, kv_head, split, seq_len, chunk, kv_start, mid_o_ptr, mid_lse_ptr, out_ptr,
-                counters_ptr, stride_ob, stride_oh, num_queries_per_kv, num_splits, SPLIT, FUSED, WINDOW, HEAD_DIM,
-                BLOCK_H, BLOCK_G, BLOCK_S)
+                counters_ptr, stride_ob, stride_oh, num_queries_per_kv, num_splits, v_scale, SPLIT, FUSED, WINDOW,
+                KV_FP8, HEAD_DIM, BLOCK_H, BLOCK_G, BLOCK_S)

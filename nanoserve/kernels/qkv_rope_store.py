@@ -15,15 +15,17 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve.kernels.kv_store import to_cache
 from nanoserve.kernels.pdl import use_pdl, wait_for_prior_grids
 from nanoserve.kernels.rope_pair import norm_rope, norm_weight, rope_cos_sin, rope_pair
 
 
 @triton.jit
 def _qkv_rope_store_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
-                           stride_t, stride_c, eps, num_q_heads, num_kv_heads,
+                           stride_t, stride_c, eps, num_q_heads, num_kv_heads, k_scale, v_scale,
                            HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
-                           NORM_OFFSET: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
+                           NORM_OFFSET: tl.constexpr, KV_FP8: tl.constexpr, BLOCK_H: tl.constexpr,
+                           USE_PDL: tl.constexpr):
     """HALF: half the rotated dimensions of a head (the tables' width); HEAD_DIM // 2 but for partial rotary."""
     # One program per token, all its q and k heads at once (q heads first, then k heads, each of which also
     # stores its v head): a program per (token, head) made a 2,100-token prefill take 38 us a layer on an
@@ -37,8 +39,8 @@ def _qkv_rope_store_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr,
     row = qkv_ptr + t.to(tl.int64) * stride_t  # q and k heads are consecutive in a row
     if HALF * 2 != HEAD_DIM:
         _partial_rope_store(row, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos, slot_ptr + t, k_cache_ptr, v_cache_ptr,
-                            stride_c, eps, num_q_heads, num_kv_heads, HEAD_DIM, HALF, HAS_NORM, NORM_OFFSET,
-                            BLOCK_H)
+                            stride_c, eps, num_q_heads, num_kv_heads, k_scale, v_scale, HEAD_DIM, HALF, HAS_NORM,
+                            NORM_OFFSET, KV_FP8, BLOCK_H)
     else:
         offs = tl.arange(0, HALF)
         ptrs = row + heads[:, None] * HEAD_DIM + offs[None, :]
@@ -72,17 +74,20 @@ def _qkv_rope_store_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr,
         kv_head = heads - num_q_heads
         # The caches are contiguous, so a slot's heads are num_kv_heads * HEAD_DIM consecutive elements.
         dst = (slots * num_kv_heads + kv_head)[:, None] * HEAD_DIM + offs[None, :]
-        tl.store(k_cache_ptr + dst, r1, mask=store)
-        tl.store(k_cache_ptr + dst + HALF, r2, mask=store)
+        tl.store(k_cache_ptr + dst, to_cache(r1, k_scale, k_cache_ptr, KV_FP8), mask=store)
+        tl.store(k_cache_ptr + dst + HALF, to_cache(r2, k_scale, k_cache_ptr, KV_FP8), mask=store)
         v_ptrs = ptrs + num_kv_heads * HEAD_DIM  # the v head sits num_kv_heads heads after its k head
-        tl.store(v_cache_ptr + dst, tl.load(v_ptrs, mask=store, other=0.0), mask=store)
-        tl.store(v_cache_ptr + dst + HALF, tl.load(v_ptrs + HALF, mask=store, other=0.0), mask=store)
+        v1 = tl.load(v_ptrs, mask=store, other=0.0)
+        v2 = tl.load(v_ptrs + HALF, mask=store, other=0.0)
+        tl.store(v_cache_ptr + dst, to_cache(v1, v_scale, v_cache_ptr, KV_FP8), mask=store)
+        tl.store(v_cache_ptr + dst + HALF, to_cache(v2, v_scale, v_cache_ptr, KV_FP8), mask=store)
 
 
 @triton.jit
 def _partial_rope_store(row, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos, slot_ptr, k_cache_ptr, v_cache_ptr, stride_c,
-                        eps, num_q_heads, num_kv_heads, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-                        HAS_NORM: tl.constexpr, NORM_OFFSET: tl.constexpr, BLOCK_H: tl.constexpr):
+                        eps, num_q_heads, num_kv_heads, k_scale, v_scale, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+                        HAS_NORM: tl.constexpr, NORM_OFFSET: tl.constexpr, KV_FP8: tl.constexpr,
+                        BLOCK_H: tl.constexpr):
     """One token's heads as the kernel above handles them, for a rotation over the first 2 * HALF dimensions of each
     head only: whole heads, each dimension beside its partner (decode_rope_attention.py's way)."""
     heads = tl.arange(0, BLOCK_H)
@@ -103,16 +108,18 @@ def _partial_rope_store(row, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos, slot_ptr, 
     slots = tl.zeros([BLOCK_H], dtype=tl.int64) + slot
     store = valid & ((heads >= num_q_heads) & (slots >= 0))[:, None]
     dst = (slots * num_kv_heads + heads - num_q_heads)[:, None] * HEAD_DIM + offs_d[None, :]
-    tl.store(k_cache_ptr + dst, r, mask=store)
-    tl.store(v_cache_ptr + dst, tl.load(ptrs + num_kv_heads * HEAD_DIM, mask=store, other=0.0), mask=store)
+    tl.store(k_cache_ptr + dst, to_cache(r, k_scale, k_cache_ptr, KV_FP8), mask=store)
+    v = tl.load(ptrs + num_kv_heads * HEAD_DIM, mask=store, other=0.0)
+    tl.store(v_cache_ptr + dst, to_cache(v, v_scale, v_cache_ptr, KV_FP8), mask=store)
 
 
 def qkv_rope_store(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, positions: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                    eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                   norm_offset: float = 0.0) -> None:
+                   norm_offset: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """qkv [T, (Hq + 2 Hkv) * D] (rows contiguous), rotated (and normed) in place; k/v stored at their slots.
-    norm_offset: the norms scale by norm_offset + weight (Gemma 3: 1.0; kernels/rms_norm.py).
+    norm_offset: the norms scale by norm_offset + weight (Gemma 3: 1.0; kernels/rms_norm.py). k_scale, v_scale: an
+    fp8 cache's scales (kv_store.py), ignored for others.
 
     cos/sin [max_pos, R/2] fp32 for a rotation of the first R <= D dimensions (R = D but for partial rotary);
     q_weight/k_weight [D] or both None; caches [blocks, block_size, Hkv, D]
@@ -131,8 +138,9 @@ def qkv_rope_store(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, posit
     pdl = use_pdl(qkv)
     _qkv_rope_store_kernel[(num_tokens,)](
         qkv, q_weight if has_norm else cos, k_weight if has_norm else cos, cos, sin, positions, slot_mapping,
-        k_cache, v_cache, qkv.stride(0), cos.stride(0), eps, num_q_heads, num_kv_heads,
-        HEAD_DIM=head_dim, HALF=cos.shape[1], HAS_NORM=has_norm, NORM_OFFSET=float(norm_offset), BLOCK_H=block_h,
+        k_cache, v_cache, qkv.stride(0), cos.stride(0), eps, num_q_heads, num_kv_heads, k_scale, v_scale,
+        HEAD_DIM=head_dim, HALF=cos.shape[1], HAS_NORM=has_norm, NORM_OFFSET=float(norm_offset),
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn, BLOCK_H=block_h,
         USE_PDL=pdl,
         num_warps=4 if block_h * head_dim >= 2048 else 1, launch_pdl=pdl)
 
@@ -140,8 +148,10 @@ def qkv_rope_store(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, posit
 def qkv_rope_store_ref(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, positions: torch.Tensor,
                        cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor | None,
                        k_weight: torch.Tensor | None, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor, norm_offset: float = 0.0) -> None:
+                       slot_mapping: torch.Tensor, norm_offset: float = 0.0, k_scale: float = 1.0,
+                       v_scale: float = 1.0) -> None:
     """The unfused references, one after the other."""
+    from nanoserve.kernels.kv_store import store_kvcache_ref
     from nanoserve.kernels.rms_norm import rms_norm_ref
     from nanoserve.kernels.rotary import apply_rotary_ref
 
@@ -153,6 +163,4 @@ def qkv_rope_store_ref(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, p
         q.copy_(rms_norm_ref(q, q_weight, eps, weight_offset=norm_offset))
         k.copy_(rms_norm_ref(k, k_weight, eps, weight_offset=norm_offset))
     apply_rotary_ref(q, k, cos, sin, positions)
-    keep = slot_mapping >= 0
-    k_cache.view(-1, num_kv_heads, d)[slot_mapping[keep]] = k[keep]
-    v_cache.view(-1, num_kv_heads, d)[slot_mapping[keep]] = v[keep]
+    store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)

@@ -3,7 +3,9 @@
 The metadata says, for each sequence in the batch, which new tokens it brings (cu_seqlens_q), how
 long its context is with them (seq_lens) and where its KV pages are (block_tables). New keys and
 values are first written into the paged cache (slot_mapping); attention then reads every key from
-the cache, so a cached prefix, an earlier prefill chunk and the new tokens are all treated alike.
+the cache, so a cached prefix, an earlier prefill chunk and the new tokens are all treated alike. An fp8 cache
+(EngineArgs.kv_cache_dtype) stores values divided by the layer's k_scale / v_scale and is read back times them
+(kernels/kv_quant.py).
 """
 
 from collections.abc import Callable
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.kernels.chunk_attention import chunk_attention_ref
+from nanoserve.kernels.kv_quant import dequantize_kv, quantize_kv
 from nanoserve.kernels.prefill.split_scratch import SplitScratch
 from nanoserve.layers.step_plan import EAGER, KernelPlan
 
@@ -25,7 +28,8 @@ class LongContext(Protocol):
 
     def attend(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                scale: float, chunk_attention: Callable, window: int | None = None,
-               sinks: torch.Tensor | None = None, softcap: float | None = None) -> None: ...
+               sinks: torch.Tensor | None = None, softcap: float | None = None, k_scale: float = 1.0,
+               v_scale: float = 1.0) -> None: ...
 
 
 @dataclass
@@ -66,16 +70,16 @@ class TorchBackend:
 
     @staticmethod
     def store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              slot_mapping: torch.Tensor) -> None:
+              slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         keep = slot_mapping >= 0
         slots = slot_mapping[keep]
-        k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
-        v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+        k_cache.view(-1, *k_cache.shape[2:])[slots] = quantize_kv(k[keep], k_cache.dtype, k_scale)
+        v_cache.view(-1, *v_cache.shape[2:])[slots] = quantize_kv(v[keep], v_cache.dtype, v_scale)
 
     @staticmethod
     def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float, window: int | None = None, sinks: torch.Tensor | None = None,
-               softcap: float | None = None) -> torch.Tensor:
+               softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         out = torch.empty_like(q)
         block_size = k_cache.shape[1]
         group = q.shape[1] // k_cache.shape[2]
@@ -84,8 +88,8 @@ class TorchBackend:
         for b, seq_len in enumerate(lens):
             start, end = cu[b], cu[b + 1]
             pages = meta.block_tables[b, :-(-seq_len // block_size)].long()
-            k = k_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1)  # [Hkv, S, D]
-            v = v_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1)
+            k = dequantize_kv(k_cache[pages].flatten(0, 1)[:seq_len], q.dtype, k_scale).transpose(0, 1)  # [Hkv, S, D]
+            v = dequantize_kv(v_cache[pages].flatten(0, 1)[:seq_len], q.dtype, v_scale).transpose(0, 1)
             qb = q[start:end].transpose(0, 1)  # [Hq, L, D]
             q_len = end - start
             # Query i sits at position seq_len - q_len + i and sees keys up to there (and, with a window, the
@@ -130,15 +134,15 @@ class TritonBackend:
         chunk_attention(*args, **kwargs)
 
     @staticmethod
-    def store(k, v, k_cache, v_cache, slot_mapping) -> None:
+    def store(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         from nanoserve.kernels.kv_store import store_kvcache
 
-        store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+        store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     @staticmethod
     def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float, window: int | None = None, sinks: torch.Tensor | None = None,
-               softcap: float | None = None) -> torch.Tensor:
+               softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         from nanoserve.kernels.decode_attention import decode_attention
         from nanoserve.kernels.prefill.attention import prefill_attention
 
@@ -147,14 +151,15 @@ class TritonBackend:
         if nd:
             decode_attention(q[:nd], k_cache, v_cache, meta.seq_lens[:nd], meta.block_tables[:nd], scale,
                              out=out[:nd], counters=meta.decode_counters, order=meta.decode_order, window=window,
-                             sinks=sinks, softcap=softcap)
+                             sinks=sinks, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
         if nd < meta.seq_lens.shape[0]:
             # Decodes come first with one token each, so the prefill part starts at token nd.
             cu = meta.cu_seqlens_q if nd == 0 else meta.cu_seqlens_q[nd:] - nd
             prefill_attention(q[nd:], k_cache, v_cache, cu, meta.seq_lens[nd:],
                               meta.block_tables[nd:], meta.max_seqlen_q, scale, out=out[nd:],
                               tile_map=meta.tile_map, block_m=meta.block_m, split_scratch=meta.split_scratch,
-                              pack=meta.pack, window=window, sinks=sinks, softcap=softcap)
+                              pack=meta.pack, window=window, sinks=sinks, softcap=softcap, k_scale=k_scale,
+                              v_scale=v_scale)
         return out
 
 
@@ -170,7 +175,8 @@ class Attention(nn.Module):
     parallelism the model says which of the checkpoint's heads are this rank's (shard_sinks).
     scale: the scores' factor, head_dim ** -0.5 unless given (Gemma's query_pre_attn_scalar ** -0.5).
     softcap: scores s (scaled) become softcap * tanh(s / softcap) before the mask and softmax (Gemma 2's
-    attn_logit_softcapping); None for none."""
+    attn_logit_softcapping); None for none. k_scale, v_scale: an fp8 cache's scales (kernels/kv_quant.py), 1.0 unless
+    the checkpoint has them (quantization/kv_scales.py); a cache in the model's dtype ignores them."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None,
                  sinks: bool = False, scale: float | None = None, softcap: float | None = None) -> None:
@@ -192,11 +198,12 @@ class Attention(nn.Module):
         # Set by the model runner once the pool is allocated.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.k_scale, self.v_scale = 1.0, 1.0
         self.backend = TorchBackend
 
     def store(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         """This step's keys and values, k/v [T, Hkv, D], into the cache at meta.slot_mapping (-1: not stored)."""
-        self.backend.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        self.backend.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
 
     def shard_sinks(self, start: int, total: int) -> None:
         """This rank's heads are start .. start + num_heads of the checkpoint's `total` heads."""
@@ -220,8 +227,9 @@ class Attention(nn.Module):
         """q [T, Hq, D] over the cache, which already holds this step's keys and values -> [T, Hq, D]."""
         sinks = self.sink_logits()
         out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window, sinks,
-                                  self.softcap)
+                                  self.softcap, self.k_scale, self.v_scale)
         if meta.long_context is not None:
             meta.long_context.attend(self.layer_index, q, self.k_cache, self.v_cache, out, self.scale,
-                                     self.backend.chunk_attention, self.sliding_window, sinks, self.softcap)
+                                     self.backend.chunk_attention, self.sliding_window, sinks, self.softcap,
+                                     self.k_scale, self.v_scale)
         return out

@@ -71,7 +71,8 @@ class LlamaAttention(nn.Module):
             out = decode_rope_attention(*self._rope_args(positions, qkv, meta), meta.seq_lens, meta.block_tables,
                                         self.attn.scale, counters=meta.decode_counters,
                                         window=self.attn.sliding_window, sinks=self.attn.sink_logits(),
-                                        softcap=self.attn.softcap, norm_offset=self.norm_offset)
+                                        softcap=self.attn.softcap, norm_offset=self.norm_offset,
+                                        k_scale=self.attn.k_scale, v_scale=self.attn.v_scale)
         else:
             out = self.attn.attend(self.store(positions, qkv, meta), meta)
         return self.o_proj(out.flatten(1), meta.plan)
@@ -88,7 +89,8 @@ class LlamaAttention(nn.Module):
             # One launch for q/k norm, rotary and the KV store (four separately): decode is launch-bound.
             from nanoserve.kernels.qkv_rope_store import qkv_rope_store
 
-            qkv_rope_store(*self._rope_args(positions, qkv, meta), norm_offset=self.norm_offset)
+            qkv_rope_store(*self._rope_args(positions, qkv, meta), norm_offset=self.norm_offset,
+                           k_scale=self.attn.k_scale, v_scale=self.attn.v_scale)
             return qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)

@@ -13,6 +13,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.distributed.group import TensorParallelGroup
 from nanoserve.layers.linear import load_whole
 from nanoserve.model.registry import model_class
+from nanoserve.quantization.kv_scales import kv_scale_target, set_kv_scale
 from nanoserve.quantization.model import finish_model, prepare_model, replaces_weights
 
 
@@ -53,7 +54,7 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup | None = None) -> n
     if dummy:
         _init_dummy(model, config.args.seed)
     else:
-        _load_weights(model, checkpoint_files(config.model_dir))
+        _load_weights(model, checkpoint_files(config.model_dir), fp8_kv=config.kv_dtype == torch.float8_e4m3fn)
     if config.quantization is not None:
         finish_model(model, config.quantization)
     return model.eval()
@@ -135,7 +136,9 @@ def _checkpoint_shapes(module: nn.Module, param: nn.Parameter) -> list[tuple[str
     return [(None, tuple(param.shape))]
 
 
-def _load_weights(model: nn.Module, files: list[Path]) -> None:
+def _load_weights(model: nn.Module, files: list[Path], fp8_kv: bool = False) -> None:
+    """fp8_kv: the KV cache is fp8, and takes the checkpoint's KV scales (quantization/kv_scales.py); else they are
+    skipped."""
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     tied = getattr(model.lm_head, "weight", None) is model.model.embed_tokens.weight
@@ -143,6 +146,10 @@ def _load_weights(model: nn.Module, files: list[Path]) -> None:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for ckpt_name in f.keys():
                 if "rotary_emb.inv_freq" in ckpt_name or (tied and ckpt_name == "lm_head.weight"):
+                    continue
+                if kv_scale_target(ckpt_name) is not None:
+                    if fp8_kv:
+                        set_kv_scale(model, ckpt_name, f.get_tensor(ckpt_name))
                     continue
                 mapped = model.map_checkpoint_name(ckpt_name)
                 if mapped is None:  # a part of the checkpoint the model does not serve (a vision tower)

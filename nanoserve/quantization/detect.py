@@ -5,7 +5,8 @@ Formats read:
 - compressed-tensors (what llm-compressor writes), format "float-quantized": one config group targeting "Linear" whose
   `weights` are 8-bit floats (strategy tensor, channel, or block with block_structure) and whose `input_activations`
   are 8-bit floats, dynamic per token, static per tensor, dynamic per group (with block weights), or absent
-  (weight-only); its `ignore` list.
+  (weight-only); its `ignore` list; a `kv_cache_scheme` of static per-tensor 8-bit floats (the checkpoint then holds
+  the fp8 KV cache's scales, which kv_cache_dtype fp8 uses: quantization/kv_scales.py), alone or beside the weights'.
 - quant_method "fp8": `weight_block_size` [rows, columns] with `weight_scale_inv` tensors and dynamic activations
   (Qwen3-FP8, DeepSeek-V3); without a block size, per-tensor `weight_scale` with static `input_scale` or dynamic
   activations. Its `ignored_layers` / `modules_to_not_convert`.
@@ -63,9 +64,13 @@ def online_fp8() -> FP8Scheme:
     return FP8Scheme("fp8", "channel", "token", serialized=False)
 
 
-def _compressed_tensors(qc: dict) -> FP8Scheme | W4Scheme:
+def _compressed_tensors(qc: dict) -> FP8Scheme | W4Scheme | None:
     field = "quantization_config"
     groups = qc.get("config_groups") or {}
+    if qc.get("kv_cache_scheme"):
+        _check_kv_cache_scheme(qc["kv_cache_scheme"], f"{field}.kv_cache_scheme")
+        if not groups:  # the KV cache's scales only: the weights are as they are
+            return None
     if len(groups) != 1:
         raise ValueError(f"{field}.config_groups: exactly one group is supported, got {len(groups)}")
     (gname, group), = groups.items()
@@ -78,8 +83,6 @@ def _compressed_tensors(qc: dict) -> FP8Scheme | W4Scheme:
         raise ValueError(f"{gfield}.targets: only ['Linear'] is supported, got {group.get('targets')!r}")
     if group.get("output_activations"):
         raise ValueError(f"{gfield}.output_activations: output quantization is not supported")
-    if qc.get("kv_cache_scheme"):
-        raise ValueError(f"{field}.kv_cache_scheme: a quantized KV cache is not supported yet")
     if fmt == "pack-quantized":
         return w4_detect.pack_quantized(qc, gname, group)
     weights = group.get("weights") or {}
@@ -96,6 +99,16 @@ def _compressed_tensors(qc: dict) -> FP8Scheme | W4Scheme:
     acts = group.get("input_activations")
     activations = None if acts is None else _activations(acts, f"{gfield}.input_activations", block)
     return FP8Scheme("compressed-tensors", strategy, activations, block, ignore=tuple(qc.get("ignore") or ()))
+
+
+def _check_kv_cache_scheme(scheme: dict, field: str) -> None:
+    """The scheme whose scales an fp8 KV cache reads: one static scale per layer for keys and one for values."""
+    if not isinstance(scheme, dict):
+        raise ValueError(f"{field}: must be an object, got {scheme!r}")
+    _check_fp8_args(scheme, field)
+    if scheme.get("strategy") != "tensor" or scheme.get("dynamic"):
+        raise ValueError(f"{field}.strategy: only static per-tensor scales (strategy 'tensor', dynamic false) are "
+                         f"supported, got strategy {scheme.get('strategy')!r} dynamic {scheme.get('dynamic')!r}")
 
 
 def _check_fp8_args(args: dict, field: str) -> None:

@@ -141,7 +141,7 @@ class _EngineCollector:
         labels = {"block_size": config.args.block_size, "num_gpu_blocks": None,
                   "enable_prefix_caching": config.args.enable_prefix_caching,
                   "gpu_memory_utilization": config.args.gpu_memory_utilization,
-                  "cache_dtype": str(config.dtype).removeprefix("torch."),
+                  "cache_dtype": str(config.kv_dtype).removeprefix("torch."),  # kv_cache_dtype, resolved
                   # What the weights run in, beside the KV cache's dtype.
                   "quantization": config.quantization.describe() if config.quantization else "none"}
         family = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",

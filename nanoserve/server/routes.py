@@ -54,13 +54,15 @@ def build_app(async_engine: AsyncEngine, served_model_name: list[str] | str, api
 
     scheme = async_engine.engine.config.quantization
     quantization = scheme.describe() if scheme is not None else None
+    kv_cache_dtype = str(async_engine.engine.config.kv_dtype).removeprefix("torch.")
 
     @app.get("/v1/models")
     async def list_models() -> dict:
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": 0, "owned_by": "nanoserve",
             "root": async_engine.engine.config.model_dir, "max_model_len": async_engine.max_model_len,
-            "vocab_size": async_engine.engine.config.model.vocab_size, "quantization": quantization}
+            "vocab_size": async_engine.engine.config.model.vocab_size, "quantization": quantization,
+            "kv_cache_dtype": kv_cache_dtype}
             for name in names]}
 
     @app.get("/health")

@@ -1,5 +1,6 @@
 """The paged KV pool: per layer, keys and values of shape [num_blocks, block_size, num_kv_heads, head_dim] (this
-rank's kv heads under tensor parallelism; the block tables are the same on every rank)."""
+rank's kv heads under tensor parallelism; the block tables are the same on every rank), in config.kv_dtype: the
+model's dtype, or fp8 for kv_cache_dtype fp8 (one byte an element: twice the blocks in the same memory)."""
 
 import torch
 
@@ -11,7 +12,7 @@ _CPU_POOL_BYTES = 1 << 30
 
 def bytes_per_block(config: EngineConfig) -> int:
     m = config.model
-    elem = torch.empty((), dtype=config.dtype).element_size()
+    elem = config.kv_dtype.itemsize
     return 2 * m.num_hidden_layers * config.args.block_size * config.num_kv_heads_per_rank * m.head_dim * elem
 
 
@@ -59,6 +60,6 @@ def prefix_load_pays(config: EngineConfig) -> bool:
 def allocate_kv_cache(config: EngineConfig, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     m = config.model
     shape = (num_blocks, config.args.block_size, config.num_kv_heads_per_rank, m.head_dim)
-    return [(torch.empty(shape, dtype=config.dtype, device=config.device),
-             torch.empty(shape, dtype=config.dtype, device=config.device))
+    return [(torch.empty(shape, dtype=config.kv_dtype, device=config.device),
+             torch.empty(shape, dtype=config.kv_dtype, device=config.device))
             for _ in range(m.num_hidden_layers)]

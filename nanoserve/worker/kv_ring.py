@@ -111,11 +111,14 @@ class LongContextAttention:
 
     def attend(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                scale: float, attention: Callable, window: int | None = None,
-               sinks: torch.Tensor | None = None, softcap: float | None = None) -> None:
+               sinks: torch.Tensor | None = None, softcap: float | None = None, k_scale: float = 1.0,
+               v_scale: float = 1.0) -> None:
         """Replace each long-context sequence's rows of `out` with attention over all of its keys, each piece by
         `attention` (the layer's backend's: kernels/chunk_attention.py's kernel, or its PyTorch reference). A
         sliding window leaves out older chunks that no row sees; sinks join the merged result once, at the end; softcap
-        (Gemma 2's) caps every piece's scores."""
+        (Gemma 2's) caps every piece's scores; k_scale, v_scale: an fp8 cache's (the ring holds its bytes as they
+        are)."""
+        scales = {"k_scale": k_scale, "v_scale": v_scale}
         bs = self.block_size
         for row, window_ids, chunks in zip(self.rows, self.windows, self.chunks, strict=True):
             rows = slice(row.first_row, row.first_row + row.num_rows)
@@ -124,7 +127,7 @@ class LongContextAttention:
             lse = torch.empty(qs.shape[:2], dtype=torch.float32, device=q.device)
             window_start = len(row.cpu_blocks) * bs
             attention(qs, k_cache, v_cache, window_ids, row.start + row.num_rows - window_start, window_start,
-                      row.start, scale, acc, lse, accumulate=False, window=window, softcap=softcap)
+                      row.start, scale, acc, lse, accumulate=False, window=window, softcap=softcap, **scales)
             if window is None:
                 for chunk in chunks:
                     slot, blocks = self.ring.load(layer, chunk)
@@ -132,10 +135,10 @@ class LongContextAttention:
                     ids = self.ring.slot_ids[:n] if slot >= 0 else torch.arange(n, dtype=torch.int32)
                     # Key positions 0 .. n * bs - 1 stand for any older ones: every query sees every one of them.
                     attention(qs, blocks[:, 0], blocks[:, 1], ids, n * bs, 0, row.start, scale, acc, lse,
-                              accumulate=True, softcap=softcap)
+                              accumulate=True, softcap=softcap, **scales)
                     self.ring.done(slot)
             else:
-                self._attend_windowed(layer, row, chunks, qs, acc, lse, scale, attention, window, softcap)
+                self._attend_windowed(layer, row, chunks, qs, acc, lse, scale, attention, window, softcap, scales)
             if sinks is not None:
                 # The sink's weight exp(s) beside the keys' exp(lse): the keys keep exp(lse) / (exp(lse) + exp(s)).
                 acc.mul_(torch.sigmoid(lse - sinks[None, :])[..., None])
@@ -143,7 +146,7 @@ class LongContextAttention:
 
     def _attend_windowed(self, layer: int, row: LongContextRow, chunks: list[RingChunk], qs: torch.Tensor,
                          acc: torch.Tensor, lse: torch.Tensor, scale: float, attention: Callable, window: int,
-                         softcap: float | None) -> None:
+                         softcap: float | None, scales: dict) -> None:
         """The older keys that a sliding window still shows some row: a tail of the sequence's CPU blocks (listed in
         position order), loaded in position order so that each key keeps its position for the window's mask."""
         bs = self.block_size
@@ -156,7 +159,7 @@ class LongContextAttention:
             n = len(chunk.cpu_ids)
             ids = self.ring.slot_ids[:n] if slot >= 0 else torch.arange(n, dtype=torch.int32)
             attention(qs, blocks[:, 0], blocks[:, 1], ids, n * bs, (first + i) * bs, row.start, scale, acc, lse,
-                      accumulate=True, window=window, softcap=softcap)
+                      accumulate=True, window=window, softcap=softcap, **scales)
             self.ring.done(slot)
         if layer == self.ring.last_layer:
             for chunk in chunks:

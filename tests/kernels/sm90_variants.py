@@ -31,7 +31,7 @@ from nanoserve.kernels.sampling import gumbel_max_sample
 from nanoserve.kernels.silu_mul_gemv import silu_mul_gemv
 from nanoserve.kernels.w4a16_gemm import w4a16_linear
 
-BF16, FP32, I32, I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
+BF16, FP32, I32, I64, FP8 = torch.bfloat16, torch.float32, torch.int32, torch.int64, torch.float8_e4m3fn
 BLOCK_SIZE = 16  # KV cache block size
 
 
@@ -48,66 +48,74 @@ def _cache(heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _prefill(dtype: torch.dtype, block_m: int, head_dim: int, splits: bool, window: bool, sinks: bool,
-             softcap: bool = False):
-    """One prefill launch as the engine makes it: a device map (prefill/tile_map.py's columns) and out given."""
+             softcap: bool = False, kv: torch.dtype | None = None):
+    """One prefill launch as the engine makes it: a device map (prefill/tile_map.py's columns) and out given. kv: the
+    cache's dtype (fp8: kv_cache_dtype fp8), dtype's by default."""
     def call() -> None:
         hq, hkv, tokens = 8, 2, 64
         q = _zeros(tokens, hq, head_dim, dtype=dtype)
         scratch = SplitScratch.allocate(4, hq // (hq // hkv), block_m, head_dim, "cpu") if splits else None
-        prefill_attention(q, _cache(hkv, head_dim, dtype), _cache(hkv, head_dim, dtype),
+        prefill_attention(q, _cache(hkv, head_dim, kv or dtype), _cache(hkv, head_dim, kv or dtype),
                           torch.tensor([0, tokens], dtype=I32), torch.tensor([tokens], dtype=I32),
                           _zeros(1, 8, dtype=I32), tokens, 0.125, out=torch.empty_like(q),
                           tile_map=_zeros(4, SPLIT_MAP_COLUMNS, dtype=I32),
                           block_m=block_m, split_scratch=scratch, window=128 if window else None,
-                          sinks=_zeros(hq, dtype=FP32) if sinks else None, softcap=50.0 if softcap else None)
+                          sinks=_zeros(hq, dtype=FP32) if sinks else None, softcap=50.0 if softcap else None,
+                          k_scale=0.5, v_scale=0.25)
     return call
 
 
 def _decode(dtype: torch.dtype, batch: int, head_dim: int, num_splits: int | None, fused: bool, order: bool,
-            window: bool, sinks: bool, softcap: bool = False):
-    """decode_attention: unsplit (num_splits 1), split with the reduce launch, or split and merged in one (fused)."""
+            window: bool, sinks: bool, softcap: bool = False, kv: torch.dtype | None = None):
+    """decode_attention: unsplit (num_splits 1), split with the reduce launch, or split and merged in one (fused).
+    kv: the cache's dtype, dtype's by default."""
     def call() -> None:
         hq, hkv = 8, 2
         q = _zeros(batch, hq, head_dim, dtype=dtype)
-        decode_attention(q, _cache(hkv, head_dim, dtype), _cache(hkv, head_dim, dtype), _zeros(batch, dtype=I32),
+        decode_attention(q, _cache(hkv, head_dim, kv or dtype), _cache(hkv, head_dim, kv or dtype),
+                         _zeros(batch, dtype=I32),
                          _zeros(batch, 8, dtype=I32), 0.125, num_splits=num_splits,
                          counters=_zeros(batch * hkv, dtype=I32) if fused else None,
                          order=_zeros(batch, dtype=I64) if order else None, window=128 if window else None,
-                         sinks=_zeros(hq, dtype=FP32) if sinks else None, softcap=50.0 if softcap else None)
+                         sinks=_zeros(hq, dtype=FP32) if sinks else None, softcap=50.0 if softcap else None,
+                         k_scale=0.5, v_scale=0.25)
     return call
 
 
 def _rope_args(batch: int, hq: int, hkv: int, head_dim: int, norm: bool, dtype: torch.dtype = BF16,
-               rotary_dim: int | None = None) -> tuple:
+               rotary_dim: int | None = None, kv: torch.dtype | None = None) -> tuple:
     """qkv_rope_store's arguments up to slot_mapping (decode_rope_attention takes the same first); rotary_dim <
-    head_dim: partial rotary (the tables' width)."""
+    head_dim: partial rotary (the tables' width); kv: the cache's dtype, dtype's by default."""
     weights = (_zeros(head_dim, dtype=dtype), _zeros(head_dim, dtype=dtype)) if norm else (None, None)
     half = (rotary_dim or head_dim) // 2
     return (_zeros(batch, (hq + 2 * hkv) * head_dim, dtype=dtype), hq, hkv, _zeros(batch, dtype=I64),
             _zeros(64, half, dtype=FP32), _zeros(64, half, dtype=FP32), *weights, 1e-6,
-            _cache(hkv, head_dim, dtype), _cache(hkv, head_dim, dtype), _zeros(batch, dtype=I64))
+            _cache(hkv, head_dim, kv or dtype), _cache(hkv, head_dim, kv or dtype), _zeros(batch, dtype=I64))
 
 
 def _decode_rope(batch: int, norm: bool, num_splits: int | None, fused: bool, prefetch: bool, window: bool,
-                 sinks: bool, gemma: bool = False, head_dim: int = 128, rotary_dim: int | None = None):
-    """gemma: soft-capped scores and norms scaled by 1 + weight."""
+                 sinks: bool, gemma: bool = False, head_dim: int = 128, rotary_dim: int | None = None,
+                 kv: torch.dtype | None = None):
+    """gemma: soft-capped scores and norms scaled by 1 + weight; kv: the cache's dtype, bf16 by default."""
     def call() -> None:
         hq, hkv = 16, 8
-        decode_rope_attention(*_rope_args(batch, hq, hkv, head_dim, norm, rotary_dim=rotary_dim),
+        decode_rope_attention(*_rope_args(batch, hq, hkv, head_dim, norm, rotary_dim=rotary_dim, kv=kv),
                               _zeros(batch, dtype=I32), _zeros(batch, 8, dtype=I32), 0.125, num_splits=num_splits,
                               counters=_zeros(batch * hkv, dtype=I32) if fused else None, prefetch=prefetch,
                               window=128 if window else None, sinks=_zeros(hq, dtype=FP32) if sinks else None,
-                              softcap=50.0 if gemma else None, norm_offset=1.0 if gemma else 0.0)
+                              softcap=50.0 if gemma else None, norm_offset=1.0 if gemma else 0.0, k_scale=0.5,
+                              v_scale=0.25)
     return call
 
 
 def _chunk(dtype: torch.dtype, rows: int, accumulate: bool, window: bool, softcap: bool = False,
-           head_dim: int = 128):
+           head_dim: int = 128, kv: torch.dtype | None = None):
     def call() -> None:
         q = _zeros(rows, 8, head_dim, dtype=dtype)
-        chunk_attention(q, _cache(2, head_dim, dtype), _cache(2, head_dim, dtype), torch.arange(4, dtype=I32), 64, 0,
-                        64, 0.125, _zeros(rows, 8, head_dim, dtype=FP32), _zeros(rows, 8, dtype=FP32), accumulate,
-                        window=128 if window else None, softcap=50.0 if softcap else None)
+        chunk_attention(q, _cache(2, head_dim, kv or dtype), _cache(2, head_dim, kv or dtype),
+                        torch.arange(4, dtype=I32), 64, 0, 64, 0.125, _zeros(rows, 8, head_dim, dtype=FP32),
+                        _zeros(rows, 8, dtype=FP32), accumulate, window=128 if window else None,
+                        softcap=50.0 if softcap else None, k_scale=0.5, v_scale=0.25)
     return call
 
 
@@ -205,6 +213,17 @@ VARIANTS = [
      _decode_rope(2, True, 4, True, True, True, False, True, 256)),
     ("chunk_attention bf16 D=256 64-row window+softcap", _chunk(BF16, 64, False, True, True, 256)),
     ("prefill bf16 BLOCK_M=16 D=64 splits+window+sinks", _prefill(BF16, 16, 64, True, True, True)),
+    # kv_cache_dtype fp8: the cache's tiles widened to bf16, its scales applied; the store's quantization. (Also
+    # compiled once, left out for time: prefill BLOCK_M=64 splits+window+sinks, decode D=256 and batch 64 split+reduce,
+    # partial rotary.)
+    ("prefill bf16 fp8 KV BLOCK_M=16 D=128 plain", _prefill(BF16, 16, 128, False, False, False, kv=FP8)),
+    ("decode bf16 fp8 KV fused order window+sinks", _decode(BF16, 2, 128, 4, True, True, True, True, kv=FP8)),
+    ("decode_rope bf16 fp8 KV fused norm", _decode_rope(2, True, 4, True, True, False, False, kv=FP8)),
+    ("chunk_attention bf16 fp8 KV 64-row", _chunk(BF16, 64, False, False, kv=FP8)),
+    ("qkv_rope_store bf16 fp8 KV norm", lambda: qkv_rope_store(*_rope_args(4, 16, 8, 128, True, kv=FP8),
+                                                                k_scale=0.5, v_scale=0.25)),
+    ("kv_store bf16 fp8 KV", lambda: store_kvcache(_zeros(4, 2, 128), _zeros(4, 2, 128), _cache(2, 128, FP8),
+                                                   _cache(2, 128, FP8), _zeros(4, dtype=I64), 0.5, 0.25)),
     ("prefill fp32 BLOCK_M=16 D=128 splits", _prefill(FP32, 16, 128, True, False, False)),
     ("prefill fp32 BLOCK_M=64 D=64 window+sinks", _prefill(FP32, 64, 64, False, True, True)),
     ("decode_rope bf16 fused norm window+sinks", _decode_rope(2, True, 4, True, True, True, True)),

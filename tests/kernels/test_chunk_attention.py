@@ -119,7 +119,8 @@ def test_long_context_pieces_take_the_layers_backend(backend_name, monkeypatch):
     taken = []
 
     class LongContext:
-        def attend(self, layer, q, k_cache, v_cache, out, scale, chunk_attention, window, sinks, softcap) -> None:
+        def attend(self, layer, q, k_cache, v_cache, out, scale, chunk_attention, window, sinks, softcap, k_scale,
+                   v_scale) -> None:
             taken.append(chunk_attention)
 
     layer = attention.Attention(2, 1, 64)

@@ -9,17 +9,19 @@ def test_models_lists_the_served_model(server):
     assert [m.id for m in models.data] == ["tiny-llama"]
     raw = httpx.get(server.url + "/v1/models").json()["data"][0]
     assert raw["max_model_len"] == 512 and raw["vocab_size"] == 384
-    assert raw["quantization"] is None
+    assert raw["quantization"] is None and raw["kv_cache_dtype"] == "float32"
 
 
 def test_models_and_metrics_say_what_quantization_runs(launch):
-    """A bf16/fp32 checkpoint quantized at load (--quantization fp8): /v1/models and vllm:cache_config_info say so."""
-    quantized = launch("--quantization", "fp8")
+    """A bf16/fp32 checkpoint quantized at load (--quantization fp8) with an fp8 KV cache: /v1/models and
+    vllm:cache_config_info say so."""
+    quantized = launch("--quantization", "fp8", "--kv-cache-dtype", "fp8")
     want = "fp8 (quantized at load): weights per channel, activations dynamic per token"
-    assert httpx.get(quantized.url + "/v1/models").json()["data"][0]["quantization"] == want
+    model = httpx.get(quantized.url + "/v1/models").json()["data"][0]
+    assert model["quantization"] == want and model["kv_cache_dtype"] == "float8_e4m3fn"
     families = {f.name: f for f in text_string_to_metric_families(httpx.get(quantized.url + "/metrics").text)}
     (info,) = families["vllm:cache_config_info"].samples
-    assert info.labels["quantization"] == want and info.labels["cache_dtype"] == "float32"
+    assert info.labels["quantization"] == want and info.labels["cache_dtype"] == "float8_e4m3fn"
     quantized.stop()
 
 

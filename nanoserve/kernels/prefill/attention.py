@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve.kernels.kv_quant import dequantize_kv, kv_scales
 from nanoserve.kernels.pdl import use_pdl, wait_for_prior_grids
 
 # The maps are planned on the host, where Triton may be absent (CPU-only installs): prefill/planner.py.
@@ -44,6 +45,7 @@ def _prefill_attention_kernel(
     window,
     sinks_ptr,
     softcap,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -59,6 +61,7 @@ def _prefill_attention_kernel(
     WINDOW: tl.constexpr,
     SINKS: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -80,20 +83,20 @@ def _prefill_attention_kernel(
     args = (q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, split_out_ptr, split_lse_ptr, split_count_ptr,
             qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
             head * PACK // num_queries_per_kv, head, seq, start_r, kv_lo, kv_hi, first_slot, split, num_splits,
-            q_start, q_rows, pos0, window, sinks_ptr, softcap)  # fmt: skip
+            q_start, q_rows, pos0, window, sinks_ptr, softcap, v_scale)  # fmt: skip
     # A tile of at most 16 live rows (a decode entry, a sequence's last rows) runs 16-row matrix products: the same
     # keys for a fraction of the work (the branch is uniform over the program; both paths are compiled in).
     # The constexprs go by name, not in `args`: compiled Triton makes a tuple of tensors of it (a string fails).
     if BLOCK_M > 16:
         if q_rows - start_r <= 16:
-            _attend_rows(*args, PACK, SPLITS, WINDOW, SINKS, SOFTCAP, DOT_PRECISION, HEAD_DIM, BLOCK_SIZE, 16, BLOCK_M,
-                         BLOCK_N)
-        else:
-            _attend_rows(*args, PACK, SPLITS, WINDOW, SINKS, SOFTCAP, DOT_PRECISION, HEAD_DIM, BLOCK_SIZE, BLOCK_M,
+            _attend_rows(*args, PACK, SPLITS, WINDOW, SINKS, SOFTCAP, KV_FP8, DOT_PRECISION, HEAD_DIM, BLOCK_SIZE, 16,
                          BLOCK_M, BLOCK_N)
+        else:
+            _attend_rows(*args, PACK, SPLITS, WINDOW, SINKS, SOFTCAP, KV_FP8, DOT_PRECISION, HEAD_DIM, BLOCK_SIZE,
+                         BLOCK_M, BLOCK_M, BLOCK_N)
     else:
-        _attend_rows(*args, PACK, SPLITS, WINDOW, SINKS, SOFTCAP, DOT_PRECISION, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_M,
-                     BLOCK_N)
+        _attend_rows(*args, PACK, SPLITS, WINDOW, SINKS, SOFTCAP, KV_FP8, DOT_PRECISION, HEAD_DIM, BLOCK_SIZE, BLOCK_M,
+                     BLOCK_M, BLOCK_N)
 
 
 def prefill_attention(
@@ -113,12 +116,15 @@ def prefill_attention(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q [T, num_q_heads, head_dim] packed by cu_seqlens_q [B+1]; returns [T, num_q_heads, head_dim].
 
     window: a sliding window (query at p sees keys p - window + 1 .. p), None for none. sinks: fp32 [num_q_heads],
     each head's sink logit, which joins the softmax's denominator (gpt-oss), None for none. softcap: scores capped
-    at softcap * tanh(score / softcap) (Gemma 2; kernels/softcap.py), None for none.
+    at softcap * tanh(score / softcap) (Gemma 2; kernels/softcap.py), None for none. k_scale, v_scale: an fp8
+    cache's scales (kernels/kv_quant.py), ignored for a cache in q's dtype.
 
     out, if given, is written in place (contiguous last dim, q's shape) and returned. Rows of tokens that no
     tile covers (past cu_seqlens_q[B], as in a padded batch) are left untouched. pack: query heads per program
@@ -186,10 +192,11 @@ def prefill_attention(
         split_scratch.out if split_scratch is not None else None,
         split_scratch.lse if split_scratch is not None else None,
         split_scratch.count if split_scratch is not None else None,
-        scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
+        scale * kv_scales(k_cache, k_scale) * 1.4426950408889634,  # log2(e): the kernel uses exp2
         window or 0,
         sinks,
         (softcap or 0.0) * 1.4426950408889634,
+        kv_scales(v_cache, v_scale),
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -205,6 +212,7 @@ def prefill_attention(
         WINDOW=window is not None,
         SINKS=sinks is not None,
         SOFTCAP=softcap is not None,
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 would lose fp32 inputs' bits
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
@@ -233,6 +241,8 @@ def prefill_attention_ref(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Plain PyTorch version of prefill_attention, in fp32, one sequence at a time."""
     group = q.shape[1] // k_cache.shape[2]
@@ -242,7 +252,7 @@ def prefill_attention_ref(
         q_len = cu[b + 1] - cu[b]
         if q_len == 0:
             continue
-        k, v = gather_kv(k_cache, v_cache, block_tables[b], seq_len, group)
+        k, v = gather_kv(k_cache, v_cache, block_tables[b], seq_len, group, k_scale, v_scale)
         qb = q[cu[b] : cu[b + 1]].float().transpose(0, 1)  # [H, q_len, D]
         scores = (qb @ k.transpose(1, 2)) * scale
         if softcap is not None:
@@ -267,13 +277,20 @@ def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torc
 
 
 def gather_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, group: int
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    group: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's first seq_len keys and values as fp32 [num_q_heads, seq_len, head_dim]."""
+    """One sequence's first seq_len keys and values as fp32 [num_q_heads, seq_len, head_dim] (an fp8 cache's
+    scaled by k_scale and v_scale)."""
     block_size = k_cache.shape[1]
     pos = torch.arange(seq_len, device=k_cache.device)
     blocks = block_table[pos // block_size].long()
     offsets = pos % block_size
-    k = k_cache[blocks, offsets].float().transpose(0, 1)  # [num_kv_heads, seq_len, D]
-    v = v_cache[blocks, offsets].float().transpose(0, 1)
+    k = dequantize_kv(k_cache[blocks, offsets], torch.float32, k_scale).transpose(0, 1)  # [num_kv_heads, seq_len, D]
+    v = dequantize_kv(v_cache[blocks, offsets], torch.float32, v_scale).transpose(0, 1)
     return k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)

@@ -57,6 +57,8 @@ def _attend_tiles(
         else:
             k = tl.load(k_cache_ptr + kv_offs[None, :] + offs_d[:, None])
             v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :])
+        # An fp8 cache's tiles widened to q's dtype (exactly); its scales are applied outside (qk_scale, v_scale).
+        k, v = k.to(q.dtype), v.to(q.dtype)
 
         qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         if SOFTCAP:
@@ -85,14 +87,16 @@ def _attend_rows(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, split_out_ptr, split_lse_ptr, split_count_ptr,
     qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
     kv_head, head, seq, start_r, kv_lo, kv_hi, first_slot, split, num_splits, q_start, q_rows, pos0, window, sinks_ptr,
-    softcap, PACK: tl.constexpr, SPLITS: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr,
-    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    softcap, v_scale, PACK: tl.constexpr, SPLITS: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr,
+    SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, SLOT_ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """One map row's work: query rows start_r .. start_r + ROWS over keys [kv_lo, kv_hi); a split's partial
     result goes to scratch slots of SLOT_ROWS rows. WINDOW: only keys after each row's position - window; SINKS:
-    each query head's sink logit (fp32, natural log) joins the softmax's denominator, in the first split only."""
+    each query head's sink logit (fp32, natural log) joins the softmax's denominator, in the first split only.
+    KV_FP8: the values were summed as an fp8 cache stores them, so the rows' output takes v_scale (before a split's
+    merge, which is linear in it)."""
     # Rows run in token order, so the first row has the tile's least position.
     first_pos = pos0 + start_r // PACK
     # The map starts a range at or below first_pos, so every row of the tile sees its first key and no row max
@@ -161,6 +165,8 @@ def _attend_rows(
     else:
         acc = acc / l_i[:, None]
         lse = m_i + tl.log2(l_i)
+    if KV_FP8:
+        acc = acc * v_scale
     write = r_valid
     if SPLITS:
         if num_splits > 1:
