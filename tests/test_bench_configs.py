@@ -11,7 +11,8 @@ from nanoserve import EngineArgs
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "benchmarks" / "configs"
-DOCS = ["BENCHMARKS.md", "README.md", "scripts/gpu_bench.sh", *(p.relative_to(REPO) for p in REPO.glob("docs/*.md"))]
+MARKDOWN = [*REPO.glob("docs/*.md"), *REPO.glob("benchmarks/*.md")]
+DOCS = ["BENCHMARKS.md", "README.md", "scripts/gpu_bench.sh", *(p.relative_to(REPO) for p in MARKDOWN)]
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=str)
