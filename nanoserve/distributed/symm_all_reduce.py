@@ -8,9 +8,15 @@ torch.ops.symm_mem.one_shot_all_reduce_copy_out, or _out after a copy where torc
 between the GPUs, not NVLink multicast, which the lent machines keep off (NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1): the multimem ops are not used here, so those settings hold.
 
+Above ONE_SHOT_MAX_BYTES each GPU reading every peer's whole buffer costs more than it saves; there a two-shot
+all-reduce (torch.ops.symm_mem.two_shot_all_reduce_: each GPU sums its 1/N of the peers' buffers, then writes its
+sums to every peer, also over peer access alone) takes the batch-256 messages of a decode step (2 MB at
+Llama-3.1-8B) from NCCL, whose ring ran them at 27 us each at TP=4 (benchmarks/scale-out.md, table 8), up to
+TWO_SHOT_MAX_BYTES; above, NCCL's bandwidth wins and the caller uses it.
+
 Each rank allocates its symmetric buffers once, at start (a collective rendezvous); a call copies the input into
-one, runs the op with the input as its output, and so works in place and inside CUDA graphs (the buffer's
-address is fixed). Above ONE_SHOT_MAX_BYTES, NCCL's bandwidth wins and the caller uses it.
+one, runs the op with the input as its output (one-shot; two-shot reduces the buffer in place and copies it back),
+and so works in place and inside CUDA graphs (the buffer's address is fixed).
 """
 
 import logging
@@ -26,6 +32,7 @@ logger = logging.getLogger(__name__)
 # in a CUDA graph (1 MB: 13.3 vs 16.6 us in a graph); above, each GPU reading every peer's whole buffer loses to
 # NCCL's ring.
 ONE_SHOT_MAX_BYTES = 1 << 20
+TWO_SHOT_MAX_BYTES = 16 << 20
 _DTYPES = (torch.bfloat16, torch.float32)  # the op's kernels
 
 
@@ -36,8 +43,9 @@ class SymmAllReduce:
     # buffer while a slower peer still reads the previous one (the op's closing barrier makes this moot in the
     # versions that have it; the second buffer keeps it safe in those that do not).
     buffers: tuple[torch.Tensor, torch.Tensor]
-    max_bytes: int
+    max_bytes: int  # the buffers' size: two-shot up to it, where torch has it
     copy_in_op: bool  # torch has one_shot_all_reduce_copy_out
+    one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES
     calls: int = 0
 
     def fits(self, x: torch.Tensor) -> bool:
@@ -55,7 +63,11 @@ class SymmAllReduce:
         self.calls += 1
         flat = x.view(-1)
         symm = buffer.view(x.dtype)[: flat.numel()]
-        if self.copy_in_op:
+        if x.nbytes > self.one_shot_max_bytes:
+            symm.copy_(flat)
+            torch.ops.symm_mem.two_shot_all_reduce_(symm, "sum", self.group_name)
+            flat.copy_(symm)
+        elif self.copy_in_op:
             # The op copies the input into the symmetric buffer, meets the peers, then sums their buffers into its
             # output, one kernel. Output and input may be one tensor: each thread copies the elements it later writes.
             torch.ops.symm_mem.one_shot_all_reduce_copy_out(symm, flat, "sum", self.group_name, flat)
@@ -92,7 +104,7 @@ def connect(
     local_devices: int,
     nnodes: int,
     disabled: bool = False,
-    max_bytes: int = ONE_SHOT_MAX_BYTES,
+    max_bytes: int | None = None,
 ) -> SymmAllReduce | None:
     """Every rank of `group` together: a SymmAllReduce if every rank can use one, else None (NCCL for every
     all-reduce), said once, by rank 0, with the reason."""
@@ -108,6 +120,8 @@ def connect(
         return None
     import torch.distributed._symmetric_memory as symm_mem
 
+    if max_bytes is None:
+        max_bytes = TWO_SHOT_MAX_BYTES if hasattr(torch.ops.symm_mem, "two_shot_all_reduce_") else ONE_SHOT_MAX_BYTES
     try:
         buffers = tuple(symm_mem.empty(max_bytes, dtype=torch.uint8, device=device) for _ in range(2))
         for buffer in buffers:
@@ -117,9 +131,10 @@ def connect(
         return None
     if rank == 0:
         logger.info(
-            "tensor parallel: all-reduces of up to %d KiB through symmetric memory (one-shot), NCCL above "
-            "(NCCL_NVLS_ENABLE=%s, TORCH_SYMM_MEM_DISABLE_MULTICAST=%s)",
+            "tensor parallel: all-reduces of up to %d KiB through symmetric memory (one-shot up to %d KiB, then "
+            "two-shot), NCCL above (NCCL_NVLS_ENABLE=%s, TORCH_SYMM_MEM_DISABLE_MULTICAST=%s)",
             max_bytes >> 10,
+            min(max_bytes, ONE_SHOT_MAX_BYTES) >> 10,
             os.environ.get("NCCL_NVLS_ENABLE", "unset"),
             os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST", "unset"),
         )
