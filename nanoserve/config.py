@@ -364,6 +364,9 @@ class EngineConfig:
     # A draft model's KV bytes per block (worker/draft_model.py), set once it is loaded: its pool has the target's
     # block count, out of the same memory budget.
     draft_kv_bytes_per_block: int = 0
+    # EAGLE-3: the target layers whose input hidden states the head reads (worker/eagle3.py sets them before the
+    # target's runner is built); empty otherwise.
+    aux_hidden_state_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> "EngineConfig":

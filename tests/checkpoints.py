@@ -113,3 +113,47 @@ def write_quantized_config(path: Path, source: Path, qc: dict) -> str:
     path.mkdir(exist_ok=True)
     (path / "config.json").write_text(json.dumps(config))
     return str(path)
+
+
+def write_eagle3_head(path: Path, seed: int = 0, vocab_size: int = VOCAB, draft_vocab_size: int = 128,
+                      hidden_size: int = 64, **overrides) -> Path:
+    """A random EAGLE-3 head in the published layout (config `LlamaForCausalLMEagle3`; fc, midlayer.*, norm,
+    lm_head over a draft vocabulary, d2t / t2d; no embedding): transformers has no such model, so the tensors are
+    written directly. Its draft vocabulary is a random sorted subset of the target's ids."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    config = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_act="silu",
+                  hidden_size=hidden_size, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                  num_hidden_layers=1, max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  vocab_size=vocab_size, draft_vocab_size=draft_vocab_size, bos_token_id=0, eos_token_id=1,
+                  torch_dtype="float32") | overrides
+    (path / "config.json").write_text(json.dumps(config))
+    g = torch.Generator().manual_seed(seed)
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+
+    def rand(*shape: int) -> torch.Tensor:
+        return 0.2 * torch.randn(*shape, generator=g)
+
+    targets = torch.randperm(vocab_size, generator=g)[:draft_vocab_size].sort().values
+    tensors = {
+        "fc.weight": rand(h, 3 * h),
+        "midlayer.self_attn.q_proj.weight": rand(q, 2 * h),
+        "midlayer.self_attn.k_proj.weight": rand(kv, 2 * h),
+        "midlayer.self_attn.v_proj.weight": rand(kv, 2 * h),
+        "midlayer.self_attn.o_proj.weight": rand(h, q),
+        "midlayer.mlp.gate_proj.weight": rand(inter, h),
+        "midlayer.mlp.up_proj.weight": rand(inter, h),
+        "midlayer.mlp.down_proj.weight": rand(h, inter),
+        "midlayer.input_layernorm.weight": 1 + rand(h),
+        "midlayer.hidden_norm.weight": 1 + rand(h),
+        "midlayer.post_attention_layernorm.weight": 1 + rand(h),
+        "norm.weight": 1 + rand(h),
+        "lm_head.weight": rand(draft_vocab_size, h),
+        "d2t": targets - torch.arange(draft_vocab_size),
+        "t2d": torch.zeros(vocab_size, dtype=torch.bool).index_fill_(0, targets, True),
+    }
+    save_file(tensors, str(path / "model.safetensors"))
+    return path

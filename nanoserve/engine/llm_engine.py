@@ -22,6 +22,7 @@ from nanoserve.spec_decode.stats import SpecDecodeStats
 from nanoserve.structured.backend import GrammarCompiler
 from nanoserve.structured.manager import StructuredOutputManager
 from nanoserve.worker.draft_model import DraftModelProposer
+from nanoserve.worker.eagle3 import Eagle3Proposer
 from nanoserve.worker.kv_cache import prefix_load_pays
 from nanoserve.worker.model_runner import LaunchedStep, ModelRunner
 from nanoserve.worker.tp_worker import TensorParallelWorkers
@@ -42,12 +43,15 @@ class LLMEngine(EngineFrontend):
             config.model.eos_token_ids = [self.tokenizer.eos_token_id]
         # Under tensor parallelism this process is rank 0: it starts the node's other ranks, which the runner drives.
         workers = TensorParallelWorkers.start(config) if config.args.tensor_parallel_size > 1 else None
-        # A draft model is loaded first: its weights are then in use when the target's runner sizes the KV pool.
+        # A draft model (or EAGLE-3 head) is loaded first: its weights are then in use when the target's runner sizes
+        # the KV pool.
         draft = None
-        if config.speculative is not None and config.speculative.method == "draft_model":
-            draft = DraftModelProposer(config)
+        if config.speculative is not None and config.speculative.method in ("draft_model", "eagle3"):
+            draft = (Eagle3Proposer if config.speculative.method == "eagle3" else DraftModelProposer)(config)
             config.draft_kv_bytes_per_block = draft.kv_bytes_per_block
         self.runner = ModelRunner(config, workers=workers)
+        if isinstance(draft, Eagle3Proposer):
+            draft.attach(self.runner)
         if draft is not None:
             draft.allocate(self.runner.num_kv_blocks, config.max_model_len, self.runner.graphs is not None)
             logger.info("speculative decoding: draft model %s, its KV pool %d blocks (%.1f MiB, out of the KV budget), "

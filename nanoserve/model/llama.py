@@ -181,10 +181,28 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, qk_norm, tp, make_mlp(i), attention_options(i))
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # EAGLE-3 (worker/eagle3.py): the layers whose input hidden states go to aux_hidden, in its column blocks'
+        # order; empty when no head reads them.
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
+
+    def capture_aux_hidden_states(self, layers: tuple[int, ...], max_num_tokens: int) -> None:
+        """From now on every forward pass writes the hidden state entering each of `layers` (the residual stream:
+        the embedding for layer 0) into aux_hidden[:num_tokens], the layers' blocks side by side. A buffer of its
+        own, so that CUDA graphs captured after this call write it too."""
+        hidden = self.norm.weight.shape[0]
+        self.aux_layers = tuple(layers)
+        self.aux_hidden = torch.zeros(max_num_tokens, hidden * len(layers), dtype=self.norm.weight.dtype,
+                                      device=self.norm.weight.device)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        aux = self.aux_layers
+        for i, layer in enumerate(self.layers):
+            if aux and i in aux:
+                state = x if residual is None else x + residual
+                for j in (j for j, listed in enumerate(aux) if listed == i):  # a small target may list one twice
+                    self.aux_hidden[:x.shape[0], j * x.shape[1]:(j + 1) * x.shape[1]].copy_(state)
             x, residual = layer(positions, x, residual, meta)
         x, _ = self.norm(x, residual)
         return x

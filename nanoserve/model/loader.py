@@ -141,7 +141,9 @@ def _load_weights(model: nn.Module, files: list[Path], fp8_kv: bool = False) -> 
     skipped."""
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
-    tied = getattr(model.lm_head, "weight", None) is model.model.embed_tokens.weight
+    # (An EAGLE-3 head, model/llama_eagle3.py, has no embedding of its own.)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    tied = embed is not None and getattr(model.lm_head, "weight", None) is embed.weight
     for path in tqdm(files, desc="loading weights", disable=len(files) < 2):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for ckpt_name in f.keys():

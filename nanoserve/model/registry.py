@@ -23,6 +23,10 @@ MODELS: dict[str, tuple[str, str]] = {
     "Gemma3ForConditionalGeneration": ("nanoserve.model.gemma", "Gemma3ForConditionalGeneration"),
     "Phi3ForCausalLM": ("nanoserve.model.phi3", "Phi3ForCausalLM"),
 }
+# Draft heads: loaded only as a speculative_config's model (worker/eagle3.py), never served on their own.
+DRAFT_HEADS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLMEagle3": ("nanoserve.model.llama_eagle3", "Eagle3LlamaForCausalLM"),
+}
 
 
 def check_architecture(architecture: str) -> None:
@@ -31,6 +35,7 @@ def check_architecture(architecture: str) -> None:
 
 
 def model_class(architecture: str) -> type[nn.Module]:
-    check_architecture(architecture)
-    module, name = MODELS[architecture]
+    if architecture not in DRAFT_HEADS:
+        check_architecture(architecture)
+    module, name = (MODELS | DRAFT_HEADS)[architecture]
     return getattr(importlib.import_module(module), name)

@@ -7,7 +7,7 @@ nanoserve's.
 from dataclasses import dataclass
 from typing import Any
 
-# vLLM's keys. ngram and draft_model run; the other methods are named so their refusal is clear.
+# vLLM's keys. ngram, draft_model and eagle3 run; the other methods are named so their refusal is clear.
 KNOWN_KEYS = (
     "method",
     "num_speculative_tokens",
@@ -18,7 +18,8 @@ KNOWN_KEYS = (
     "max_model_len",
     "disable_by_batch_size",
 )
-LATER_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+LATER_METHODS = ("eagle", "medusa", "mlp_speculator", "mtp", "suffix")
+MODEL_METHODS = ("draft_model", "eagle3")  # the methods that load a model of their own
 # More than this many drafted tokens per step costs far more verify work than any acceptance pays back.
 MAX_SPECULATIVE_TOKENS = 32
 
@@ -29,13 +30,14 @@ class SpeculativeConfig:
     num_speculative_tokens: int  # k: tokens proposed (and verified) per sequence and step, at most
     prompt_lookup_max: int  # the longest n-gram matched against the sequence's earlier tokens
     prompt_lookup_min: int  # the shortest
-    model: str | None = None  # draft_model: the draft's checkpoint directory
+    model: str | None = None  # draft_model, eagle3: the draft's (the head's) checkpoint directory
 
     @classmethod
     def from_dict(cls, raw: Any) -> "SpeculativeConfig":
         """vLLM's speculative_config: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
         "prompt_lookup_min": m} (without either lookup bound both are 5; with one, the other equals it, as vLLM's)
-        or {"model": DIR, "num_speculative_tokens": k} ("method": "draft_model" optional)."""
+        or {"model": DIR, "num_speculative_tokens": k} ("method": "draft_model" optional) or
+        {"method": "eagle3", "model": DIR, "num_speculative_tokens": k}."""
         if not isinstance(raw, dict):
             raise ValueError(f"speculative_config: must be a dict (JSON object), got {type(raw).__name__}")
         unknown = sorted(set(raw) - set(KNOWN_KEYS))
@@ -46,11 +48,10 @@ class SpeculativeConfig:
             method = "draft_model"  # vLLM's: a model without a method is a draft model
         if method in LATER_METHODS:
             raise ValueError(
-                f"speculative_config.method: {method!r} is not supported yet (EAGLE heads come later); "
-                "'ngram' and 'draft_model' run"
+                f"speculative_config.method: {method!r} is not supported yet; 'ngram', 'draft_model' and 'eagle3' run"
             )
-        if method not in ("ngram", "draft_model"):
-            raise ValueError(f"speculative_config.method: must be 'ngram' or 'draft_model', got {method!r}")
+        if method not in ("ngram", *MODEL_METHODS):
+            raise ValueError(f"speculative_config.method: must be 'ngram', 'draft_model' or 'eagle3', got {method!r}")
         for key in ("max_model_len", "disable_by_batch_size"):
             if raw.get(key) is not None:
                 raise ValueError(f"speculative_config.{key}: not supported yet")
@@ -58,7 +59,7 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.model: method 'ngram' takes no model")
         if method == "ngram" and raw.get("draft_tensor_parallel_size") is not None:
             raise ValueError("speculative_config.draft_tensor_parallel_size: not supported with method 'ngram'")
-        if method == "draft_model":
+        if method in MODEL_METHODS:
             for key in ("prompt_lookup_max", "prompt_lookup_min"):
                 if raw.get(key) is not None:
                     raise ValueError(f"speculative_config.{key}: only for method 'ngram'")
@@ -83,8 +84,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.prompt_lookup_min: must be >= 1, got {low}")
         if high < low:
             raise ValueError(f"speculative_config.prompt_lookup_max: must be >= prompt_lookup_min ({low}), got {high}")
-        if method == "draft_model":
-            return cls("draft_model", k, 0, 0, raw["model"])
+        if method in MODEL_METHODS:
+            return cls(method, k, 0, 0, raw["model"])
         return cls("ngram", k, high, low)
 
 

@@ -93,7 +93,7 @@ class DraftModelProposer:
     KV pool); `allocate` then gives it a pool of the target's block count."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = draft_engine_config(config)
+        self.config = self.engine_config(config)
         self.k = config.speculative.num_speculative_tokens
         self.runner = ModelRunner(self.config)  # a one-block placeholder pool until allocate()
         self.block_size = config.args.block_size
@@ -107,6 +107,10 @@ class DraftModelProposer:
         # seq_id -> q of its latest drafts ([n, V]; None: greedy), replaced with them: drafts a step did not schedule
         # are kept by the sequence until its next proposal, and must still find their own q.
         self.probs: dict[int, torch.Tensor | None] = {}
+
+    @staticmethod
+    def engine_config(config: EngineConfig) -> EngineConfig:
+        return draft_engine_config(config)
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -140,6 +144,10 @@ class DraftModelProposer:
         self.cached.pop(seq_id, None)
         self.probs.pop(seq_id, None)
 
+    def evict(self, seq_id: int) -> None:
+        """Give a sequence's blocks back while it lives on (it is caught up again at its next proposal)."""
+        self.release(seq_id)
+
     @torch.inference_mode()
     def propose(self, rows: Sequence[DraftRow], max_tokens: Sequence[int]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in rows]
@@ -152,7 +160,7 @@ class DraftModelProposer:
             common = self._common_prefix(self.cached.get(row.seq_id, []), tokens)
             table = self.tables.setdefault(row.seq_id, [])
             if not self._grow(table, len(tokens) + k - 1, decoding):
-                self.release(row.seq_id)  # no room: this sequence decodes without drafts this step (q dropped too)
+                self.evict(row.seq_id)  # no room: this sequence decodes without drafts this step (q dropped too)
                 continue
             self.cached[row.seq_id] = tokens[:common]
             work.append([i, row, _DraftSeq(row.seq_id, tokens, table), common, k])
@@ -193,7 +201,7 @@ class DraftModelProposer:
         needed = -(-num_positions // self.block_size) - len(table)
         if needed > len(self.free):
             for seq_id in [s for s in self.tables if s not in decoding]:
-                self.release(seq_id)
+                self.evict(seq_id)
         if needed > len(self.free):
             return False
         for _ in range(max(needed, 0)):

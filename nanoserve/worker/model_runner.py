@@ -81,6 +81,16 @@ class ModelRunner:
         self.block_size = config.args.block_size
         torch.manual_seed(config.args.seed)
         self.model = load_model(config, self.tp)
+        # EAGLE-3 (worker/eagle3.py): the target hands the head its hidden states at these layers, for every token
+        # of every step (aux_hidden_sink); before any graph is captured, so the graphs write them too.
+        self.aux_hidden_sink: Callable[[ScheduledBatch, torch.Tensor], None] | None = None
+        if config.aux_hidden_state_layers:
+            inner = getattr(self.model, "model", None)
+            if not hasattr(inner, "capture_aux_hidden_states"):
+                raise ValueError(f"speculative_config.method: eagle3 needs a Llama-family target, not "
+                                 f"{config.model.architecture}")
+            inner.capture_aux_hidden_states(config.aux_hidden_state_layers,
+                                            max(config.args.max_num_batched_tokens, config.args.max_num_seqs))
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for index, layer in enumerate(self.attn_layers):
             layer.backend = backend_for(self.device)
@@ -231,6 +241,8 @@ class ModelRunner:
                 plp_logits, logits = self.execute(step, prev_tokens)
             except RuntimeError as exc:
                 raise self.workers.explain(exc) from exc
+        if self.aux_hidden_sink is not None:  # before the next step's pass writes over them
+            self.aux_hidden_sink(batch, self.model.model.aux_hidden[:step.num_tokens])
         prompt_logprobs = self._prompt_logprobs(plp_entries, plp_logits)
         if not seqs:
             return LaunchedStep(batch, None, {}, None, None, prompt_logprobs)
@@ -267,6 +279,16 @@ class ModelRunner:
                 ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Run one step on this rank: the logits of each prompt-logprob range, and of the rows that sample (None
         when none does)."""
+        hidden, logit_rows = self.forward(step, prev_tokens)
+        plp_logits = [self.model.compute_logits(hidden[start:start + n]) for start, n in step.prompt_logprob_rows]
+        if not step.sample:
+            return plp_logits, None
+        return plp_logits, self.model.compute_logits(hidden if logit_rows is None else hidden[logit_rows])
+
+    def forward(self, step: StepInputs, prev_tokens: torch.Tensor | None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model's forward pass over one step: its hidden states (a CUDA graph's output buffer, valid until the
+        next pass) and the rows that sample (None: every row, once)."""
         if step.kv_swap_out:  # first: a block going to the CPU tier may be the target of a copy below
             self.offloader.swap(step.kv_swap_out, [])
         for src, dst in step.block_copies:
@@ -292,10 +314,7 @@ class ModelRunner:
             if self.planner.prefill is not None:
                 eager_tile_map(meta, self.device, self.attn_layers[0].head_dim, self.planner.prefill)
             hidden = self.model(input_ids, positions, meta)
-        plp_logits = [self.model.compute_logits(hidden[start:start + n]) for start, n in step.prompt_logprob_rows]
-        if not step.sample:
-            return plp_logits, None
-        return plp_logits, self.model.compute_logits(hidden if logit_rows is None else hidden[logit_rows])
+        return hidden, logit_rows
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent)."""
