@@ -95,3 +95,21 @@ def test_draft_model_stays_in_place_under_draft_every_step(capsys: pytest.Captur
     result = run_bench(capsys, "--output-len", "11", "--draft-every-step", "--speculative-config",
                        json.dumps({"model": bundled_model_dir(), "num_speculative_tokens": 2}))
     assert result["spec_num_drafts"] > 0 and result["mean_acceptance_length"] == 3.0
+
+
+def test_eagle3_head_times_its_draft_passes(capsys: pytest.CaptureFixture, tmp_path) -> None:
+    """A config-only EAGLE-3 head of the bundled model's shape, random weights for both: the head drafts at every
+    step, and its passes are timed."""
+    from nanoserve.config import bundled_model_dir
+
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": 192, "head_dim": 64,
+        "intermediate_size": 64, "num_attention_heads": 3, "num_key_value_heads": 3, "num_hidden_layers": 1,
+        "vocab_size": 1024, "draft_vocab_size": 256}))
+    result = run_bench(capsys, "--model", bundled_model_dir(), "--load-format", "dummy", "--draft-every-step",
+                       "--speculative-config",
+                       json.dumps({"method": "eagle3", "model": str(head), "num_speculative_tokens": 2}))
+    assert result["spec_num_drafts"] > 0 and result["spec_draft_tokens_per_draft"] > 1
+    assert 0 < result["draft_ms_per_pass"] < result["draft_ms_per_proposal"]

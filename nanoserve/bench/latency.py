@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --speculative-config: every decoding step drafts its k tokens (ngram: the last "
                         "token repeated, in place of the lookup; a draft model drafts at every step anyway): on "
                         "random weights they are rejected, so ms_per_step is the cost of a verify step of k + 1 "
-                        "tokens (and, with a draft model, of its k draft steps)")
+                        "tokens (and, with a draft model or an EAGLE-3 head, of its k draft passes, which "
+                        "draft_ms_per_pass times alone)")
     p.add_argument("--profile", action="store_true",
                    help="after the timed runs, profile --profile-steps decode steps of one more run")
     p.add_argument("--profile-steps", type=at_least_one, default=32, help="decode steps profiled")
@@ -70,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
                for _ in range(ns.batch_size)]
     params = SamplingParams(temperature=0, max_tokens=ns.output_len, ignore_eos=True)
     llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
+    proposals: list[float] = []  # seconds of each proposal of a draft model or EAGLE-3 head, timed runs only
+    if cfg.speculative is not None and cfg.speculative.method != "ngram":
+        engine.proposer.propose = timed(engine.proposer.propose, proposals)
     per_token, per_step, generated = [], [], []
     spec_before = copy.deepcopy(engine.spec_stats)
     for it in range(ns.iters):
@@ -101,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
                    "spec_draft_tokens_per_draft": round((spec.num_draft_tokens - spec_before.num_draft_tokens)
                                                         / max(drafts, 1), 2),
                    "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else 1.0}
+        if proposals:
+            # A proposal is k passes of the draft (a catch-up on the tokens since the last, then k - 1 single-token
+            # steps); on random weights nothing is accepted, so the catch-up is one token too.
+            proposal_s = float(np.median(proposals))
+            result |= {"draft_ms_per_proposal": round(proposal_s * 1e3, 3),
+                       "draft_ms_per_pass": round(proposal_s * 1e3 / cfg.speculative.num_speculative_tokens, 3)}
     if bw is not None:
         avg_context = ns.input_len + output_len / 2
         step_bytes = roofline.weight_bytes(engine.runner.model).read_by(ns.batch_size) + (
@@ -123,6 +133,19 @@ def main(argv: list[str] | None = None) -> int:
         result |= {"hf_ms_per_token": round(hf_step * 1e3, 3), "speedup_vs_hf": round(hf_step / step_s, 2)}
     emit(result)
     return 0
+
+
+def timed(propose, seconds: list[float]):
+    """propose, appending the wall time of each call to `seconds` (the drafts come back to the host: it waits for
+    the device)."""
+
+    def run(rows, max_tokens):
+        start = time.perf_counter()
+        drafts = propose(rows, max_tokens)
+        seconds.append(time.perf_counter() - start)
+        return drafts
+
+    return run
 
 
 class RepeatLastToken:
