@@ -71,6 +71,10 @@ def eagle3_engine_config(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(head, dtype=config.dtype, device=config.device, max_model_len=config.max_model_len)
 
 
+# Pieces of hidden states a sequence keeps before they are copied into one tensor.
+_MAX_PIECES = 64
+
+
 @dataclass
 class _HeadEntry(_Entry):
     hidden: torch.Tensor | None = None  # [num_new_tokens, hidden]: the head's hidden-state input of each row
@@ -112,6 +116,11 @@ class Eagle3Proposer(DraftModelProposer):
                 pieces = self.hidden.setdefault(seq.seq_id, list(parent) if seq is not entry.seq else [])
                 if not pieces or pieces[-1][1] is not piece:
                     pieces.append((entry.start, piece))
+                if len(pieces) > _MAX_PIECES:
+                    # A sample that is not proposed for (a constrained one) would hold a view of every step's rows:
+                    # its own rows, copied out, are what it keeps.
+                    start = min(first for first, _ in pieces)
+                    pieces[:] = [(start, self._gather(pieces, start, max(f + len(p) for f, p in pieces)))]
 
     def release(self, seq_id: int) -> None:
         super().release(seq_id)
@@ -123,14 +132,19 @@ class Eagle3Proposer(DraftModelProposer):
         self.done.pop(seq_id, None)
 
     def _rows(self, seq_id: int, start: int, end: int) -> torch.Tensor:
-        """The head's hidden-state input at positions start .. end - 1 (zeros where the target computed none);
-        keeps only the last, which a proposal that finds no new token runs again."""
+        """The head's hidden-state input at positions start .. end - 1; keeps only the last, which a proposal that
+        finds no new token runs again."""
+        rows = self._gather(self.hidden.get(seq_id, []), start, end)
+        self.hidden[seq_id] = [(end - 1, rows[-1:])]
+        return rows
+
+    def _gather(self, pieces: list[tuple[int, torch.Tensor]], start: int, end: int) -> torch.Tensor:
+        """Positions start .. end - 1 of `pieces`, zeros where none has them (the target computed none there)."""
         rows = torch.zeros(end - start, self.head.fc.out_features, dtype=self.config.dtype, device=self.config.device)
-        for first, piece in self.hidden.get(seq_id, []):  # later pieces write over earlier ones
+        for first, piece in pieces:  # later pieces write over earlier ones
             lo, hi = max(first, start), min(first + len(piece), end)
             if lo < hi:
                 rows[lo - start : hi - start] = piece[lo - first : hi - first]
-        self.hidden[seq_id] = [(end - 1, rows[-1:])]
         return rows
 
     @torch.inference_mode()
