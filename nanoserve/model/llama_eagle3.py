@@ -41,8 +41,8 @@ def aux_hidden_state_layers(head: dict, num_target_layers: int) -> tuple[int, ..
     layers = tuple(layers or (2, num_target_layers // 2, num_target_layers - 3))
     if len(layers) != 3 or any(not isinstance(i, int) or not 0 <= i < num_target_layers for i in layers):
         raise ValueError(
-            f"eagle_aux_hidden_state_layer_ids: three layers of the target's {num_target_layers} are "
-            f"needed, got {list(layers)}"
+            f"speculative_config.model: the head's eagle_aux_hidden_state_layer_ids must be three layers of the "
+            f"target's {num_target_layers}, got {list(layers)}"
         )
     return layers
 

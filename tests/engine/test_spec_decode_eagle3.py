@@ -100,7 +100,13 @@ def test_refusals(dirs, tmp_path):
         LLM(str(dirs[0]), num_kv_blocks=16, speculative_config=eagle3(wide))
     with pytest.raises(ValueError, match="'LlamaForCausalLM' is not an EAGLE-3 head"):
         LLM(str(dirs[0]), num_kv_blocks=16, speculative_config=eagle3(dirs[0]))
+    # vLLM's reading: id j is the hidden state entering layer j, so a 4-layer target has ids 0..3.
+    late = write_eagle3_head(tmp_path / "late", eagle_aux_hidden_state_layer_ids=[1, 2, 4])
+    with pytest.raises(ValueError, match=r"eagle_aux_hidden_state_layer_ids must be three layers .* got \[1, 2, 4\]"):
+        LLM(str(dirs[0]), num_kv_blocks=16, speculative_config=eagle3(late))
     with pytest.raises(ValueError, match="kv_offload_gb"):
         LLM(str(dirs[0]), kv_offload_gb=1, speculative_config=eagle3(dirs[1]))
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
+        LLM(str(dirs[0]), tensor_parallel_size=2, speculative_config=eagle3(dirs[1]))
     with pytest.raises(ValueError, match="speculative_config.model: a draft model's directory is required"):
         LLM(str(dirs[0]), speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
