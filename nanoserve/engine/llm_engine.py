@@ -54,8 +54,9 @@ class LLMEngine(EngineFrontend):
             draft.attach(self.runner)
         if draft is not None:
             draft.allocate(self.runner.num_kv_blocks, config.max_model_len, self.runner.graphs is not None)
-            logger.info("speculative decoding: draft model %s, its KV pool %d blocks (%.1f MiB, out of the KV budget), "
-                        "decode steps %s", config.speculative.model, self.runner.num_kv_blocks,
+            logger.info("speculative decoding: %s %s, its KV pool %d blocks (%.1f MiB, out of the KV budget), "
+                        "decode steps %s", "EAGLE-3 head" if isinstance(draft, Eagle3Proposer) else "draft model",
+                        config.speculative.model, self.runner.num_kv_blocks,
                         self.runner.num_kv_blocks * draft.kv_bytes_per_block / 2**20,
                         "in CUDA graphs" if draft.runner.graphs is not None else "eager")
             self.runner.draft_probs = draft.draft_probs
