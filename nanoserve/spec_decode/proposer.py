@@ -4,7 +4,8 @@ A proposer is asked, once a step, for the drafts of the sequences about to decod
 the tokens; a draft model (worker/draft_model.py) runs on the device over its own KV cache, keeps that state per
 sequence id between steps (`release` drops it when a sequence ends), and reads each row's sampling fields too
 (layers/sampler.py's SamplingRow: the engine's Sequence has them) to draw its drafts with the request's parameters.
-An EAGLE head (later) would also need the target's hidden states.
+An EAGLE-3 head (worker/eagle3.py) also reads the target's hidden states, which the target's runner hands it after
+every step, and a row's block table (where they are stored).
 """
 
 from collections.abc import Sequence

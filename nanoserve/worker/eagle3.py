@@ -7,19 +7,20 @@ way (the request's own parameters, q kept for verification). What differs is its
 the token at i + 1 and the target's hidden states at position i (three layers' worth, projected by fc), so it can
 only run where the target has run:
 - every target step (prefill chunks, decodes, verify steps) hands the proposer its hidden states at the head's three
-  layers (ModelRunner.aux_hidden_sink), projected by fc at once and kept per sequence by position until its next
-  proposal; a verify step's rows past the accepted drafts are written over by the next step's from the same position;
+  layers (ModelRunner.aux_hidden_sink), projected by fc at once and stored by the tokens' KV slots in a pool beside
+  the target's KV: a prefix-cache hit finds them with the KV it reuses, a sample forked from an n > 1 prompt in the
+  blocks it shares; a verify step's rows past the accepted drafts sit in slots the next step writes over;
 - a proposal catches the head up on positions done .. N - 2 of a sequence of N tokens (the target has run all of
   them, and the token after each is known), whose last row gives the first draft; then k - 1 single-token steps,
   each feeding the head's own output (before its final norm) as the next position's hidden state.
-The head's KV of positions past N - 2, written from its own outputs, is written over by the next catch-up.
-Positions the target did not compute in this sequence (a prefix-cache hit) have no hidden states: the head sees
-zeros there (drafts are worse, output is the same: verification decides).
+The head's KV of positions past N - 2, written from its own outputs, is written over by the next catch-up. So a
+head's drafts depend on the sequence's tokens alone: not on its batch, on prefix hits, or on preemption.
 """
 
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -28,10 +29,10 @@ from nanoserve.model.llama_eagle3 import aux_hidden_state_layers
 from nanoserve.model.registry import DRAFT_HEADS
 from nanoserve.spec_decode.proposer import DraftRow
 from nanoserve.spec_decode.rejection import DraftPosition
-from nanoserve.worker.batch import ScheduledBatch
+from nanoserve.utils import to_device
 from nanoserve.worker.draft_model import DraftModelProposer, _Batch, _DraftSeq, _Entry
 from nanoserve.worker.model_runner import ModelRunner
-from nanoserve.worker.step_inputs import StepInputs
+from nanoserve.worker.step_inputs import StepInputs, chunk_slots
 
 
 def eagle3_engine_config(config: EngineConfig) -> EngineConfig:
@@ -71,8 +72,11 @@ def eagle3_engine_config(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(head, dtype=config.dtype, device=config.device, max_model_len=config.max_model_len)
 
 
-# Pieces of hidden states a sequence keeps before they are copied into one tensor.
-_MAX_PIECES = 64
+class HeadRow(DraftRow, Protocol):
+    """What the head reads of a sequence (engine/request.py's Sequence): its KV blocks in the target's pool too."""
+
+    @property
+    def block_table(self) -> list[int]: ...
 
 
 @dataclass
@@ -91,66 +95,56 @@ class Eagle3Proposer(DraftModelProposer):
         config.aux_hidden_state_layers = self.aux_layers
         self.max_num_tokens = max(config.args.max_num_batched_tokens, config.args.max_num_seqs)
         self.done: dict[int, int] = {}  # seq_id -> positions whose head KV was made from the target's hidden states
-        # seq_id -> (first position, fc(target hidden states) [n, hidden]) not consumed yet, oldest first.
-        self.hidden: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        # fc(the target's hidden states) of every token in the target's KV pool, by its KV slot: a prefix-cache hit
+        # finds them with the KV, a forked sample in the blocks it shares.
+        self.hidden_pool: torch.Tensor | None = None
 
     @staticmethod
     def engine_config(config: EngineConfig) -> EngineConfig:
         return eagle3_engine_config(config)
 
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """The head's KV and the hidden-state pool's row of a block, out of the KV budget."""
+        hidden = self.config.args.block_size * self.config.model.hidden_size * self.config.dtype.itemsize
+        return super().kv_bytes_per_block + hidden
+
     def attach(self, target: ModelRunner) -> None:
         self.head.set_embedding(target.model.model.embed_tokens, self.max_num_tokens)
         target.aux_hidden_sink = self.take_hidden
 
+    def allocate(self, num_blocks: int, max_model_len: int, cuda_graphs: bool) -> None:
+        super().allocate(num_blocks, max_model_len, cuda_graphs)
+        self.hidden_pool = torch.zeros(
+            num_blocks * self.block_size,
+            self.config.model.hidden_size,
+            dtype=self.config.dtype,
+            device=self.config.device,
+        )
+
     @torch.inference_mode()
-    def take_hidden(self, batch: ScheduledBatch, aux: torch.Tensor) -> None:
-        """A target step's hidden states at the head's layers, [num_tokens, 3 * hidden] in the batch's order."""
-        rows = self.head.combine_hidden_states(aux)
-        at = 0
-        for entry in batch.scheduled:
-            piece = rows[at : at + entry.num_new_tokens]
-            at += entry.num_new_tokens
-            parent = self.hidden.get(entry.seq.seq_id, [])
-            for seq in [entry.seq, *entry.sample_seqs]:
-                # n > 1: a sample forked at its prompt's last chunk has its parent's earlier rows.
-                pieces = self.hidden.setdefault(seq.seq_id, list(parent) if seq is not entry.seq else [])
-                if not pieces or pieces[-1][1] is not piece:
-                    pieces.append((entry.start, piece))
-                if len(pieces) > _MAX_PIECES:
-                    # A sample that is not proposed for (a constrained one) would hold a view of every step's rows:
-                    # its own rows, copied out, are what it keeps.
-                    start = min(first for first, _ in pieces)
-                    pieces[:] = [(start, self._gather(pieces, start, max(f + len(p) for f, p in pieces)))]
+    def take_hidden(self, step: StepInputs, aux: torch.Tensor) -> None:
+        """A target step's hidden states at the head's layers ([num_tokens, 3 * hidden], the step's token order),
+        projected and stored at the step's KV slots (after its block copies, as the KV is)."""
+        for src, dst in step.block_copies:
+            blocks = self.hidden_pool.view(-1, self.block_size, self.hidden_pool.shape[1])
+            blocks[dst].copy_(blocks[src])
+        n = step.num_tokens
+        slots = to_device(step.host[2 * n : 3 * n], torch.int64, self.config.device)
+        self.hidden_pool.index_copy_(0, slots, self.head.combine_hidden_states(aux))
 
     def release(self, seq_id: int) -> None:
         super().release(seq_id)
         self.done.pop(seq_id, None)
-        self.hidden.pop(seq_id, None)
 
     def evict(self, seq_id: int) -> None:
-        super().release(seq_id)
-        self.done.pop(seq_id, None)
-
-    def _rows(self, seq_id: int, start: int, end: int) -> torch.Tensor:
-        """The head's hidden-state input at positions start .. end - 1; keeps only the last, which a proposal that
-        finds no new token runs again."""
-        rows = self._gather(self.hidden.get(seq_id, []), start, end)
-        self.hidden[seq_id] = [(end - 1, rows[-1:])]
-        return rows
-
-    def _gather(self, pieces: list[tuple[int, torch.Tensor]], start: int, end: int) -> torch.Tensor:
-        """Positions start .. end - 1 of `pieces`, zeros where none has them (the target computed none there)."""
-        rows = torch.zeros(end - start, self.head.fc.out_features, dtype=self.config.dtype, device=self.config.device)
-        for first, piece in pieces:  # later pieces write over earlier ones
-            lo, hi = max(first, start), min(first + len(piece), end)
-            if lo < hi:
-                rows[lo - start : hi - start] = piece[lo - first : hi - first]
-        return rows
+        self.release(seq_id)
 
     @torch.inference_mode()
-    def propose(self, rows: Sequence[DraftRow], max_tokens: Sequence[int]) -> list[list[int]]:
+    def propose(self, rows: Sequence[HeadRow], max_tokens: Sequence[int]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in rows]
         work = []  # (index in rows, the row, its entry in the head's catch-up pass, its k)
+        slots: list[int] = []  # the target's KV slots of the positions the head catches up on
         decoding = {row.seq_id for row in rows}
         for i, (row, cap) in enumerate(zip(rows, max_tokens, strict=True)):
             tokens = row.token_ids
@@ -162,11 +156,16 @@ class Eagle3Proposer(DraftModelProposer):
             start = min(self.done.get(row.seq_id, 0), n - 2)
             # The head's position j reads token j + 1.
             view = _DraftSeq(row.seq_id, list(tokens[1:]), table)
-            entry = _HeadEntry(view, start, n - 1 - start, [view], hidden=self._rows(row.seq_id, start, n - 1))
-            work.append((i, row, entry, k))
+            work.append((i, row, _HeadEntry(view, start, n - 1 - start, [view]), k))
+            slots += chunk_slots(row.block_table, start, n - 1 - start, self.block_size)
             self.done[row.seq_id] = n - 1
         if not work:
             return drafts
+        # The target's hidden states at the positions each sequence's head catches up on, in one gather.
+        hidden = self.hidden_pool[to_device(slots, torch.int64, self.config.device)]
+        at = 0
+        for _, _, entry, _ in work:
+            entry.hidden, at = hidden[at : at + entry.num_new_tokens], at + entry.num_new_tokens
         entries = self._catch_up_head([w[2] for w in work])
         live = list(range(len(work)))
         probs: list[list[torch.Tensor]] = [[] for _ in work]

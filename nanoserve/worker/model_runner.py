@@ -82,8 +82,9 @@ class ModelRunner:
         torch.manual_seed(config.args.seed)
         self.model = load_model(config, self.tp)
         # EAGLE-3 (worker/eagle3.py): the target hands the head its hidden states at these layers, for every token
-        # of every step (aux_hidden_sink); before any graph is captured, so the graphs write them too.
-        self.aux_hidden_sink: Callable[[ScheduledBatch, torch.Tensor], None] | None = None
+        # of every step (aux_hidden_sink, with the step: its slots and block copies); before any graph is captured,
+        # so the graphs write them too.
+        self.aux_hidden_sink: Callable[[StepInputs, torch.Tensor], None] | None = None
         if config.aux_hidden_state_layers:
             inner = getattr(self.model, "model", None)
             if not hasattr(inner, "capture_aux_hidden_states"):
@@ -242,7 +243,7 @@ class ModelRunner:
             except RuntimeError as exc:
                 raise self.workers.explain(exc) from exc
         if self.aux_hidden_sink is not None:  # before the next step's pass writes over them
-            self.aux_hidden_sink(batch, self.model.model.aux_hidden[:step.num_tokens])
+            self.aux_hidden_sink(step, self.model.model.aux_hidden[:step.num_tokens])
         prompt_logprobs = self._prompt_logprobs(plp_entries, plp_logits)
         if not seqs:
             return LaunchedStep(batch, None, {}, None, None, prompt_logprobs)

@@ -160,10 +160,13 @@ def test_ngram_proposer_keeps_each_sequence_in_step():
 
 
 @pytest.mark.parametrize("raw, message", [
-    ({"method": "eagle3", "model": "x", "num_speculative_tokens": 3}, "'eagle3' is not supported yet"),
+    ({"method": "eagle", "model": "x", "num_speculative_tokens": 3}, "'eagle' is not supported yet"),
+    ({"method": "eagle3", "num_speculative_tokens": 3}, "model: a draft model's directory is required"),
+    ({"method": "eagle3", "model": "x", "num_speculative_tokens": 3, "prompt_lookup_max": 2},
+     "prompt_lookup_max: only for method 'ngram'"),
     ({"method": "draft_model", "num_speculative_tokens": 3}, "model: a draft model's directory is required"),
     ({"method": "medusa", "num_speculative_tokens": 3}, "'medusa' is not supported yet"),
-    ({"method": "ngrams", "num_speculative_tokens": 3}, "method: must be 'ngram' or 'draft_model'"),
+    ({"method": "ngrams", "num_speculative_tokens": 3}, "method: must be 'ngram', 'draft_model' or 'eagle3'"),
     ({"method": "ngram"}, "num_speculative_tokens: required"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens: must be in"),
     ({"method": "ngram", "num_speculative_tokens": "4"}, "num_speculative_tokens: must be an integer"),
@@ -189,7 +192,8 @@ def test_config_defaults_follow_vllm():
 @pytest.mark.parametrize("extra, message", [
     ({"tensor_parallel_size": 2}, "not supported with tensor_parallel_size > 1"),
     ({"kv_offload_gb": 1}, "not supported with kv_offload_gb > 0"),
-    ({"speculative_config": {"method": "eagle3", "model": "d", "num_speculative_tokens": 2}}, "'eagle3'"),
+    ({"speculative_config": {"method": "eagle3", "model": "d", "num_speculative_tokens": 2}, "tensor_parallel_size": 2},
+     "not supported with tensor_parallel_size > 1"),
     ({"speculative_config": {"model": "d", "num_speculative_tokens": 2}, "tensor_parallel_size": 2},
      "not supported with tensor_parallel_size > 1"),
     ({"speculative_config": {"model": "d", "num_speculative_tokens": 2}, "kv_offload_gb": 1},

@@ -8,7 +8,6 @@ from checkpoints import write_checkpoint, write_eagle3_head
 from eagle3_reference import ReferenceHead
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.worker import eagle3 as eagle3_module
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 K = 3
@@ -46,31 +45,43 @@ def eagle3(head, k: int = K) -> dict:
     return {"method": "eagle3", "model": str(head), "num_speculative_tokens": k}
 
 
-def test_drafts_equal_the_reference_heads(dirs, reference, monkeypatch):
-    """Every proposal of a greedy run (the first after the prompt, the later ones after verify steps) is what the
-    reference drafts from the same tokens. The engine is handed the true continuation with its last token wrong in
-    place of the head's drafts (a random head's are all rejected), so that verify steps accept all but one: the head
-    catches up on several positions of a verify step's hidden states, and the rejected position's are written over.
-    Its drafts must not depend on which drafts the engine verified. Each sample's hidden states are copied into one
-    tensor at every step (as a sample never proposed for has them after 64 steps)."""
-    monkeypatch.setattr(eagle3_module, "_MAX_PIECES", 1)
+def test_drafts_equal_the_reference_heads(dirs, reference):
+    """Every proposal of a greedy run (the first after a prompt, the later ones after verify steps) is what the
+    reference drafts from the same tokens, prompts whose prefixes are cached included (the head reads the target's
+    hidden states there from the pool beside the KV). The engine is handed the
+    true continuation with its last token wrong in place of the head's drafts (a random head's are all rejected), so
+    verify steps accept all but one: the head catches up on several positions of a verify step's hidden states.
+    Its drafts must not depend on which drafts the engine verified."""
     spec = LLM(str(dirs[0]), num_kv_blocks=64, speculative_config=eagle3(dirs[1]))
+    # Seeded sampling first: every draw from the request's own generator, and drafts that depend on the tokens alone
+    # (not on the batch, nor on the prefix cache, which the first run filled), so the same tokens again.
+    params = SamplingParams(temperature=0.9, top_p=0.95, presence_penalty=0.3, seed=3, max_tokens=12, ignore_eos=True)
+    first = run(spec, prompts(), params)
+    assert run(spec, prompts()[1:2], params) == first[1:2]
     proposer, seen = spec.engine.proposer, []
     propose = proposer.propose
-    future = prompts()[2] + reference[2]
+    futures = [p + r for p, r in zip(prompts(), reference, strict=True)]
 
     def oracle(rows, caps):
         out = propose(rows, caps)
-        seen.extend((list(r.token_ids), d) for r, d in zip(rows, out, strict=True))
-        true = [future[len(r.token_ids) : len(r.token_ids) + len(d)] for r, d in zip(rows, out, strict=True)]
-        return [t[:-1] + [(t[-1] + 1) % 384] if t else t for t in true]
+        given = []
+        for row, drafts in zip(rows, out, strict=True):
+            tokens = list(row.token_ids)
+            seen.append((tokens, drafts))
+            future = next(f for f in futures if f[: len(tokens)] == tokens)
+            true = future[len(tokens) : len(tokens) + len(drafts)]
+            given.append(true[:-1] + [(true[-1] + 1) % 384] if true else true)
+        return given
 
     proposer.propose = oracle
-    assert run(spec, prompts()[2:]) == reference[2:]
+    hits = spec.engine.block_manager.prefix_hits
+    for i in (0, 1, 2):  # one at a time: their prefixes are cached (the second's by the first)
+        assert run(spec, prompts()[i : i + 1]) == reference[i : i + 1]
+    assert spec.engine.block_manager.prefix_hits > hits
     stats = spec.engine.spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    assert len(seen) >= 3
     ref = ReferenceHead(dirs[1], dirs[0])
+    assert len(seen) >= 6
     for tokens, drafts in seen:
         assert drafts == ref.drafts(tokens, len(drafts))
 
@@ -83,7 +94,7 @@ def test_greedy_through_prefix_hits_chunks_preemption_and_n(dirs, reference):
     assert engine.scheduler.num_preemptions > 0
     assert engine.block_manager.prefix_hits > 0
     assert engine.spec_stats.num_draft_tokens > 0
-    assert engine.proposer.tables == {} and engine.proposer.hidden == {}  # all given back
+    assert engine.proposer.tables == {} and engine.proposer.done == {}  # all given back
     assert len(engine.proposer.free) == 9
     out = spec.generate(
         prompts()[2], SamplingParams(n=3, temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False
@@ -106,7 +117,5 @@ def test_refusals(dirs, tmp_path):
         LLM(str(dirs[0]), num_kv_blocks=16, speculative_config=eagle3(late))
     with pytest.raises(ValueError, match="kv_offload_gb"):
         LLM(str(dirs[0]), kv_offload_gb=1, speculative_config=eagle3(dirs[1]))
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
-        LLM(str(dirs[0]), tensor_parallel_size=2, speculative_config=eagle3(dirs[1]))
     with pytest.raises(ValueError, match="speculative_config.model: a draft model's directory is required"):
         LLM(str(dirs[0]), speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
