@@ -68,16 +68,28 @@ def test_drafts_equal_the_reference_heads(dirs, reference):
         for row, drafts in zip(rows, out, strict=True):
             tokens = list(row.token_ids)
             seen.append((tokens, drafts))
-            future = next(f for f in futures if f[: len(tokens)] == tokens)
+            future = next((f for f in futures if f[: len(tokens)] == tokens), tokens + drafts + [0])
             true = future[len(tokens) : len(tokens) + len(drafts)]
             given.append(true[:-1] + [(true[-1] + 1) % 384] if true else true)
         return given
 
     proposer.propose = oracle
+    take_hidden, copies = proposer.take_hidden, []
+
+    def counting(step, aux):
+        copies.extend(step.block_copies)
+        take_hidden(step, aux)
+
+    spec.engine.runner.aux_hidden_sink = counting
     hits = spec.engine.block_manager.prefix_hits
     for i in (0, 1, 2):  # one at a time: their prefixes are cached (the second's by the first)
         assert run(spec, prompts()[i : i + 1]) == reference[i : i + 1]
     assert spec.engine.block_manager.prefix_hits > hits
+    # n > 1 on a new prompt: the samples' first proposals read its hidden states from the blocks they share (its last,
+    # partial one is copied when they write to it). No reference: the engine verifies the head's own drafts.
+    fresh = prompts()[2][::-1]
+    out = spec.generate(fresh, SamplingParams(n=2, temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == out[0].outputs[1].token_ids and copies
     stats = spec.engine.spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     ref = ReferenceHead(dirs[1], dirs[0])
