@@ -7,9 +7,9 @@ its layers `aux_hidden_state_layers`) to one; `midlayer.*` is the decoder layer,
 2 * hidden: the token's embedding, normed by `midlayer.input_layernorm`, beside the hidden state, normed by
 `midlayer.hidden_norm`; the hidden state (not the embedding) is the residual. `norm.weight` and `lm_head.weight`
 [draft_vocab_size, hidden] make the logits of the draft vocabulary, whose id i is target id i + d2t[i]. The
-embedding is the target's (EAGLE-3 trains with the target's embedding frozen, and the published heads ship none;
-`set_embedding` shares it, and a checkpoint's `embed_tokens.weight` is not read). `t2d` (the inverse map, as a
-mask) is not needed.
+embedding is the target's (`set_embedding`): EAGLE-3 trains with the target's embedding frozen, so a checkpoint's
+own `embed_tokens.weight`, where it has one, is a copy and is not read (a head trained with an embedding of its own
+would draft poorly, never wrongly). `t2d` (the inverse map, as a mask) is not needed.
 
 The head's forward reads its hidden-state input from `hidden_in` (rows in the batch's token order), a buffer the
 proposer fills before each pass, so that its decode steps can run as CUDA graphs like any model's; it returns the
