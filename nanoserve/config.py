@@ -334,7 +334,10 @@ class EngineArgs:
                            "(--no-pdl to measure what it gives or rule it out)")
     speculative_config: dict | None = _arg(None, "speculative decoding, as a JSON object: {\"method\": \"ngram\", "
                                                  "\"num_speculative_tokens\": k, \"prompt_lookup_max\": n, "
-                                                 "\"prompt_lookup_min\": m} (prompt lookup, exact); None: off")
+                                                 "\"prompt_lookup_min\": m} (prompt lookup), {\"model\": DIR, "
+                                                 "\"num_speculative_tokens\": k} (a draft model) or {\"method\": "
+                                                 "\"eagle3\", \"model\": DIR, ...} (an EAGLE-3 head); exact; "
+                                                 "None: off")
 
     @classmethod
     def field_names(cls) -> list[str]:
