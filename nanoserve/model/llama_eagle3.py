@@ -38,7 +38,8 @@ def aux_hidden_state_layers(head: dict, num_target_layers: int) -> tuple[int, ..
     layers = head.get("eagle_aux_hidden_state_layer_ids") or (head.get("eagle_config") or {}).get(
         "eagle_aux_hidden_state_layer_ids"
     )
-    layers = tuple(layers or (2, num_target_layers // 2, num_target_layers - 3))
+    # fc reads them in layer order, whatever order a config lists them in (as vLLM gathers them).
+    layers = tuple(sorted(layers or (2, num_target_layers // 2, num_target_layers - 3)))
     if len(layers) != 3 or any(not isinstance(i, int) or not 0 <= i < num_target_layers for i in layers):
         raise ValueError(
             f"speculative_config.model: the head's eagle_aux_hidden_state_layer_ids must be three layers of the "
