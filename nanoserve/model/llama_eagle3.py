@@ -38,14 +38,14 @@ def aux_hidden_state_layers(head: dict, num_target_layers: int) -> tuple[int, ..
     layers = head.get("eagle_aux_hidden_state_layer_ids") or (head.get("eagle_config") or {}).get(
         "eagle_aux_hidden_state_layer_ids"
     )
-    # fc reads them in layer order, whatever order a config lists them in (as vLLM gathers them).
-    layers = tuple(sorted(layers or (2, num_target_layers // 2, num_target_layers - 3)))
+    layers = tuple(layers or (2, num_target_layers // 2, num_target_layers - 3))
     if len(layers) != 3 or any(not isinstance(i, int) or not 0 <= i < num_target_layers for i in layers):
         raise ValueError(
             f"speculative_config.model: the head's eagle_aux_hidden_state_layer_ids must be three layers of the "
             f"target's {num_target_layers}, got {list(layers)}"
         )
-    return layers
+    # fc reads them in layer order, whatever order a config lists them in (as vLLM gathers them).
+    return tuple(sorted(layers))
 
 
 class Eagle3Layer(nn.Module):
