@@ -34,7 +34,7 @@ class ReferenceHead:
         self.cfg = json.loads((head_dir / "config.json").read_text())
         self.target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
         n = self.target.config.num_hidden_layers
-        self.layers = (2, n // 2, n - 3)
+        self.layers = sorted((2, n // 2, n - 3))  # in layer order, as vLLM gathers them
 
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         w, cfg = self.w, self.cfg
