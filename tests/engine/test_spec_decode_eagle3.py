@@ -31,7 +31,7 @@ def run(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("eagle3")
-    # Four layers: the head reads the hidden states entering layers 2, 2 and 1 (2, L // 2, L - 3).
+    # Four layers: the head reads the hidden states entering layers 1, 2 and 2 (2, L // 2, L - 3 in layer order).
     target = write_checkpoint(root / "target", "llama", num_hidden_layers=4, initializer_range=0.06)
     return target, write_eagle3_head(root / "head", seed=1)
 
@@ -48,10 +48,10 @@ def eagle3(head, k: int = K) -> dict:
 def test_drafts_equal_the_reference_heads(dirs, reference):
     """Every proposal of a greedy run (the first after a prompt, the later ones after verify steps) is what the
     reference drafts from the same tokens, prompts whose prefixes are cached included (the head reads the target's
-    hidden states there from the pool beside the KV). The engine is handed the
-    true continuation with its last token wrong in place of the head's drafts (a random head's are all rejected), so
-    verify steps accept all but one: the head catches up on several positions of a verify step's hidden states.
-    Its drafts must not depend on which drafts the engine verified."""
+    hidden states there from the pool beside the KV). The engine is handed the true continuation with its last token
+    wrong in place of the head's drafts (a random head's are all rejected), so verify steps accept all but one: the
+    head catches up on several positions of a verify step's hidden states. Its drafts must not depend on which drafts
+    the engine verified."""
     spec = LLM(str(dirs[0]), num_kv_blocks=64, speculative_config=eagle3(dirs[1]))
     # Seeded sampling first: every draw from the request's own generator, and drafts that depend on the tokens alone
     # (not on the batch, nor on the prefix cache, which the first run filled), so the same tokens again.
