@@ -2,6 +2,8 @@
 
     python scripts/train_tiny_model.py                 # writes nanoserve/assets/
     python scripts/train_tiny_model.py --steps 300 --out /tmp/tiny   # a quick smoke run
+    python scripts/train_tiny_model.py --layers 2 --steps 2500 --tokenizer nanoserve/assets \
+        --save-dtype bfloat16 --out nanoserve/assets/draft    # the draft model for speculative decoding
 
 Everything is generated here from fixed seeds: synthetic chat data, a byte-level BPE tokenizer, the
 model, and a held-out evaluation of 50 arithmetic / letter-counting prompts run through the tool loop.
@@ -16,10 +18,12 @@ tokens carry no loss; user turns carry none either. The model learns to copy the
 """
 
 import argparse
+import copy
 import json
 import math
 import random
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -390,9 +394,7 @@ def generate(model: LlamaForCausalLM, ids: list[int], max_new_tokens: int = 96) 
 TOKENIZER: Tokenizer  # set in main(), used by generate()
 
 
-def evaluate(
-    model: LlamaForCausalLM, tok: Tokenizer, items: list[tuple[str, str, str]], show: int = 5
-) -> float:
+def evaluate(model: LlamaForCausalLM, tok: Tokenizer, items: list[tuple[str, str, str]], show: int = 5) -> float:
     model.eval()
     passed = 0
     for i, (user, _, expected) in enumerate(items):
@@ -422,9 +424,13 @@ def main() -> None:
     p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--hidden", type=int, default=192)
     p.add_argument("--layers", type=int, default=4)
+    # A draft model for speculative decoding must share the target's token ids: reuse its tokenizer.
+    p.add_argument("--tokenizer", help="directory with a tokenizer.json to reuse instead of training one")
     # One thread: on a 2-core machine shared with other work, two OpenMP threads wait on each other at
     # every barrier and ran 3-5x slower than one (measured while another process used a core).
     p.add_argument("--threads", type=int, default=1)
+    # bf16 halves the file (the draft ships in the wheel); training always keeps fp32 weights.
+    p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="float32")
     args = p.parse_args()
     t0 = time.time()
     torch.set_num_threads(args.threads)
@@ -434,7 +440,10 @@ def main() -> None:
     held_out = {expr for _, expr, _ in items}
     convs = conversations(args.conversations, args.seed, held_out)
     global TOKENIZER
-    TOKENIZER = tok = train_tokenizer([m["content"] for c in convs[:20_000] for m in c], args.vocab_size)
+    if args.tokenizer:
+        TOKENIZER = tok = Tokenizer.from_file(str(Path(args.tokenizer) / "tokenizer.json"))
+    else:
+        TOKENIZER = tok = train_tokenizer([m["content"] for c in convs[:20_000] for m in c], args.vocab_size)
     data = [encode(tok, c) for c in convs]
     n_tokens = sum(len(ids) for ids, _ in data)
     print(f"data: {len(data)} conversations, {n_tokens} tokens, {time.time() - t0:.0f}s", flush=True)
@@ -465,9 +474,7 @@ def main() -> None:
         betas=(0.9, 0.95),
     )
     warmup = min(200, args.steps // 10)
-    lr_at = lambda s: (
-        args.lr * min(1, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / args.steps)))
-    )
+    lr_at = lambda s: args.lr * min(1, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / args.steps)))
 
     rng, step, ema = random.Random(args.seed), 0, None
     while step < args.steps:
@@ -485,15 +492,13 @@ def main() -> None:
             step += 1
             if step % 100 == 0 or step == args.steps:
                 elapsed = time.time() - t0
-                print(
-                    f"step {step}/{args.steps} loss {ema:.4f} lr {lr_at(step):.2e} {elapsed:.0f}s", flush=True
-                )
+                print(f"step {step}/{args.steps} loss {ema:.4f} lr {lr_at(step):.2e} {elapsed:.0f}s", flush=True)
             if step == args.steps:
                 break
     train_time = time.time() - t0
 
     pass_rate = evaluate(model, tok, items)
-    save(model, tok, Path(args.out))
+    save(model, tok, Path(args.out), args.tokenizer, getattr(torch, args.save_dtype))
     check_saved(Path(args.out), model, tok, convs[:500])
     summary = {
         "params_m": round(n_params / 1e6, 2),
@@ -506,12 +511,24 @@ def main() -> None:
     print(json.dumps(summary))
 
 
-def save(model: LlamaForCausalLM, tok: Tokenizer, out: Path) -> None:
+def save(
+    model: LlamaForCausalLM,
+    tok: Tokenizer,
+    out: Path,
+    tokenizer_dir: str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    model.generation_config = GenerationConfig(
-        bos_token_id=BOS, eos_token_id=[ASSISTANT_END, BOS], pad_token_id=PAD
-    )
-    model.save_pretrained(out)  # fp32: about 15 MB
+    model.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=[ASSISTANT_END, BOS], pad_token_id=PAD)
+    with torch.no_grad():  # round in place, so that check_saved compares with what was saved
+        for q in model.parameters():
+            q.copy_(q.to(dtype))
+    # A copy: .to() would also round the fp32 RoPE frequencies of the model that check_saved runs.
+    copy.deepcopy(model).to(dtype).save_pretrained(out)  # the target in fp32: 8.5 MB
+    if tokenizer_dir:  # the reused tokenizer's files as they are, chat template included
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(Path(tokenizer_dir) / name, out / name)
+        return
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<|bos|>",
@@ -543,7 +560,7 @@ def check_saved(out: Path, model: LlamaForCausalLM, tok: Tokenizer, convs: list[
         assert ids == encode(tok, conv)[0], render(conv)
     loaded = AutoModelForCausalLM.from_pretrained(out).eval()
     x = torch.tensor([encode(tok, convs[0])[0]])
-    assert torch.allclose(loaded(x).logits, model.eval()(x).logits, atol=1e-5)
+    assert torch.allclose(loaded.float()(x).logits, model.eval()(x).logits, atol=1e-5)
     print(f"checked {out}: loads with transformers, chat template matches on {len(convs)} conversations")
 
 
