@@ -119,6 +119,7 @@ class ToolLoop:
                 return hook
         loop = cls(engine, tokens, prefix)
         engine.add_step_hook(loop)
+        engine.force_after_token_ids.add(tokens.python_end)  # speculation: the result comes right after the call
         return loop
 
     def __call__(self, outputs: list[RequestOutput]) -> list[RequestOutput]:

@@ -77,6 +77,9 @@ class LLMEngine(EngineFrontend):
         self.num_generation_tokens = 0
         self.num_prompt_tokens = 0
         self.step_hooks: list[Callable[[list[RequestOutput]], list[RequestOutput]]] = []  # add_step_hook
+        # Tokens after which a hook may force tokens (the tool loop: <|python_end|>): a verify step appends no
+        # accepted draft past one, or the forced tokens would land after drafts the model never saw them before.
+        self.force_after_token_ids: set[int] = set()
         asked = config.args.async_scheduling
         self.async_scheduling = config.device.type == "cuda" if asked is None else asked
         # Speculative decoding (spec_decode/): a proposal reads the tokens the last step sampled, so the host must
@@ -303,6 +306,8 @@ class LLMEngine(EngineFrontend):
             self._append_token(seq, sampled.token_ids[i], sampled.logprobs[i])
             if seq.is_finished:
                 return
+            if sampled.token_ids[i] in self.force_after_token_ids:
+                break
         # The KV of every token but the last is in the cache now; a rejected draft's slot is written over next step.
         seq.num_computed_tokens = len(seq.token_ids) - 1
         self.block_manager.trim(seq)
