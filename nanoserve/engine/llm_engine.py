@@ -300,14 +300,18 @@ class LLMEngine(EngineFrontend):
     def _append_verified(self, seq: Sequence, entry: ScheduledSeq, sampled: SamplerOutput, at: range) -> None:
         """A speculative step's tokens for one sample: its accepted drafts and the token after them, each through the
         stop checks (none is appended past a stop, eos or max_tokens); then its lookahead slots past them are free."""
-        if entry.draft_token_ids:
-            self.spec_stats.observe(len(entry.draft_token_ids), len(at) - 1)
-        for i in at:
+        accepted = len(at) - 1
+        for n, i in enumerate(at):
             self._append_token(seq, sampled.token_ids[i], sampled.logprobs[i])
             if seq.is_finished:
-                return
-            if sampled.token_ids[i] in self.force_after_token_ids:
                 break
+            if sampled.token_ids[i] in self.force_after_token_ids:
+                accepted = min(accepted, n + 1)  # the drafts after it are dropped: counted as rejected
+                break
+        if entry.draft_token_ids:
+            self.spec_stats.observe(len(entry.draft_token_ids), accepted)
+        if seq.is_finished:
+            return
         # The KV of every token but the last is in the cache now; a rejected draft's slot is written over next step.
         seq.num_computed_tokens = len(seq.token_ids) - 1
         self.block_manager.trim(seq)
