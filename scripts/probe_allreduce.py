@@ -57,6 +57,13 @@ def rank_main(rank: int, world: int, init: str, results) -> None:
             torch.cuda.synchronize()
             out[f"{name}_{kb}kb_us"] = round(start.elapsed_time(end) * 1e3 / (OPS * REPLAYS), 2)
             del graph
+            # The sums themselves, eagerly, against NCCL's (bf16 additions in another order: a few roundings).
+            fresh = torch.randn(kb * 512, device=device, dtype=torch.bfloat16)
+            want, got = fresh.clone(), fresh.clone()
+            dist.all_reduce(want)
+            fn(got)
+            if not torch.allclose(got.float(), want.float(), rtol=2**-6, atol=2**-6):
+                out[f"{name}_{kb}kb_WRONG"] = (got.float() - want.float()).abs().max().item()
     if rank == 0:
         results.put(out)
     dist.barrier(group=cpu)
