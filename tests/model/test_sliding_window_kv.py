@@ -73,6 +73,8 @@ def test_freeing_out_of_window_blocks_keeps_transformers_tokens(window_model, mo
         assert [o.token_ids for o in out.outputs] == [want, want]
     assert most["global"] == 8 and most["local"] <= 5
     assert bm.local.num_free_blocks == bm.local.num_blocks - 1  # every window block back (cached or not)
+    for layer in local_layers:  # nothing ever wrote the null block, which kernels may load under the mask
+        assert not layer.k_cache[0].any() and not layer.v_cache[0].any()
 
 
 def test_disabled_keeps_one_pool(checkpoints):
@@ -80,6 +82,24 @@ def test_disabled_keeps_one_pool(checkpoints):
     assert llm.engine.runner.kv_groups is None and llm.engine.block_manager.local is None
     out = llm.generate([_prompts()[0][:70]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_ngram_speculation_with_the_window_pool(checkpoints):
+    """Lookahead slots in both pools, and the rejected ones given back (BlockManager.trim): the tokens without
+    speculation."""
+    g = torch.Generator().manual_seed(4)
+    motif = torch.randint(2, 384, (12,), generator=g).tolist()
+    prompts = [motif * 6, torch.randint(2, 384, (50,), generator=g).tolist()]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    engine = dict(block_size=8, num_kv_blocks=40, max_num_batched_tokens=32)
+    want = [o.outputs[0].token_ids for o in LLM(str(checkpoints["gemma3"]), **engine).generate(prompts, params,
+                                                                                               use_tqdm=False)]
+    spec = LLM(str(checkpoints["gemma3"]), speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+               **engine)
+    assert spec.engine.block_manager.local is not None
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == want
+    assert spec.engine.spec_stats.num_draft_tokens > 0
+    assert spec.engine.block_manager.local.num_free_blocks == spec.engine.block_manager.local.num_blocks - 1
 
 
 def test_more_tokens_fit_with_the_window_pool():
