@@ -38,7 +38,7 @@ def test_freeing_out_of_window_blocks_keeps_transformers_tokens(window_model, mo
     expected = []
     for prompt in prompts:
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
-        expected.append(out[0, len(prompt):].tolist())
+        expected.append(out[0, len(prompt) :].tolist())
 
     # 9 global blocks hold one long sequence (8 blocks) and not two samples of it: the n = 2 batch preempts. (Its
     # last token is sampled, never computed: 126 positions, 8 blocks.)
@@ -62,11 +62,15 @@ def test_freeing_out_of_window_blocks_keeps_transformers_tokens(window_model, mo
         return out
 
     monkeypatch.setattr(Scheduler, "schedule", watched)
-    first = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
-                         use_tqdm=False)[0]
+    first = llm.generate(
+        prompts[:1], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False
+    )[0]
     assert first.outputs[0].token_ids == expected[0]
-    rest = llm.generate(prompts[1:] + prompts[:1],
-                        SamplingParams(n=2, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+    rest = llm.generate(
+        prompts[1:] + prompts[:1],
+        SamplingParams(n=2, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert rest[0].num_cached_tokens == 96  # the shared blocks, the window's among them still in the window pool
     assert llm.engine.scheduler.num_preemptions > 0
     for out, want in zip(rest, expected[1:] + expected[:1], strict=True):
@@ -92,10 +96,13 @@ def test_ngram_speculation_with_the_window_pool(checkpoints):
     prompts = [motif * 6, torch.randint(2, 384, (50,), generator=g).tolist()]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     engine = dict(block_size=8, num_kv_blocks=40, max_num_batched_tokens=32)
-    want = [o.outputs[0].token_ids for o in LLM(str(checkpoints["gemma3"]), **engine).generate(prompts, params,
-                                                                                               use_tqdm=False)]
-    spec = LLM(str(checkpoints["gemma3"]), speculative_config={"method": "ngram", "num_speculative_tokens": 3},
-               **engine)
+    want = [
+        o.outputs[0].token_ids
+        for o in LLM(str(checkpoints["gemma3"]), **engine).generate(prompts, params, use_tqdm=False)
+    ]
+    spec = LLM(
+        str(checkpoints["gemma3"]), speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **engine
+    )
     assert spec.engine.block_manager.local is not None
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == want
     assert spec.engine.spec_stats.num_draft_tokens > 0
