@@ -88,7 +88,11 @@ class BlockManager:
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self.free) / len(self.blocks)
+        """The share of the pool in use; with a window pool, of the fuller pool (the one that preempts first)."""
+        usage = 1.0 - len(self.free) / len(self.blocks)
+        if self.local is not None:
+            usage = max(usage, 1.0 - self.local.num_free_blocks / (self.local.num_blocks - 1))
+        return usage
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -52,6 +52,7 @@ def test_a_chunk_needs_room_in_both_pools():
     assert bm.can_allocate(seq, 1)
     bm.allocate(seq, 1)
     assert seq.local_table[0] == NULL_BLOCK and len(seq.local_table) == 5 and local.num_free_blocks == 0
+    assert bm.usage == 1.0  # the window pool is full: kv usage is the fuller pool's
 
 
 def test_prefix_hits_are_cut_to_the_window_blocks_still_cached():
