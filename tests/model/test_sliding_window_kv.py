@@ -132,3 +132,35 @@ def test_more_tokens_fit_with_the_window_pool():
     assert kv_groups(off.create_config(), windows) is None
     with pytest.raises(ValueError, match="kv_offload_gb"):
         kv_groups(EngineArgs(model=str(path), load_format="dummy", kv_offload_gb=1).create_config(), windows)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the kernels; on a GPU they run anyway")
+def test_triton_kernels_over_null_blocks(tmp_path, monkeypatch):
+    """The Triton kernels (prefill, decode, the fused rope decode; run by the interpreter over the CPU caches) with the
+    window pool, whose tables point freed blocks at the null block, against one pool on the PyTorch path: every
+    prompt position's log-probability, through 16-token chunks that start past freed blocks."""
+    from checkpoints import write_checkpoint
+
+    from nanoserve.layers.attention import TritonBackend
+    from nanoserve.layers.step_plan import KernelPlanner
+
+    path = write_checkpoint(tmp_path / "gemma3", "gemma3", head_dim=64)  # the kernels take head_dim 64, 128 or 256
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 384, (n,), generator=g).tolist() for n in (60, 45)]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=0)
+
+    def prompt_logprobs(triton: bool, **engine) -> list[list[float]]:
+        llm = LLM(str(path), num_kv_blocks=32, block_size=8, max_num_seqs=2, max_num_batched_tokens=16, **engine)
+        if triton:
+            assert llm.engine.block_manager.local is not None
+            for layer in llm.engine.runner.attn_layers:
+                layer.backend = TritonBackend
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [[next(iter(lp.values())).logprob for lp in o.prompt_logprobs[1:]] for o in outs]
+
+    want = prompt_logprobs(False, disable_hybrid_kv_cache_manager=True)
+    plan = KernelPlanner.plan
+    monkeypatch.setattr(KernelPlanner, "plan", lambda self, *a, **kw: plan(self, *a, **{**kw, "triton": True}))
+    got = prompt_logprobs(True)
+    for g_row, w_row in zip(got, want, strict=True):
+        torch.testing.assert_close(torch.tensor(g_row), torch.tensor(w_row), rtol=1e-4, atol=1e-4)
