@@ -95,14 +95,3 @@ def test_draft_model_stays_in_place_under_draft_every_step(capsys: pytest.Captur
     result = run_bench(capsys, "--output-len", "11", "--draft-every-step", "--speculative-config",
                        json.dumps({"model": bundled_model_dir(), "num_speculative_tokens": 2}))
     assert result["spec_num_drafts"] > 0 and result["mean_acceptance_length"] == 3.0
-
-
-def test_window_pool_reports_more_tokens_per_byte(capsys: pytest.CaptureFixture, checkpoints) -> None:
-    """A model with sliding-window layers: the JSON line says what each pool holds, and the window pool (its
-    out-of-window blocks freed) makes each token of context cost fewer bytes than one pool for every layer."""
-    flags = ("--model", str(checkpoints["gemma3"]), "--max-num-seqs", "2", "--max-model-len", "512")
-    two = run_bench(capsys, *flags)
-    one = run_bench(capsys, *flags, "--disable-hybrid-kv-cache-manager")
-    assert two["kv_window_pool_tokens"] > 0 and one["kv_window_pool_tokens"] is None
-    assert two["kv_cache_tokens"] > one["kv_cache_tokens"]
-    assert two["kv_bytes_per_token"] < one["kv_bytes_per_token"]

@@ -164,3 +164,46 @@ def test_triton_kernels_over_null_blocks(tmp_path, monkeypatch):
     got = prompt_logprobs(True)
     for g_row, w_row in zip(got, want, strict=True):
         torch.testing.assert_close(torch.tensor(g_row), torch.tensor(w_row), rtol=1e-4, atol=1e-4)
+
+
+def test_bench_reports_more_tokens_per_byte(capsys: pytest.CaptureFixture, checkpoints) -> None:
+    """`nanoserve bench latency`'s JSON line says what each pool holds, and the window pool (its out-of-window blocks
+    freed) makes each token of context cost fewer bytes than one pool for every layer."""
+    import json
+
+    from nanoserve.cli import main
+
+    def run_bench(*flags: str) -> dict:
+        assert (
+            main(
+                [
+                    "bench",
+                    "latency",
+                    "--device",
+                    "cpu",
+                    "--dtype",
+                    "float32",
+                    "--input-len",
+                    "5",
+                    "--output-len",
+                    "6",
+                    "--iters",
+                    "1",
+                    "--model",
+                    str(checkpoints["gemma3"]),
+                    "--max-num-seqs",
+                    "2",
+                    "--max-model-len",
+                    "512",
+                    *flags,
+                ]
+            )
+            == 0
+        )
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    two = run_bench()
+    one = run_bench("--disable-hybrid-kv-cache-manager")
+    assert two["kv_window_pool_tokens"] > 0 and one["kv_window_pool_tokens"] is None
+    assert two["kv_cache_tokens"] > one["kv_cache_tokens"]
+    assert two["kv_bytes_per_token"] < one["kv_bytes_per_token"]
