@@ -4,6 +4,8 @@ freeing a sequence gives back both pools' blocks."""
 
 import random
 
+import pytest
+
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.local_blocks import NULL_BLOCK, LocalBlocks
 from nanoserve.engine.request import Request, Sequence
@@ -93,3 +95,65 @@ def test_blocks_out_of_the_window_are_named_for_later_hits():
     bm.allocate(seq, 0)  # releases what position 40 cannot see
     assert seq.local_table[:7] == [NULL_BLOCK] * 7
     assert all(h in local.cached for h in seq.block_hashes[:7])
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_traffic_keeps_both_pools_consistent(seed):
+    """The real Scheduler over both pools, small enough to preempt often, with shared prefixes and n > 1: after every
+    step each window block's reference count is the number of tables holding it, the free queue holds exactly the
+    unreferenced ones, the blocks a sequence's next queries see are all there, and each holds a window's worth."""
+    from nanoserve.engine.detokenizer import IncrementalDetokenizer
+    from nanoserve.engine.scheduler import Scheduler
+
+    rng = random.Random(seed)
+    local = LocalBlocks(14, BS, W, enable_prefix_caching=True)
+    bm = BlockManager(40, BS, enable_prefix_caching=True, local=local)
+    sched = Scheduler(bm, max_num_seqs=6, max_num_batched_tokens=16)
+    heads = [[rng.randrange(2, 1000) for _ in range(24)] for _ in range(3)]
+    live: list[Sequence] = []
+    for i in range(40):
+        prompt = rng.choice(heads)[: rng.randrange(0, 25)] + [
+            rng.randrange(2, 1000) for _ in range(rng.randrange(1, 30))
+        ]
+        n, max_tokens = rng.choice([1, 1, 2, 3]), rng.randrange(1, 25)
+        request = Request(
+            f"r{i}",
+            None,
+            prompt,
+            SamplingParams(n=n, max_tokens=max_tokens),
+            max_tokens=max_tokens,
+            arrival_time=float(i),
+        )
+        first, *request.unforked = [
+            Sequence(request, j, list(prompt), len(prompt), IncrementalDetokenizer(None, prompt, True, []))
+            for j in range(n)
+        ]
+        request.seqs.append(first)
+        sched.add(first)
+    for _ in range(2000):
+        if not sched.has_unfinished:
+            break
+        out = sched.schedule()
+        for entry in out.scheduled:
+            seq = entry.seq
+            seq.request.metrics.first_scheduled_time = 0.0
+            assert len(seq.local_table) == len(seq.block_table)
+            assert local.blocks_in_use(seq) <= -(-(W - 1 + entry.num_new_tokens) // BS) + 1
+        live = [s for s in sched.running + sched.waiting if s.local_table]
+        for s in live:
+            first = local.first_visible(s.num_computed_tokens)
+            assert NULL_BLOCK not in s.local_table[first:]
+        refs = [0] * local.num_blocks
+        for s in live:
+            for b in s.local_table:
+                refs[b] += b != NULL_BLOCK
+        assert refs[1:] == local.ref_count[1:]
+        assert set(local.free) == {b for b in range(1, local.num_blocks) if refs[b] == 0}
+        for entry in out.scheduled:
+            bm.cache_full_blocks(entry.seq)
+            for s in entry.sample_seqs:
+                s.token_ids.append(rng.randrange(2, 1000))
+                if s.num_output_tokens >= s.request.max_tokens:
+                    sched.finish(s)
+    assert not sched.has_unfinished and sched.num_preemptions > 0 and bm.prefix_hits > 0
+    assert local.num_free_blocks == local.num_blocks - 1 and bm.num_free_blocks == bm.num_blocks
