@@ -1,5 +1,6 @@
 """ModelRunner: turns a scheduled batch into tensors, runs one forward pass, and samples."""
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -27,6 +28,8 @@ from nanoserve.worker.kv_cache import (
 from nanoserve.worker.kv_offload import KVOffloader
 from nanoserve.worker.kv_ring import KVRing, LongContextAttention
 from nanoserve.worker.step_inputs import StepInputs, prompt_logprob_rows
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -101,21 +104,9 @@ class ModelRunner:
             prefill = PrefillPlanner(attn.num_heads, attn.num_kv_heads, num_sms)
         self.planner = KernelPlanner(config.args.fused_rope_decode, config.args.pdl,
                                      getattr(self.model, "qk_norm", False), self.device, prefill)
-        # Sliding-window layers beside global ones: a KV pool of their own (worker/kv_cache.py), None: one pool.
-        self.kv_groups = kv_groups(config, [layer.sliding_window for layer in self.attn_layers])
-        self.num_local_blocks = 0  # the window pool's blocks, its null block included
         fixed_pool = config.args.num_kv_blocks is not None
         free = None if fixed_pool else self._free_memory()
-        if self.kv_groups is None:
-            self.num_kv_blocks = num_blocks_for(config, free)
-        else:
-            self.num_kv_blocks, self.num_local_blocks = pool_sizes(config, free, self.kv_groups)
-            for layer, local in zip(self.attn_layers, self.kv_groups.local, strict=True):
-                layer.local = local
-        if self.tp.size > 1:  # the block tables are the same on every rank: the smallest pool for all
-            self.num_kv_blocks = int(self.tp.all_reduce_min_host(self.num_kv_blocks))
-            if self.kv_groups is not None:
-                self.num_local_blocks = int(self.tp.all_reduce_min_host(self.num_local_blocks))
+        self._size_pools(config, free, fixed_pool)
         self.kv_cache = allocate_kv_cache(config, self.num_kv_blocks, self.kv_groups, self.num_local_blocks)
         self._bind_kv_cache(self.kv_cache)
         self.num_cpu_blocks = num_cpu_blocks(config)
@@ -140,6 +131,30 @@ class ModelRunner:
             self.graphs.capture(pool)
         if self.device.type == "cuda":
             self.warm_up_lm_head()
+
+    def _size_pools(self, config: EngineConfig, free: int | None, fixed_pool: bool) -> None:
+        """num_kv_blocks, and for sliding-window layers beside global ones their own pool (kv_groups,
+        num_local_blocks with its null block; worker/kv_cache.py). Sized from the memory left (free), the pool for
+        the window layers is dropped where it would be as large as the global one (max_num_seqs sequences' windows
+        need that much): it would save nothing, and every step would build a second table. Every rank decides alike."""
+        self.kv_groups = kv_groups(config, [layer.sliding_window for layer in self.attn_layers])
+        self.num_local_blocks = 0
+        if self.kv_groups is not None:
+            self.num_kv_blocks, self.num_local_blocks = pool_sizes(config, free, self.kv_groups)
+            saves = fixed_pool or self.num_local_blocks <= self.num_kv_blocks
+            if not self.tp.all_reduce_min_host(int(saves)):
+                logger.info("sliding-window layers: no pool of their own, since max_num_seqs=%d sequences' windows "
+                            "would need as many blocks as the global layers' pool (fewer sequences: more tokens)",
+                            config.args.max_num_seqs)
+                self.kv_groups, self.num_local_blocks = None, 0
+        if self.kv_groups is None:
+            self.num_kv_blocks = num_blocks_for(config, free)
+        if self.kv_groups is not None:
+            for layer, local in zip(self.attn_layers, self.kv_groups.local, strict=True):
+                layer.local = local
+        if self.tp.size > 1:  # the block tables are the same on every rank: the smallest pool for all
+            self.num_kv_blocks = int(self.tp.all_reduce_min_host(self.num_kv_blocks))
+            self.num_local_blocks = int(self.tp.all_reduce_min_host(self.num_local_blocks))
 
     @torch.inference_mode()
     def warm_up_lm_head(self) -> None:

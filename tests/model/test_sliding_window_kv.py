@@ -207,3 +207,22 @@ def test_bench_reports_more_tokens_per_byte(capsys: pytest.CaptureFixture, check
     assert two["kv_window_pool_tokens"] > 0 and one["kv_window_pool_tokens"] is None
     assert two["kv_cache_tokens"] > one["kv_cache_tokens"]
     assert two["kv_bytes_per_token"] < one["kv_bytes_per_token"]
+
+
+def test_one_pool_where_the_window_pool_would_save_nothing(checkpoints, monkeypatch):
+    """Sized from memory, a window pool as large as the global one (max_num_seqs windows and chunks need that many
+    blocks) is dropped: the engine runs with one pool, with no second table to build each step."""
+    from nanoserve.worker import kv_cache
+
+    config = EngineArgs(model=str(checkpoints["gemma3"]), block_size=BS, max_num_seqs=4).create_config()
+    # A budget of as many blocks of every layer as 4 sequences' windows and two steps' chunks take.
+    monkeypatch.setattr(
+        kv_cache, "_CPU_POOL_BYTES", kv_cache.local_pool_cap(config, 24) * kv_cache.bytes_per_block(config)
+    )
+    llm = LLM(str(checkpoints["gemma3"]), block_size=BS, max_num_seqs=4)
+    assert llm.engine.runner.kv_groups is None and llm.engine.block_manager.local is None
+    assert not any(layer.local for layer in llm.engine.runner.attn_layers)
+    out = llm.generate([_prompts()[0][:70]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+    monkeypatch.undo()
+    assert LLM(str(checkpoints["gemma3"]), block_size=BS, max_num_seqs=4).engine.runner.kv_groups is not None
