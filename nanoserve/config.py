@@ -272,6 +272,10 @@ class EngineArgs:
                                      "cache (evicted prefix blocks are loaded back on a hit, which also serves "
                                      "preempted requests), and the older blocks of requests longer than the GPU "
                                      "pool (long-context mode); 0: none")
+    disable_hybrid_kv_cache_manager: bool = _arg(False, "models with sliding-window and global layers (Gemma 2/3, "
+                                                         "gpt-oss): keep every token's KV in every layer, instead of "
+                                                         "a pool for the window layers that frees the blocks out of "
+                                                         "their window")
     enforce_eager: bool = _arg(False, "run without CUDA graphs (quicker start, slower steps)")
     # Plan step N+1 while step N runs (LLMEngine.step). None: on for CUDA; on the CPU a step runs
     # to its end before the host goes on, so there it would only delay each output by a step.
@@ -439,8 +443,9 @@ class EngineConfig:
         self.max_model_len = pool_tokens
         self.max_model_len_source = f"the KV pool's size; the model allows {_model_limit(self.model)[0]}"
 
-    def summary(self, num_kv_blocks: int) -> str:
-        """One line on what the engine loaded, for the log at start."""
+    def summary(self, num_kv_blocks: int, local_pool: tuple[int, int] | None = None) -> str:
+        """One line on what the engine loaded, for the log at start. local_pool: (blocks, window) of the
+        sliding-window layers' own pool, if they have one."""
         weights = "random weights" if self.args.load_format == "dummy" else "weights"
         dtype = str(self.dtype).removeprefix("torch.")
         block = self.args.block_size
@@ -448,8 +453,16 @@ class EngineConfig:
         kv_dtype = str(self.kv_dtype).removeprefix("torch.")
         return (f"loaded {self.model.architecture} {weights} from {self.model_dir} as {dtype} on {self.device}"
                 f"{quantized}; KV cache {num_kv_blocks} blocks x {block} = {num_kv_blocks * block} tokens in "
-                f"{kv_dtype}; "
+                f"{kv_dtype}{_local_pool_text(local_pool, block)}; "
                 f"max_model_len {self.max_model_len} ({self.max_model_len_source})")
+
+
+def _local_pool_text(local_pool: tuple[int, int] | None, block: int) -> str:
+    if local_pool is None:
+        return ""
+    blocks, window = local_pool
+    return (f" (global layers), sliding-window layers (window {window}) {blocks} blocks = {blocks * block} tokens, "
+            "out-of-window blocks freed")
 
 
 def _check_kv_cache_dtype(value: str) -> None:

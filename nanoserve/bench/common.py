@@ -77,6 +77,21 @@ def engine_facts(config: EngineConfig) -> dict:
         "torch."), "max_model_len": config.max_model_len}
 
 
+def kv_facts(runner) -> dict:
+    """What the KV pools hold (worker/model_runner.py's ModelRunner, rank 0's share under tensor parallelism):
+    kv_cache_tokens, the global pool's tokens (the longest context that fits); kv_window_pool_tokens, the
+    sliding-window layers' own pool's (None: one pool for every layer); kv_cache_bytes, every pool's; and
+    kv_bytes_per_token, those bytes over kv_cache_tokens: a model whose window layers free their out-of-window blocks
+    pays for them only in the window pool, so its figure is well under one pool's
+    (--disable-hybrid-kv-cache-manager)."""
+    block = runner.block_size
+    tokens = runner.num_kv_blocks * block
+    total = sum(t.numel() * t.element_size() for pair in runner.kv_cache for t in pair)
+    window = (runner.num_local_blocks - 1) * block if runner.kv_groups is not None else None
+    return {"kv_cache_tokens": tokens, "kv_window_pool_tokens": window, "kv_cache_bytes": total,
+            "kv_bytes_per_token": round(total / tokens, 1)}
+
+
 def json_line(result: dict, sort_keys: bool = False) -> str:
     """One JSON object on one line, a NaN or infinity (a mean of nothing, a ratio over zero) written as null:
     json.dumps would write NaN, which JSON does not have."""

@@ -17,7 +17,15 @@ import numpy as np
 
 from nanoserve.args import at_least_one
 from nanoserve.bench import roofline
-from nanoserve.bench.common import ceilings_at_start, emit, engine_args, engine_facts, free_device_memory, parser
+from nanoserve.bench.common import (
+    ceilings_at_start,
+    emit,
+    engine_args,
+    engine_facts,
+    free_device_memory,
+    kv_facts,
+    parser,
+)
 from nanoserve.bench.device_profile import profile_steps
 from nanoserve.bench.lengths import fit_lengths
 from nanoserve.llm import LLM
@@ -93,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     output_len = min(generated)
     result = {"bench": "latency", "model": cfg.model_dir, "batch_size": ns.batch_size, "input_len": ns.input_len,
               "output_len": output_len, "ms_per_token": round(step_s * 1e3, 3),
-              "tok_s": round(ns.batch_size / step_s, 1), **engine_facts(cfg),
+              "tok_s": round(ns.batch_size / step_s, 1), **engine_facts(cfg), **kv_facts(engine.runner),
               "cuda_graphs": engine.runner.graphs is not None, "tensor_parallel_size": cfg.args.tensor_parallel_size,
               "symm_all_reduce": engine.runner.tp.symm is not None}
     if spec_before is not None:

@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from nanoserve.args import at_least_one
-from nanoserve.bench.common import emit, engine_args, engine_facts, free_device_memory, parser
+from nanoserve.bench.common import emit, engine_args, engine_facts, free_device_memory, kv_facts, parser
 from nanoserve.bench.lengths import fit_lengths
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         args = engine_args(ns)
         if offload:
             args.num_kv_blocks = ns.gpu_kv_tokens // args.block_size
+            # The CPU tier takes one pool for every layer: a model with sliding-window layers keeps their
+            # out-of-window blocks in this run (its all-GPU run frees them).
+            args.disable_hybrid_kv_cache_manager = True
             args.kv_offload_gb = 1.1 * -(-longest // args.block_size) * bytes_per_block(args.create_config()) / 2**30
         llm = LLM(**vars(args))
         result |= engine_facts(llm.engine.config)
@@ -76,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{key} {n}: prefill {prefill:.0f} tok/s, decode {decode:.2f} tok/s", flush=True)
         if offload:
             result["kv_offload_gb"] = float(f"{args.kv_offload_gb:.4g}")
+        else:  # the all-GPU run: what its pools hold (the longest context that fits, KV bytes per token)
+            result |= kv_facts(llm.engine.runner)
         llm.shutdown()
         del llm
         free_device_memory()

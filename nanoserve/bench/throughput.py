@@ -18,7 +18,15 @@ import numpy as np
 
 from nanoserve.args import at_least_one
 from nanoserve.bench import roofline
-from nanoserve.bench.common import ceilings_at_start, emit, engine_args, engine_facts, free_device_memory, parser
+from nanoserve.bench.common import (
+    ceilings_at_start,
+    emit,
+    engine_args,
+    engine_facts,
+    free_device_memory,
+    kv_facts,
+    parser,
+)
 from nanoserve.bench.lengths import fit_lengths, flag
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
@@ -80,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
               # What the KV pool held: a pool that fits few sequences (a 70B shape on two cards) keeps the batch
               # small and the figure far under the bound, which assumes every request decodes together.
               "num_kv_blocks": llm.engine.runner.num_kv_blocks,
-              "kv_cache_tokens": llm.engine.runner.num_kv_blocks * cfg.args.block_size,  # what fits (kv_cache_dtype)
+              **kv_facts(llm.engine.runner),  # what fits (kv_cache_dtype, and the window layers' own pool)
               "preemptions": llm.engine.scheduler.num_preemptions}
     if bw is not None:
         model = llm.engine.runner.model

@@ -12,11 +12,12 @@ layer (worker/kv_ring.py). Its blocks are not offered to the prefix cache.
 
 import struct
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import xxhash
 
 from nanoserve.engine.cpu_tier import CpuTier
+from nanoserve.engine.local_blocks import LocalBlocks
 from nanoserve.engine.request import Sequence
 
 
@@ -40,6 +41,7 @@ class Prefix:
 
     gpu: list[int]
     cpu: list[int]
+    local: list[int] = field(default_factory=list)  # the window pool's table for the gpu blocks (LocalBlocks)
 
     def __len__(self) -> int:
         return len(self.gpu) + len(self.cpu)
@@ -55,8 +57,11 @@ def chain_hash(prev_hash: int, block_bytes: bytes) -> int:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_cpu_blocks: int = 0,
-                 cpu_prefix_tier: bool = True) -> None:
-        """cpu_prefix_tier: whether evicted prefix blocks go to the CPU pool (else it serves long context only)."""
+                 cpu_prefix_tier: bool = True, local: LocalBlocks | None = None) -> None:
+        """cpu_prefix_tier: whether evicted prefix blocks go to the CPU pool (else it serves long context only);
+        local: the sliding-window layers' pool, if they have their own."""
+        assert local is None or not num_cpu_blocks, "the CPU tier is single-pool only"
+        self.local = local
         self.block_size = block_size
         self.block_bytes = block_size * 8  # a block's tokens as token_bytes() gives them (int64 each)
         self.enable_prefix_caching = enable_prefix_caching
@@ -83,7 +88,11 @@ class BlockManager:
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self.free) / len(self.blocks)
+        """The share of the pool in use; with a window pool, of the fuller pool (the one that preempts first)."""
+        usage = 1.0 - len(self.free) / len(self.blocks)
+        if self.local is not None:
+            usage = max(usage, 1.0 - self.local.num_free_blocks / (self.local.num_blocks - 1))
+        return usage
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -96,6 +105,10 @@ class BlockManager:
         if self.cpu is not None:
             self.cpu.reading.clear()
         return out, back
+
+    def take_local_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write pairs of the window pool that this step's allocations asked for."""
+        return self.local.take_copies() if self.local is not None else []
 
     def match_prefix(self, seq: Sequence) -> Prefix:
         """The blocks holding this sequence's longest cached prefix; its last token is always left
@@ -116,10 +129,15 @@ class BlockManager:
         # The hits' tokens checked in one comparison; only a mismatch (a hash collision) is found block by block.
         width = self.block_bytes
         cached = b"".join([self.blocks[b].token_bytes for b in hits])
-        if cached != data[:len(cached)]:
-            for i in range(len(hits)):
-                if cached[i * width:(i + 1) * width] != data[i * width:(i + 1) * width]:
-                    return Prefix(hits[:i], [])
+        collided = cached != data[:len(cached)]
+        if collided:
+            hits = next(hits[:i] for i in range(len(hits))
+                        if cached[i * width:(i + 1) * width] != data[i * width:(i + 1) * width])
+        if self.local is not None:
+            usable, local = self.local.usable_hit(seq.block_hashes, len(hits))
+            return Prefix(hits[:usable], [], local)
+        if collided:
+            return Prefix(hits, [])
         cpu_hits = []
         if self.cpu is not None and self.cpu_prefix_tier:
             # The prefix may go on in the CPU tier, which the engine keeps only for models where loading a block
@@ -171,12 +189,17 @@ class BlockManager:
                 block.block_hash = h
                 block.token_bytes = data[(i - start) * width:(i - start + 1) * width]
                 self.cached[h] = block.block_id
+        if self.local is not None:
+            self.local.cache_blocks(seq, start, num_full)
         seq.num_cached_blocks = num_full
 
     # -- allocation -----------------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: Prefix = NO_PREFIX) -> bool:
         if seq.cpu_blocks is not None:
             return num_new_tokens <= self.long_context_room(seq)
+        if self.local is not None and \
+                self.local.num_new_blocks(seq, num_new_tokens, prefix.local) > self.local.num_free_blocks:
+            return False
         return self._num_new_blocks(seq, num_new_tokens, prefix) <= len(self.free)
 
     def _num_new_blocks(self, seq: Sequence, num_new_tokens: int, prefix: Prefix) -> int:
@@ -238,11 +261,15 @@ class BlockManager:
                 copies.append((old.block_id, new.block_id))
         while len(seq.block_table) < self.blocks_needed(computed + num_new_tokens):
             seq.block_table.append(self._take_fresh().block_id)
+        if self.local is not None:
+            self.local.allocate(seq, num_new_tokens, prefix.local)
         return copies
 
     def append_slot(self, seq: Sequence) -> bool:
         """The decode fast path: room for one more token when that needs no copy-on-write and no
         preemption (False: nothing changed, take can_allocate/allocate)."""
+        if self.local is not None and not self.local.append_slot(seq):
+            return False
         table = seq.block_table
         i = seq.num_computed_tokens // self.block_size
         if i < len(table):
@@ -256,6 +283,8 @@ class BlockManager:
         """Give back the blocks past the sequence's known tokens: after a speculative verify step, those that held only
         rejected drafts' slots. Unnamed and unshared, they go first in the free queue, ahead of cached blocks."""
         keep = self.blocks_needed(len(seq.token_ids))
+        if self.local is not None:
+            self.local.trim(seq, keep)
         while len(seq.block_table) > keep:
             block_id = seq.block_table.pop()
             block = self.blocks[block_id]
@@ -282,6 +311,8 @@ class BlockManager:
         for block_id in parent.block_table:
             self.blocks[block_id].ref_count += 1
         child.block_table = list(parent.block_table)
+        if self.local is not None:
+            self.local.fork(parent, child)
         child.block_hashes = list(parent.block_hashes)
         child.num_cached_blocks = parent.num_cached_blocks
 
@@ -359,6 +390,8 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free[block_id] = None
         seq.block_table = []
+        if self.local is not None:
+            self.local.free_seq(seq)
         for cpu_id in reversed(seq.cpu_blocks or ()):  # each to the front: the next holder gets them in order
             self.cpu.release(cpu_id)
         seq.cpu_blocks = None

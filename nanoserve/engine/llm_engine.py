@@ -11,6 +11,7 @@ from nanoserve.config import EngineArgs, EngineConfig
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
 from nanoserve.engine.frontend import EngineFrontend, check_token_ids, engine_config, load_tokenizer
+from nanoserve.engine.local_blocks import LocalBlocks
 from nanoserve.engine.request import Request, SeqStatus, Sequence
 from nanoserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from nanoserve.layers.sampler import SamplerOutput
@@ -67,10 +68,15 @@ class LLMEngine(EngineFrontend):
             atexit.register(self.shutdown)
         # A sequence longer than the GPU pool runs in long-context mode, its older blocks in the CPU pool.
         config.fit_kv_pool(self.runner.num_kv_blocks + self.runner.num_cpu_blocks)
-        logger.info("%s", config.summary(self.runner.num_kv_blocks))
+        groups = self.runner.kv_groups
+        local = None
+        if groups is not None:  # the sliding-window layers' own pool, which frees blocks out of their window
+            local = LocalBlocks(self.runner.num_local_blocks, config.args.block_size, groups.window,
+                                config.args.enable_prefix_caching)
+        logger.info("%s", config.summary(self.runner.num_kv_blocks, local and (local.num_blocks - 1, local.window)))
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.args.block_size,
                                           config.args.enable_prefix_caching, self.runner.num_cpu_blocks,
-                                          cpu_prefix_tier=prefix_load_pays(config))
+                                          cpu_prefix_tier=prefix_load_pays(config), local=local)
         self.scheduler = Scheduler(self.block_manager, config.args.max_num_seqs,
                                    config.args.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}

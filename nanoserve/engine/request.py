@@ -41,6 +41,9 @@ class Sequence:
     num_pending: int = 0
     num_stale: int = 0  # tokens in flight that arrive after force_tokens replaced them: dropped
     block_table: list[int] = field(default_factory=list)
+    # The sliding-window layers' blocks, where they have a pool of their own (engine/local_blocks.py): indexed like
+    # block_table, NULL_BLOCK (0) for blocks out of the window.
+    local_table: list[int] = field(default_factory=list)
     # Long-context mode (a sequence longer than the GPU pool): the CPU blocks holding its first len(cpu_blocks)
     # logical blocks; block_table then holds the ones after them. None: every block is in block_table.
     cpu_blocks: list[int] | None = None

@@ -46,6 +46,8 @@ class SchedulerOutput:
     # after them (worker/kv_offload.py).
     kv_swap_out: list[tuple[int, int]] = field(default_factory=list)
     kv_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Copy-on-write in the sliding-window layers' pool (engine/local_blocks.py), beside block_copies.
+    local_block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_decodes(self) -> int:
@@ -153,7 +155,8 @@ class Scheduler:
             scheduled.append(self._entry(seq, num_new))
             budget -= num_new
         scheduled.sort(key=lambda s: s.num_new_tokens > 1)  # stable: decodes first, order kept within
-        return SchedulerOutput(scheduled, copies, *self.block_manager.take_swaps())
+        return SchedulerOutput(scheduled, copies, *self.block_manager.take_swaps(),
+                               local_block_copies=self.block_manager.take_local_copies())
 
     def _entry(self, seq: Sequence, num_new: int, drafts: list[int] | None = None) -> ScheduledSeq:
         entry = ScheduledSeq(seq, seq.num_computed_tokens, num_new)

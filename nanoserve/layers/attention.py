@@ -8,6 +8,7 @@ the cache, so a cached prefix, an earlier prefill chunk and the new tokens are a
 (kernels/kv_quant.py).
 """
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -61,6 +62,22 @@ class AttentionMetadata:
     # Sequences in long-context mode: the fields above show them their window only, and attend() then redoes their
     # rows over every key. None: no such sequence (always in graphs).
     long_context: LongContext | None = None
+    # The sliding-window layers' slots and block tables, where they have a KV pool of their own
+    # (engine/local_blocks.py; entries of blocks out of the window point at a zeroed null block). None: one pool.
+    local_slot_mapping: torch.Tensor | None = None
+    local_block_tables: torch.Tensor | None = None
+    _local_view: "AttentionMetadata | None" = dataclasses.field(default=None, repr=False)
+
+    def for_layer(self, local: bool) -> "AttentionMetadata":
+        """The metadata a layer reads: for a sliding-window layer with a pool of its own, this step's with that
+        pool's slots and tables in place of the global ones (made once a step, or once at a graph's capture)."""
+        if not local or self.local_block_tables is None:
+            return self
+        if self._local_view is None:
+            self._local_view = dataclasses.replace(self, slot_mapping=self.local_slot_mapping,
+                                                   block_tables=self.local_block_tables, local_slot_mapping=None,
+                                                   local_block_tables=None)
+        return self._local_view
 
 
 class TorchBackend:
@@ -195,6 +212,9 @@ class Attention(nn.Module):
             self.sinks.weight_loader = self.load_sinks
             self.shard_sinks(0, num_heads)
         self.layer_index = 0  # which layer's CPU blocks long-context attention reads (set by the model runner)
+        # Whether this layer's KV lives in the sliding-window pool (set by the model runner): it then reads the
+        # metadata's local slots and tables (AttentionMetadata.for_layer).
+        self.local = False
         # Set by the model runner once the pool is allocated.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -203,6 +223,7 @@ class Attention(nn.Module):
 
     def store(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         """This step's keys and values, k/v [T, Hkv, D], into the cache at meta.slot_mapping (-1: not stored)."""
+        meta = meta.for_layer(self.local)
         self.backend.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
 
     def shard_sinks(self, start: int, total: int) -> None:
@@ -225,6 +246,7 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq, D] over the cache, which already holds this step's keys and values -> [T, Hq, D]."""
+        meta = meta.for_layer(self.local)
         sinks = self.sink_logits()
         out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window, sinks,
                                   self.softcap, self.k_scale, self.v_scale)

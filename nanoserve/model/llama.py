@@ -64,6 +64,7 @@ class LlamaAttention(nn.Module):
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Attention and o_proj from qkv_proj's output [T, (num_heads + 2 num_kv_heads) * head_dim]."""
+        meta = meta.for_layer(self.attn.local)
         if meta.plan.fused_rope_decode:
             # Every sequence brings one token: the work of `store` and attention in one launch, not two.
             from nanoserve.kernels.decode_rope_attention import decode_rope_attention

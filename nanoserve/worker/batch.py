@@ -30,6 +30,8 @@ class BatchSeq(SamplingRow, Protocol):
     def block_table(self) -> list[int]: ...
     @property
     def cpu_blocks(self) -> list[int] | None: ...  # long-context mode: CPU blocks before block_table's (or None)
+    @property
+    def local_table(self) -> list[int]: ...  # the sliding-window layers' blocks, where they have their own pool
 
 
 class ScheduledEntry(Protocol):
@@ -58,5 +60,7 @@ class ScheduledBatch(Protocol):
     def kv_swap_out(self) -> Sequence[tuple[int, int]]: ...  # (device block, CPU block): to the CPU tier, first
     @property
     def kv_swap_in(self) -> Sequence[tuple[int, int]]: ...  # (CPU block, device block): back, after block_copies
+    @property
+    def local_block_copies(self) -> Sequence[tuple[int, int]]: ...  # (src, dst) in the sliding-window pool
     @property
     def num_decodes(self) -> int: ...

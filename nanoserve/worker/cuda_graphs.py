@@ -102,11 +102,31 @@ class _Graphs:
         return next(s for s in self.sizes if s >= n)
 
 
+class _LocalInputs:
+    """The static slots and block tables of the sliding-window layers' own KV pool (AttentionMetadata's local_*)."""
+
+    def __init__(self, num_tokens: int, num_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        self.slot_mapping = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
+        # Zero: padded rows point at the null block, which is zeroed and never written.
+        self.block_tables = torch.zeros(num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+
+    def attach(self, meta: AttentionMetadata, num_tokens: int, num_seqs: int) -> None:
+        meta.local_slot_mapping = self.slot_mapping[:num_tokens]
+        meta.local_block_tables = self.block_tables[:num_seqs]
+
+    def copy(self, meta: AttentionMetadata, n: int, padded: int, num_seqs: int) -> None:
+        """A step's n tokens (padded to `padded`) and num_seqs sequences into the static buffers."""
+        self.slot_mapping[:n].copy_(meta.local_slot_mapping)
+        self.slot_mapping[n:padded].fill_(-1)
+        self.block_tables[:num_seqs, :meta.local_block_tables.shape[1]].copy_(meta.local_block_tables)
+
+
 class CUDAGraphRunner(_Graphs):
     """Decode graphs on a batch-size ladder."""
 
     def __init__(self, model: nn.Module, max_batch_size: int, max_blocks_per_seq: int, device: torch.device,
-                 planner: KernelPlanner):
+                 planner: KernelPlanner, local: bool = False):
+        """local: the sliding-window layers have a KV pool of their own, whose slots and tables are inputs too."""
         super().__init__(model, batch_size_ladder(max_batch_size), "capturing decode graphs")
         self.planner = planner
         n = self.sizes[-1]
@@ -116,6 +136,7 @@ class CUDAGraphRunner(_Graphs):
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.local = _LocalInputs(n, n, max_blocks_per_seq, device) if local else None
         num_kv_heads = next(m for m in model.modules() if isinstance(m, Attention)).num_kv_heads
         self.decode_counters = torch.zeros(FUSED_DECODE_MERGE_MAX_BATCH * num_kv_heads, dtype=torch.int32,
                                            device=device)
@@ -127,6 +148,8 @@ class CUDAGraphRunner(_Graphs):
                                  self.block_tables[:bs], max_seqlen_q=1, num_decodes=bs,
                                  decode_counters=self.decode_counters if plan.fused_decode_merge else None,
                                  decode_order=self.decode_order[:bs] if plan.decode_order else None, plan=plan)
+        if self.local is not None:
+            self.local.attach(meta, bs, bs)
         return self.input_ids[:bs], self.positions[:bs], meta
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -149,6 +172,8 @@ class CUDAGraphRunner(_Graphs):
         self.seq_lens[:n].copy_(meta.seq_lens)
         self.seq_lens[n:bs].zero_()
         self.block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        if self.local is not None:
+            self.local.copy(meta, n, bs, n)
         graph, out = self.graphs[bs]
         graph.replay()
         return out[:n]
@@ -158,8 +183,9 @@ class PrefillGraphRunner(_Graphs):
     """Graphs for steps with prefill chunks, one per token-count bucket up to max_num_batched_tokens."""
 
     def __init__(self, model: nn.Module, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
-                 device: torch.device, planner: KernelPlanner):
-        """planner: the engine's, with its prefill attention planner (which eager steps use too)."""
+                 device: torch.device, planner: KernelPlanner, local: bool = False):
+        """planner: the engine's, with its prefill attention planner (which eager steps use too); local: as
+        CUDAGraphRunner's."""
         super().__init__(model, token_ladder(max_num_tokens), "capturing prefill graphs")
         self.max_num_seqs, self.planner = max_num_seqs, planner
         attn = next(m for m in model.modules() if isinstance(m, Attention))
@@ -180,6 +206,7 @@ class PrefillGraphRunner(_Graphs):
         self.cu_seqlens_q = torch.zeros(s + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(s, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(s, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.local = _LocalInputs(t, s, max_blocks_per_seq, device) if local else None
         self.tile_map = torch.full((max(launch.num_rows for launch in self.launches.values()), SPLIT_MAP_COLUMNS),
                                    -1, dtype=torch.int32, device=device)
 
@@ -193,6 +220,8 @@ class PrefillGraphRunner(_Graphs):
                                  tile_map=self.tile_map[:launch.num_rows], block_m=launch.block_m,
                                  split_scratch=self.split_scratch[n], pack=self.pack,
                                  plan=self.planner.plan(s, 0, n, graph=True))
+        if self.local is not None:
+            self.local.attach(meta, n, s)
         return self.input_ids[:n], self.positions[:n], meta
 
     def can_run(self, num_tokens: int, num_seqs: int) -> bool:
@@ -212,6 +241,8 @@ class PrefillGraphRunner(_Graphs):
         self.seq_lens[:b].copy_(meta.seq_lens)
         self.seq_lens[b:s].zero_()
         self.block_tables[:b, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        if self.local is not None:
+            self.local.copy(meta, n, t, b)
         tiles = self.prefill.split_map(self.launches[t], meta.cu_seqlens_q_cpu, meta.seq_lens_cpu)
         tiles = pinned(torch.from_numpy(tiles), self.tile_map.device)
         self.tile_map[:self.launches[t].num_rows].copy_(tiles, non_blocking=True)

@@ -72,6 +72,7 @@ def draft_engine_config(config: EngineConfig) -> EngineConfig:
             speculative_config=None,
             enforce_eager=True,
             enable_prefix_caching=False,
+            disable_hybrid_kv_cache_manager=True,  # its pool and tables are its own, one group
             num_kv_blocks=1,
             quantization=None,
             max_model_len=config.max_model_len,

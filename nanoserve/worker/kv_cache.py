@@ -1,19 +1,104 @@
 """The paged KV pool: per layer, keys and values of shape [num_blocks, block_size, num_kv_heads, head_dim] (this
 rank's kv heads under tensor parallelism; the block tables are the same on every rank), in config.kv_dtype: the
-model's dtype, or fp8 for kv_cache_dtype fp8 (one byte an element: twice the blocks in the same memory)."""
+model's dtype, or fp8 for kv_cache_dtype fp8 (one byte an element: twice the blocks in the same memory).
+
+A model with both sliding-window and global layers (Gemma 2/3, gpt-oss) has two pools (KVGroups): the global layers'
+blocks hold a sequence's whole context, the window layers' only the blocks its next queries can see
+(engine/local_blocks.py), so they need far fewer. How the memory is split (pool_sizes): the window pool gets enough
+blocks for max_num_seqs sequences to each hold a window (ceil((W - 1) / block_size) + 2 blocks: the window's and
+the one the next token starts, each possibly cut by block boundaries) plus two steps' worth of prefill chunks
+(2 ceil(max_num_batched_tokens / block_size): chunks of the step being scheduled and of one not yet released), and
+never more than the global pool's count (a sequence needs no more window blocks than global ones); the global pool
+takes the rest. So the window pool never limits max_num_seqs running sequences below what one pool would, and the
+memory it leaves is the global pool's: the fewer max_num_seqs, the more tokens fit. Where that rule gives the window
+pool as many blocks as the global one (many sequences, little memory: Gemma-3-27B at the default max_num_seqs 256 on
+an H200), it would save nothing, and the model runner keeps one pool (ModelRunner._size_pools).
+"""
+
+import logging
+from dataclasses import dataclass
 
 import torch
 
 from nanoserve.config import EngineConfig
 
+logger = logging.getLogger(__name__)
+
 # Without a GPU to size it from, the CPU pool gets a fixed budget.
 _CPU_POOL_BYTES = 1 << 30
 
 
-def bytes_per_block(config: EngineConfig) -> int:
+@dataclass
+class KVGroups:
+    """The layers whose KV is in the sliding-window pool (local[i] for attention layer i), and their window."""
+
+    local: list[bool]
+    window: int
+
+    @property
+    def num_local(self) -> int:
+        return sum(self.local)
+
+
+def kv_groups(config: EngineConfig, windows: list[int | None]) -> KVGroups | None:
+    """Two pools where some layers have a window shorter than max_model_len and others none; None: one pool (the
+    flag disable_hybrid_kv_cache_manager, one kind of layer, or windows that differ: every supported model with local
+    layers gives them one window)."""
+    if config.args.disable_hybrid_kv_cache_manager or None not in windows:
+        return None
+    local_windows = {w for w in windows if w is not None}
+    if not local_windows or min(local_windows) >= config.max_model_len:
+        return None
+    if len(local_windows) > 1:
+        logger.warning("sliding-window layers of different windows %s: one KV pool for all layers (out-of-window "
+                       "blocks are kept)", sorted(local_windows))
+        return None
+    if config.args.kv_offload_gb:
+        raise ValueError("kv_offload_gb: the CPU KV tier is not supported for models with sliding-window and global "
+                         "layers (two KV pools); pass disable_hybrid_kv_cache_manager (--disable-hybrid-kv-cache-"
+                         "manager) to keep one pool")
+    return KVGroups([w is not None for w in windows], local_windows.pop())
+
+
+def bytes_per_block(config: EngineConfig, num_layers: int | None = None) -> int:
+    """Bytes of one block of num_layers layers (None: all of the model's)."""
     m = config.model
     elem = config.kv_dtype.itemsize
-    return 2 * m.num_hidden_layers * config.args.block_size * config.num_kv_heads_per_rank * m.head_dim * elem
+    layers = m.num_hidden_layers if num_layers is None else num_layers
+    return 2 * layers * config.args.block_size * config.num_kv_heads_per_rank * m.head_dim * elem
+
+
+def local_pool_cap(config: EngineConfig, window: int) -> int:
+    """Window-pool blocks (besides the null block) that max_num_seqs sequences can use at once (module docstring)."""
+    args = config.args
+    bs = args.block_size
+    per_seq = min(-(-config.max_model_len // bs), -(-(window - 1) // bs) + 2)
+    return args.max_num_seqs * per_seq + 2 * -(-args.max_num_batched_tokens // bs)
+
+
+def pool_sizes(config: EngineConfig, free_bytes: int | None, groups: KVGroups) -> tuple[int, int]:
+    """(global blocks, window blocks with the null block) of a two-pool model: num_kv_blocks (the global pool) if
+    set, else what fits in the memory left over, split as the module docstring says."""
+    g_bytes = bytes_per_block(config, len(groups.local) - groups.num_local) + config.draft_kv_bytes_per_block
+    l_bytes = bytes_per_block(config, groups.num_local)
+    cap = local_pool_cap(config, groups.window)
+    if config.args.num_kv_blocks is not None:
+        num = config.args.num_kv_blocks
+        return num, min(num, cap) + 1
+    budget = _CPU_POOL_BYTES if free_bytes is None else free_bytes
+    num = (budget - l_bytes) // (g_bytes + l_bytes)  # as many window blocks as global ones
+    if num > cap:
+        num = (budget - (cap + 1) * l_bytes) // g_bytes
+    _check_fits(config, num)
+    return num, min(num, cap) + 1
+
+
+def _check_fits(config: EngineConfig, num: int) -> None:
+    needed = -(-config.max_model_len // config.args.block_size)
+    if num < needed and not config.args.kv_offload_gb:  # with a CPU pool, long context goes there
+        raise ValueError(f"gpu_memory_utilization: the KV pool fits {num} blocks, but one sequence of "
+                         f"max_model_len={config.max_model_len} needs {needed}; lower max_model_len or "
+                         "raise gpu_memory_utilization")
 
 
 def num_blocks_for(config: EngineConfig, free_bytes: int | None) -> int:
@@ -23,11 +108,7 @@ def num_blocks_for(config: EngineConfig, free_bytes: int | None) -> int:
     budget = _CPU_POOL_BYTES if free_bytes is None else free_bytes
     # A draft model's pool (speculative decoding) has as many blocks as this one: it comes out of the same budget.
     num = budget // (bytes_per_block(config) + config.draft_kv_bytes_per_block)
-    needed = -(-config.max_model_len // config.args.block_size)
-    if num < needed and not config.args.kv_offload_gb:  # with a CPU pool, long context goes there
-        raise ValueError(f"gpu_memory_utilization: the KV pool fits {num} blocks, but one sequence of "
-                         f"max_model_len={config.max_model_len} needs {needed}; lower max_model_len or "
-                         "raise gpu_memory_utilization")
+    _check_fits(config, num)
     return num
 
 
@@ -57,9 +138,20 @@ def prefix_load_pays(config: EngineConfig) -> bool:
     return 2 * params / kv_bytes >= _LOAD_MIN_FLOPS_PER_BYTE
 
 
-def allocate_kv_cache(config: EngineConfig, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def allocate_kv_cache(config: EngineConfig, num_blocks: int, groups: KVGroups | None = None,
+                      num_local_blocks: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (keys, values): num_blocks blocks, or num_local_blocks for a layer in groups' window pool, whose
+    block 0 (engine/local_blocks.py's NULL_BLOCK) is zeroed: kernels may load it under the window's mask, and garbage
+    there (NaN) would survive a zero weight."""
     m = config.model
-    shape = (num_blocks, config.args.block_size, config.num_kv_heads_per_rank, m.head_dim)
-    return [(torch.empty(shape, dtype=config.kv_dtype, device=config.device),
-             torch.empty(shape, dtype=config.kv_dtype, device=config.device))
-            for _ in range(m.num_hidden_layers)]
+    local = groups.local if groups is not None else [False] * m.num_hidden_layers
+    caches = []
+    for is_local in local:
+        shape = (num_local_blocks if is_local else num_blocks, config.args.block_size, config.num_kv_heads_per_rank,
+                 m.head_dim)
+        k, v = (torch.empty(shape, dtype=config.kv_dtype, device=config.device) for _ in range(2))
+        if is_local:
+            k[0].zero_()
+            v[0].zero_()
+        caches.append((k, v))
+    return caches

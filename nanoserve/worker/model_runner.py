@@ -1,5 +1,6 @@
 """ModelRunner: turns a scheduled batch into tensors, runs one forward pass, and samples."""
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -16,10 +17,19 @@ from nanoserve.model.loader import load_model
 from nanoserve.spec_decode.rejection import verify
 from nanoserve.worker.batch import ScheduledBatch
 from nanoserve.worker.cuda_graphs import CUDAGraphRunner, PrefillGraphRunner, eager_tile_map
-from nanoserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for, num_cpu_blocks
+from nanoserve.worker.kv_cache import (
+    allocate_kv_cache,
+    bytes_per_block,
+    kv_groups,
+    num_blocks_for,
+    num_cpu_blocks,
+    pool_sizes,
+)
 from nanoserve.worker.kv_offload import KVOffloader
 from nanoserve.worker.kv_ring import KVRing, LongContextAttention
 from nanoserve.worker.step_inputs import StepInputs, prompt_logprob_rows
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -106,10 +116,9 @@ class ModelRunner:
         self.planner = KernelPlanner(config.args.fused_rope_decode, config.args.pdl,
                                      getattr(self.model, "qk_norm", False), self.device, prefill)
         fixed_pool = config.args.num_kv_blocks is not None
-        self.num_kv_blocks = num_blocks_for(config, None if fixed_pool else self._free_memory())
-        if self.tp.size > 1:  # the block tables are the same on every rank: the smallest pool for all
-            self.num_kv_blocks = int(self.tp.all_reduce_min_host(self.num_kv_blocks))
-        self.kv_cache = allocate_kv_cache(config, self.num_kv_blocks)
+        free = None if fixed_pool else self._free_memory()
+        self._size_pools(config, free, fixed_pool)
+        self.kv_cache = allocate_kv_cache(config, self.num_kv_blocks, self.kv_groups, self.num_local_blocks)
         self._bind_kv_cache(self.kv_cache)
         self.num_cpu_blocks = num_cpu_blocks(config)
         self.offloader = KVOffloader(self.kv_cache, self.num_cpu_blocks) if self.num_cpu_blocks else None
@@ -124,14 +133,39 @@ class ModelRunner:
             args = config.args
             max_blocks = -(-config.max_model_len // self.block_size)
             # Prefill graphs first: their largest bucket makes the memory pool every other graph shares.
+            local = self.kv_groups is not None
             self.prefill_graphs = PrefillGraphRunner(self.model, args.max_num_batched_tokens, args.max_num_seqs,
-                                                     max_blocks, self.device, self.planner)
+                                                     max_blocks, self.device, self.planner, local)
             pool = self.prefill_graphs.capture()
             self.graphs = CUDAGraphRunner(self.model, min(args.max_num_seqs, 512), max_blocks, self.device,
-                                          self.planner)
+                                          self.planner, local)
             self.graphs.capture(pool)
         if self.device.type == "cuda":
             self.warm_up_lm_head()
+
+    def _size_pools(self, config: EngineConfig, free: int | None, fixed_pool: bool) -> None:
+        """num_kv_blocks, and for sliding-window layers beside global ones their own pool (kv_groups,
+        num_local_blocks with its null block; worker/kv_cache.py). Sized from the memory left (free), the pool for
+        the window layers is dropped where it would be as large as the global one (max_num_seqs sequences' windows
+        need that much): it would save nothing, and every step would build a second table. Every rank decides alike."""
+        self.kv_groups = kv_groups(config, [layer.sliding_window for layer in self.attn_layers])
+        self.num_local_blocks = 0
+        if self.kv_groups is not None:
+            self.num_kv_blocks, self.num_local_blocks = pool_sizes(config, free, self.kv_groups)
+            saves = fixed_pool or self.num_local_blocks <= self.num_kv_blocks
+            if not self.tp.all_reduce_min_host(int(saves)):
+                logger.info("sliding-window layers: no pool of their own, since max_num_seqs=%d sequences' windows "
+                            "would need as many blocks as the global layers' pool (fewer sequences: more tokens)",
+                            config.args.max_num_seqs)
+                self.kv_groups, self.num_local_blocks = None, 0
+        if self.kv_groups is None:
+            self.num_kv_blocks = num_blocks_for(config, free)
+        if self.kv_groups is not None:
+            for layer, local in zip(self.attn_layers, self.kv_groups.local, strict=True):
+                layer.local = local
+        if self.tp.size > 1:  # the block tables are the same on every rank: the smallest pool for all
+            self.num_kv_blocks = int(self.tp.all_reduce_min_host(self.num_kv_blocks))
+            self.num_local_blocks = int(self.tp.all_reduce_min_host(self.num_local_blocks))
 
     @torch.inference_mode()
     def warm_up_lm_head(self) -> None:
@@ -206,7 +240,8 @@ class ModelRunner:
                 plp_entries.append((entry, count))
                 plp_rows.append((row, count))
             row += entry.num_new_tokens
-        step = StepInputs.build(batch, prev.rows if prev is not None else {}, self.block_size, plp_rows)
+        step = StepInputs.build(batch, prev.rows if prev is not None else {}, self.block_size, plp_rows,
+                                local=self.kv_groups is not None)
         # Only now, with this step's inputs built, does the previous step's deferred sampling wait for its masks.
         if prev is not None:
             prev.settle()
@@ -292,10 +327,13 @@ class ModelRunner:
         next pass) and the rows that sample (None: every row, once)."""
         if step.kv_swap_out:  # first: a block going to the CPU tier may be the target of a copy below
             self.offloader.swap(step.kv_swap_out, [])
-        for src, dst in step.block_copies:
-            for k, v in self.kv_cache:
-                k[dst].copy_(k[src])
-                v[dst].copy_(v[src])
+        local = self.kv_groups.local if self.kv_groups is not None else [False] * len(self.kv_cache)
+        for copies, group in ((step.block_copies, False), (step.local_block_copies, True)):
+            for src, dst in copies:
+                for (k, v), is_local in zip(self.kv_cache, local, strict=True):
+                    if is_local == group:
+                        k[dst].copy_(k[src])
+                        v[dst].copy_(v[src])
         if step.kv_swap_in:
             self.offloader.swap([], step.kv_swap_in)
         input_ids, positions, meta, logit_rows = step.to_device(self.device, prev_tokens)

@@ -19,7 +19,7 @@ from nanoserve.worker.batch import ScheduledBatch, ScheduledEntry
 # Header fields, in this order; STOP in the first one ends a worker.
 _HEADER = ("num_tokens", "num_seqs", "width", "num_pending", "num_logit_rows", "max_seqlen_q",
            "num_decodes", "sample", "num_copies", "num_swap_out", "num_swap_in", "num_prompt_logprobs",
-           "num_long_context_ints", "replica_call", "num_temperatures")
+           "num_long_context_ints", "replica_call", "num_temperatures", "local", "num_local_copies")
 _STOP = -1
 
 
@@ -61,10 +61,10 @@ def chunk_slots(block_table: list[int], start: int, n: int, block_size: int) -> 
 
 @dataclass
 class StepInputs:
-    """The int64 array holds input_ids, positions, slot_mapping (num_tokens each), where the pending tokens go and
-    their rows in the previous step's samples (num_pending each), the hidden rows to sample from (num_logit_rows;
-    -1: every row samples once, no gather), then cu_seqlens_q, seq_lens and the block tables as int32, two to a
-    slot."""
+    """The int64 array holds input_ids, positions, slot_mapping (num_tokens each), with `local` the sliding-window
+    layers' slot_mapping too, where the pending tokens go and their rows in the previous step's samples (num_pending
+    each), the hidden rows to sample from (num_logit_rows; -1: every row samples once, no gather), then cu_seqlens_q,
+    seq_lens and the block tables (and with `local` the window pool's) as int32, two to a slot."""
 
     host: np.ndarray
     num_tokens: int
@@ -75,9 +75,11 @@ class StepInputs:
     max_seqlen_q: int
     num_decodes: int
     sample: bool  # whether any sequence takes a token from this step
+    local: bool = False  # the sliding-window layers have a pool of their own (engine/local_blocks.py)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks to copy first
     kv_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, CPU) blocks, before block_copies
     kv_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (CPU, device) blocks, after them
+    local_block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) in the window pool
     prompt_logprob_rows: list[tuple[int, int]] = field(default_factory=list)  # (first hidden row, rows)
     long_context: list[LongContextRow] = field(default_factory=list)
     # Host copies rank 0 has at hand anyway; the other ranks read them out of `host`.
@@ -91,10 +93,12 @@ class StepInputs:
 
     @classmethod
     def build(cls, batch: ScheduledBatch, prev_rows: dict[int, int], block_size: int,
-              prompt_logprob_rows: list[tuple[int, int]]) -> "StepInputs":
+              prompt_logprob_rows: list[tuple[int, int]], local: bool = False) -> "StepInputs":
         """The step of `batch`. A token that the previous step sampled and the host has not read yet is taken on
-        the device from that step's samples, at its row in prev_rows (seq_id -> row)."""
+        the device from that step's samples, at its row in prev_rows (seq_id -> row). local: the sequences'
+        local_table and the batch's local_block_copies go in too."""
         input_ids, positions, slots, cu, lens, tables, logit_rows = [], [], [], [0], [], [], []
+        local_slots, local_tables = [], []
         pending_at, pending_rows, long_context = [], [], []
         bs = block_size
         for entry in batch.scheduled:
@@ -113,6 +117,8 @@ class StepInputs:
                     input_ids.append(0)
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
+                if local:
+                    local_slots.append(seq.local_table[start // bs] * bs + start % bs)
             else:
                 # Speculative decoding: the last tokens are drafts to verify, which follow the known ones.
                 drafts = entry.draft_token_ids
@@ -124,6 +130,8 @@ class StepInputs:
                     input_ids += drafts
                 positions += range(start, start + n)
                 slots += chunk_slots(table, start, n, bs)
+                if local:
+                    local_slots += chunk_slots(seq.local_table, start, n, bs)
             cu.append(cu[-1] + n)
             if seq.cpu_blocks:
                 lens.append(start + n - offset)
@@ -131,45 +139,50 @@ class StepInputs:
             else:
                 lens.append(start + n)
                 tables.append(table)
+                if local:
+                    local_tables.append(seq.local_table)
             if entry.sample_seqs:
                 if n > 1 and entry.draft_token_ids:  # verify: every drafted position gives a distribution
                     logit_rows += range(cu[-1] - 1 - len(entry.draft_token_ids), cu[-1])
                 else:
                     logit_rows += [cu[-1] - 1] * len(entry.sample_seqs)
-        width = max(len(t) for t in tables)
+        width = max(len(t) for t in tables + local_tables)
         num_seqs, num_tokens = len(tables), len(input_ids)
         sample_all = logit_rows == list(range(num_tokens))  # every row samples once: no gather needed
-        longs = input_ids + positions + slots + pending_at + pending_rows + ([] if sample_all else logit_rows)
+        longs = input_ids + positions + slots + local_slots + pending_at + pending_rows + \
+            ([] if sample_all else logit_rows)
         # One host-to-device copy for the whole step: the int64 values, then the int32 ones two to a slot, sliced
         # (and viewed as int32) into its tensors on the device. At batch 1 a step is ~1 ms of GPU work, and each
         # separate small copy (its pinned staging buffer, its copy call, the kernels that consumed it) sat on
         # the host's path and the stream's.
         # Through numpy: it converts a long list of Python ints ~3x faster than torch.as_tensor (1.3 vs 0.4 ms for
         # an 8,192-token step's 24,576 values on this 2-core CPU).
-        num_ints = 2 * num_seqs + 1 + num_seqs * width  # cu_seqlens_q, seq_lens, block tables
+        num_ints = 2 * num_seqs + 1 + (1 + local) * num_seqs * width  # cu_seqlens_q, seq_lens, block tables
         host = np.zeros(len(longs) + (num_ints + 1) // 2, dtype=np.int64)
         host[:len(longs)] = longs
         ints = host[len(longs):].view(np.int32)
         ints[:num_seqs + 1] = cu
         ints[num_seqs + 1:2 * num_seqs + 1] = lens
-        block_tables = ints[2 * num_seqs + 1:num_ints].reshape(num_seqs, width)
-        for row, table in zip(block_tables, tables, strict=True):
-            row[:len(table)] = table
+        block_tables = ints[2 * num_seqs + 1:num_ints].reshape(1 + local, num_seqs, width)
+        for group, group_tables in zip(block_tables, (tables, local_tables)[:1 + local], strict=True):
+            for row, table in zip(group, group_tables, strict=True):
+                row[:len(table)] = table
         return cls(host, num_tokens, num_seqs, width, len(pending_at), -1 if sample_all else len(logit_rows),
-                   max(e.num_new_tokens for e in batch.scheduled), batch.num_decodes, bool(logit_rows),
-                   list(batch.block_copies), list(batch.kv_swap_out), list(batch.kv_swap_in), prompt_logprob_rows,
-                   long_context, cu, lens)
+                   max(e.num_new_tokens for e in batch.scheduled), batch.num_decodes, bool(logit_rows), local,
+                   list(batch.block_copies), list(batch.kv_swap_out), list(batch.kv_swap_in),
+                   list(batch.local_block_copies) if local else [], prompt_logprob_rows, long_context, cu, lens)
 
     @property
     def num_longs(self) -> int:
-        return 3 * self.num_tokens + 2 * self.num_pending + max(self.num_logit_rows, 0)
+        return (3 + self.local) * self.num_tokens + 2 * self.num_pending + max(self.num_logit_rows, 0)
 
     def to_device(self, device: torch.device, prev_tokens: torch.Tensor | None,
                   ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None]:
         """input_ids, positions, attention metadata, and the hidden rows to sample from (None: every row, once);
         pending tokens are read from prev_tokens, the previous step's samples on the device."""
-        nt, ns, at, n_pending = self.num_tokens, self.num_seqs, 3 * self.num_tokens, self.num_pending
-        num_ints = 2 * ns + 1 + ns * self.width
+        nt, ns, n_pending = self.num_tokens, self.num_seqs, self.num_pending
+        at = (3 + self.local) * nt
+        num_ints = 2 * ns + 1 + (1 + self.local) * ns * self.width
         if self.cu_seqlens_q_cpu is None:
             ints = self.host[self.num_longs:].view(np.int32)
             self.cu_seqlens_q_cpu, self.seq_lens_cpu = ints[:ns + 1].tolist(), ints[ns + 1:2 * ns + 1].tolist()
@@ -181,12 +194,15 @@ class StepInputs:
             slot_mapping=slot_mapping,
             cu_seqlens_q=ints[:ns + 1],
             seq_lens=ints[ns + 1:2 * ns + 1],
-            block_tables=ints[2 * ns + 1:].view(ns, self.width),
+            block_tables=ints[2 * ns + 1:2 * ns + 1 + ns * self.width].view(ns, self.width),
             max_seqlen_q=self.max_seqlen_q,
             num_decodes=self.num_decodes,
             seq_lens_cpu=self.seq_lens_cpu,
             cu_seqlens_q_cpu=self.cu_seqlens_q_cpu,
         )
+        if self.local:
+            meta.local_slot_mapping = dev[3 * nt:4 * nt]
+            meta.local_block_tables = ints[2 * ns + 1 + ns * self.width:].view(ns, self.width)
         if n_pending:
             ids[dev[at:at + n_pending]] = prev_tokens[dev[at + n_pending:at + 2 * n_pending]]
         return ids, pos, meta, rows
@@ -198,9 +214,11 @@ class StepInputs:
         header = [self.num_tokens, self.num_seqs, self.width, self.num_pending, self.num_logit_rows,
                   self.max_seqlen_q, self.num_decodes, int(self.sample), len(self.block_copies),
                   len(self.kv_swap_out), len(self.kv_swap_in), len(self.prompt_logprob_rows)]
-        pairs = self.block_copies + self.kv_swap_out + self.kv_swap_in + self.prompt_logprob_rows
+        pairs = self.block_copies + self.kv_swap_out + self.kv_swap_in + self.prompt_logprob_rows + \
+            self.local_block_copies
         long_context = [v for row in self.long_context for v in row.pack()]
-        header += [len(long_context), self.replica_call, len(self.temperatures)]
+        header += [len(long_context), self.replica_call, len(self.temperatures), int(self.local),
+                   len(self.local_block_copies)]
         temperatures = np.asarray(self.temperatures, np.float64).view(np.int64).tolist()  # exact: their bits
         tail = np.asarray(header + [v for pair in pairs for v in pair] + long_context + temperatures, np.int64)
         tp.send_host(np.concatenate([tail[:len(_HEADER)], self.host, tail[len(_HEADER):]]))
@@ -218,8 +236,9 @@ class StepInputs:
             return None
         h = dict(zip(_HEADER, header, strict=True))
         step = cls(np.empty(0, np.int64), h["num_tokens"], h["num_seqs"], h["width"], h["num_pending"],
-                   h["num_logit_rows"], h["max_seqlen_q"], h["num_decodes"], bool(h["sample"]))
-        counts = [h["num_copies"], h["num_swap_out"], h["num_swap_in"], h["num_prompt_logprobs"]]
+                   h["num_logit_rows"], h["max_seqlen_q"], h["num_decodes"], bool(h["sample"]), bool(h["local"]))
+        counts = [h["num_copies"], h["num_swap_out"], h["num_swap_in"], h["num_prompt_logprobs"],
+                  h["num_local_copies"]]
         step.replica_call, num_temps = h["replica_call"], h["num_temperatures"]
         step.temperatures = payload[len(payload) - num_temps:].view(np.float64).tolist()
         payload = payload[:len(payload) - num_temps]
@@ -230,7 +249,8 @@ class StepInputs:
         step.host = payload[:len(payload) - 2 * sum(counts)]
         ends = np.cumsum(counts).tolist()
         step.block_copies, step.kv_swap_out = tail[:ends[0]], tail[ends[0]:ends[1]]
-        step.kv_swap_in, step.prompt_logprob_rows = tail[ends[1]:ends[2]], tail[ends[2]:]
+        step.kv_swap_in, step.prompt_logprob_rows = tail[ends[1]:ends[2]], tail[ends[2]:ends[3]]
+        step.local_block_copies = tail[ends[3]:]
         return step
 
 

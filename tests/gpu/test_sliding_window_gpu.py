@@ -1,7 +1,8 @@
 """On a GPU: a sliding window and attention sinks through the Triton kernels with CUDA graphs (prefill maps with
 key splits, decode splits, the fused decode) give the greedy tokens of the eager PyTorch path, with chunked
 prefill, prefix hits and preemption. Sinks are put on a Mistral checkpoint's layers here (gpt-oss has them; its
-own tests are the model's)."""
+own tests are the model's). A Gemma 3 checkpoint (windowed and global layers) runs with the window layers' own KV
+pool, which frees blocks out of the window, and gives the tokens of one pool."""
 
 import functools
 import shutil
@@ -67,3 +68,48 @@ def test_window_and_sinks_match_eager_torch(ckpt, ckpt_sinks, sinks, fused_rope_
     assert all(layer.backend is TritonBackend for layer in fast.engine.runner.attn_layers)
     assert _run(fast) == want
     assert fast.engine.scheduler.num_preemptions > 0 and fast.engine.block_manager.prefix_hits > 0
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    """Two windowed layers and one global (the window pool of worker/kv_cache.py), long enough for 1,500 tokens."""
+    return write_checkpoint(tmp_path_factory.mktemp("gpu_gemma3") / "gemma3", "gemma3", hidden_size=256,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=128, num_hidden_layers=3,
+                            sliding_window=WINDOW, max_position_embeddings=2048)
+
+
+def _run_long(llm: LLM) -> list[list[int]]:
+    """The mixed batch and a prompt of 37 windows, whose decode splits and prefill tiles cross many null blocks."""
+    g = torch.Generator().manual_seed(9)
+    prompts = mixed_prompts(384, 48, 200, num=32) + [torch.randint(2, 384, (1500,), generator=g).tolist()]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("fused_rope_decode", ["off", "on"])
+def test_window_pool_in_graphs_matches_one_pool(gemma3, fused_rope_decode):
+    """Out-of-window blocks freed (their table entries on the zeroed null block), through the Triton kernels in CUDA
+    graphs with their static local tables: the tokens of one pool on the eager PyTorch path, in fp32."""
+    reference = LLM(str(gemma3), device="cuda", dtype="float32", enforce_eager=True, num_kv_blocks=4096,
+                    disable_hybrid_kv_cache_manager=True)
+    for layer in reference.engine.runner.attn_layers:
+        layer.backend = TorchBackend
+    want = _run_long(reference)
+    del reference
+    fast = LLM(str(gemma3), device="cuda", dtype="float32", num_kv_blocks=120, max_num_batched_tokens=512,
+               fused_rope_decode=fused_rope_decode)
+    runner = fast.engine.runner
+    assert runner.kv_groups is not None and runner.graphs is not None and runner.graphs.local is not None
+    assert _run_long(fast) == want
+    assert fast.engine.scheduler.num_preemptions > 0 and fast.engine.block_manager.prefix_hits > 0
+    for layer in runner.attn_layers:
+        if layer.local:  # nothing ever wrote the null block
+            assert not layer.k_cache[0].any() and not layer.v_cache[0].any()
+
+
+def test_window_pool_bf16_mostly_agrees(gemma3):
+    want = _run_long(LLM(str(gemma3), device="cuda", dtype="bfloat16", num_kv_blocks=4096,
+                         disable_hybrid_kv_cache_manager=True))
+    got = _run_long(LLM(str(gemma3), device="cuda", dtype="bfloat16", num_kv_blocks=4096))
+    # bf16 rounding is the same kernels' on the same values: the first tokens agree (tests/gpu/test_gemma_gpu.py).
+    assert sum(x[0] == y[0] for x, y in zip(got, want, strict=True)) >= 31
