@@ -8,11 +8,17 @@ torch.ops.symm_mem.one_shot_all_reduce_copy_out, or _out after a copy where torc
 between the GPUs, not NVLink multicast, which the lent machines keep off (NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1): the multimem ops are not used here, so those settings hold.
 
-Above ONE_SHOT_MAX_BYTES each GPU reading every peer's whole buffer costs more than it saves; there a two-shot
-all-reduce (torch.ops.symm_mem.two_shot_all_reduce_: each GPU sums its 1/N of the peers' buffers, then writes its
-sums to every peer, also over peer access alone) takes the batch-256 messages of a decode step (2 MB at
-Llama-3.1-8B) from NCCL, whose ring ran them at 27 us each at TP=4 (benchmarks/scale-out.md, table 8), up to
-TWO_SHOT_MAX_BYTES; above, NCCL's bandwidth wins and the caller uses it.
+Past a size each GPU reading every peer's whole buffer costs more than it saves; there a two-shot all-reduce
+(torch.ops.symm_mem.two_shot_all_reduce_: each GPU sums its 1/N of the peers' buffers, then writes its sums to
+every peer, also over peer access alone) takes over, up to TWO_SHOT_MAX_BYTES; above, NCCL's bandwidth wins and the
+caller uses it. Microseconds per bf16 all-reduce in a CUDA graph, 4 x H200 (NVLink, multicast off, torch 2.11,
+c6bbeb4; NCCL / one-shot / two-shot):
+
+    256 KB 15.5 / 11.3 / 11.6    1 MB 21.6 / 19.1 / 15.7    2 MB 30.7 / 30.3 / 21.8
+    8 MB   64.2 / 97.0 / 59.9    16 MB 95.6 / 189 / 107
+
+At 4 ranks one-shot stops at 256 KB; two ranks each read one peer only, and one-shot beat NCCL to 1 MB there (2 x
+H200, GPU-MACHINE.md). The batch-256 decode step of Llama-3.1-8B at TP=4 (2 MB messages) went 6.47 -> 5.66 ms.
 
 Each rank allocates its symmetric buffers once, at start (a collective rendezvous); a call copies the input into
 one, runs the op with the input as its output (one-shot; two-shot reduces the buffer in place and copies it back),
@@ -31,8 +37,9 @@ logger = logging.getLogger(__name__)
 # Measured on 2 x H200 (NV18, torch 2.11; /work/shared/GPU-MACHINE.md): one-shot beats NCCL up to 1 MB, eager and
 # in a CUDA graph (1 MB: 13.3 vs 16.6 us in a graph); above, each GPU reading every peer's whole buffer loses to
 # NCCL's ring.
-ONE_SHOT_MAX_BYTES = 1 << 20
-TWO_SHOT_MAX_BYTES = 16 << 20
+ONE_SHOT_MAX_BYTES = 1 << 20  # at two ranks
+ONE_SHOT_MAX_BYTES_4 = 256 << 10  # at four ranks and more
+TWO_SHOT_MAX_BYTES = 8 << 20
 _DTYPES = (torch.bfloat16, torch.float32)  # the op's kernels
 
 
@@ -134,10 +141,15 @@ def connect(
             "tensor parallel: all-reduces of up to %d KiB through symmetric memory (one-shot up to %d KiB, then "
             "two-shot), NCCL above (NCCL_NVLS_ENABLE=%s, TORCH_SYMM_MEM_DISABLE_MULTICAST=%s)",
             max_bytes >> 10,
-            min(max_bytes, ONE_SHOT_MAX_BYTES) >> 10,
+            min(max_bytes, ONE_SHOT_MAX_BYTES if dist.get_world_size(group) <= 2 else ONE_SHOT_MAX_BYTES_4) >> 10,
             os.environ.get("NCCL_NVLS_ENABLE", "unset"),
             os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST", "unset"),
         )
+    one_shot = ONE_SHOT_MAX_BYTES if dist.get_world_size(group) <= 2 else ONE_SHOT_MAX_BYTES_4
     return SymmAllReduce(
-        group.group_name, buffers, max_bytes, hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
+        group.group_name,
+        buffers,
+        max_bytes,
+        hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out"),
+        one_shot_max_bytes=min(one_shot, max_bytes),
     )
