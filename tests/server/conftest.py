@@ -81,7 +81,8 @@ class RunningServer:
         return self.proc.wait()
 
 
-def start_server(model_dir: Path, log_dir: Path, *flags: str, api_key: str | None = None) -> RunningServer:
+def spawn_server(model_dir: Path, log_dir: Path, *flags: str, api_key: str | None = None) -> RunningServer:
+    """A server process started, not yet waited for: wait_until_up(server) waits."""
     port = free_port()
     cmd = [sys.executable, "-m", "nanoserve.server.app", "--model", str(model_dir), "--port", str(port),
            *DEFAULT_FLAGS, *flags]
@@ -91,11 +92,14 @@ def start_server(model_dir: Path, log_dir: Path, *flags: str, api_key: str | Non
     log_path = log_dir / f"server-{port}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    server = RunningServer(proc, port, log_path, api_key)
+    return RunningServer(proc, port, log_path, api_key)
+
+
+def wait_until_up(server: RunningServer) -> RunningServer:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log()}")
         try:
             if httpx.get(server.url + "/health", timeout=2).status_code == 200:
                 return server
@@ -104,6 +108,10 @@ def start_server(model_dir: Path, log_dir: Path, *flags: str, api_key: str | Non
         time.sleep(0.2)
     server.stop()
     raise RuntimeError(f"server did not come up in 120 s:\n{server.log()}")
+
+
+def start_server(model_dir: Path, log_dir: Path, *flags: str, api_key: str | None = None) -> RunningServer:
+    return wait_until_up(spawn_server(model_dir, log_dir, *flags, api_key=api_key))
 
 
 @pytest.fixture(scope="session")
@@ -120,9 +128,51 @@ def launch(model_dir, tmp_path_factory):
         s.stop()
 
 
+@pytest.fixture(scope="session")
+def launch_together(model_dir, tmp_path_factory):
+    """launch_together(flags, ...) -> [RunningServer, ...]: servers that start at once. A plain server's start
+    keeps one core busy (imports, the model load) while the test process only polls, so a second one started
+    alongside costs little more wall time on two cores. Stopped at the end, as launch's."""
+    started: list[RunningServer] = []
+
+    def _launch(*flag_lists: list[str]) -> list[RunningServer]:
+        servers = [spawn_server(model_dir, tmp_path_factory.mktemp("logs"), *flags) for flags in flag_lists]
+        started.extend(servers)
+        return [wait_until_up(s) for s in servers]
+
+    yield _launch
+    for s in started:
+        s.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_server(launch):
+    """shared_server(*flags, api_key=None) -> the one server of the session with these flags and key, started on
+    first use and left running: for tests that only send it requests (a test that stops or kills its server
+    launches its own)."""
+    running: dict[tuple, RunningServer] = {}
+
+    def _shared(*flags: str, api_key: str | None = None) -> RunningServer:
+        if (flags, api_key) not in running:
+            running[flags, api_key] = launch(*flags, api_key=api_key)
+        return running[flags, api_key]
+
+    return _shared
+
+
+STRICT_KEY = "sk-test"
+
+
+@pytest.fixture(scope="session")
+def strict_server(shared_server) -> RunningServer:
+    """A server with an API key (STRICT_KEY), one running sequence at most and a waiting queue of two, so that
+    backpressure is easy to reach: test_errors.py's, and test_engine_view.py's for its key checks."""
+    return shared_server("--max-num-seqs", "1", "--max-waiting-requests", "2", api_key=STRICT_KEY)
+
+
 @pytest.fixture(scope="session", params=["thread", "process"])
-def server(launch, request) -> RunningServer:
+def server(shared_server, request) -> RunningServer:
     """The shared server, run twice over: the engine on a thread of the server process, and the engine in
     a process of its own (--engine-process). Both are asked for by name: the default depends on the device.
     pytest runs every test of one before starting the other."""
-    return launch("--engine-process" if request.param == "process" else "--no-engine-process")
+    return shared_server("--engine-process" if request.param == "process" else "--no-engine-process")

@@ -102,11 +102,16 @@ def test_requests_spread_over_both_servers_and_metrics_count_them_all(pair):
     pair.wait_idle()
 
 
-def test_health_and_models_on_every_server(pair):
+def test_health_models_and_engine_view_on_every_server(pair):
     for r in _on_each_server(pair, "GET", "/health").values():
         assert r.status_code == 200 and r.json()["status"] == "ok"
     for r in _on_each_server(pair, "GET", "/v1/models").values():
         assert r.json()["data"][0]["id"] == "tiny-llama"
+    # The engine view (tests/server/test_engine_view.py) is served by every API server, each naming itself.
+    for index, r in _on_each_server(pair, "GET", "/v1/engine/stats").items():
+        body = r.json()
+        assert body["kv_grid"] is not None and body["config"]["api_server"] == int(index)
+        assert body["config"]["engine_process"] is True
 
 
 def _open_stream(server, max_tokens: int, on: str | None = None, avoid: str | None = None):
