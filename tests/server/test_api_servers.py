@@ -15,6 +15,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -39,10 +40,15 @@ HEADER = "x-nanoserve-api-server"
 REPO = Path(__file__).resolve().parents[2]
 
 
+NAMES = ("tiny-llama", "alias")
+
+
 @pytest.fixture(scope="module")
 def pair(launch):
-    """A deployment of two API servers, shared by the tests that leave it running."""
-    return launch("--api-server-count", "2")
+    """A deployment of two API servers, shared by the tests that leave it running; with two model names, request
+    logging off and uvicorn at warning, whose effect on API server processes test_names_and_log_flags checks."""
+    return launch("--api-server-count", "2", "--served-model-name", *NAMES, "--disable-log-requests",
+                  "--uvicorn-log-level", "warning")
 
 
 def _pids(server) -> tuple[list[int], int]:
@@ -175,6 +181,28 @@ def _assert_gone(pids: list[int]) -> None:
     while any(is_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in pids if is_alive(pid)], "a process of the deployment outlived it"
+
+
+def test_names_and_log_flags_reach_every_server(pair):
+    client = pair.client()
+    assert [m.id for m in client.models.list().data] == list(NAMES)
+    reply = client.completions.create(model="alias", prompt="Hi", max_tokens=2)
+    assert reply.model == "alias"
+    # uvicorn's head limit holds in API server processes too: an 80 KB header is refused with 431.
+    with socket.create_connection(("127.0.0.1", pair.port), timeout=30) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (80 * 1024) + b"\r\n\r\n")
+        reply_bytes = b""
+        while chunk := sock.recv(65536):
+            reply_bytes += chunk
+    assert reply_bytes.startswith(b"HTTP/1.1 431 "), reply_bytes[:200]
+    # Counted in the API server's metric files, summed by whichever server is scraped.
+    metrics = httpx.get(pair.url + "/metrics", timeout=10).text
+    match = re.search(r'^vllm:request_success_total{[^}]*finished_reason="length"[^}]*} (\S+)$', metrics, re.M)
+    assert match and float(match.group(1)) >= 1, metrics
+    log = pair.log()
+    assert f"on http://127.0.0.1:{pair.port}" in log
+    assert reply.id not in log  # --disable-log-requests
+    assert "Uvicorn running" not in log and "Application startup complete" not in log  # uvicorn at warning
 
 
 def test_sigterm_drains_and_leaves_no_process(pair):
