@@ -114,50 +114,62 @@ def start_server(model_dir: Path, log_dir: Path, *flags: str, api_key: str | Non
     return wait_until_up(spawn_server(model_dir, log_dir, *flags, api_key=api_key))
 
 
-@pytest.fixture(scope="session")
-def launch(model_dir, tmp_path_factory):
-    """launch(*flags, api_key=None) -> RunningServer; whatever is still running is stopped at the end."""
-    started: list[RunningServer] = []
+class ServerPool:
+    """The servers of a session: each stopped at its end, and those that tests only send requests to shared."""
 
-    def _launch(*flags: str, api_key: str | None = None) -> RunningServer:
-        started.append(start_server(model_dir, tmp_path_factory.mktemp("logs"), *flags, api_key=api_key))
-        return started[-1]
+    def __init__(self, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self.model_dir, self.tmp_path_factory = model_dir, tmp_path_factory
+        self.started: list[RunningServer] = []
+        self.running: dict[tuple, RunningServer] = {}  # the shared ones, by (flags, api_key)
 
-    yield _launch
-    for s in started:
-        s.stop()
-
-
-@pytest.fixture(scope="session")
-def launch_together(model_dir, tmp_path_factory):
-    """launch_together(flags, ...) -> [RunningServer, ...]: servers that start at once. A plain server's start
-    keeps one core busy (imports, the model load) while the test process only polls, so a second one started
-    alongside costs little more wall time on two cores. Stopped at the end, as launch's."""
-    started: list[RunningServer] = []
-
-    def _launch(*flag_lists: list[str]) -> list[RunningServer]:
-        servers = [spawn_server(model_dir, tmp_path_factory.mktemp("logs"), *flags) for flags in flag_lists]
-        started.extend(servers)
+    def launch_together(self, *flag_lists: tuple[str, ...], api_key: str | None = None) -> list[RunningServer]:
+        """Servers started at once, then waited for: a plain start keeps one core busy (imports, the model load)
+        while the test process only polls, so on two cores a second one started alongside costs little more."""
+        servers = [spawn_server(self.model_dir, self.tmp_path_factory.mktemp("logs"), *flags, api_key=api_key)
+                   for flags in flag_lists]
+        self.started.extend(servers)
         return [wait_until_up(s) for s in servers]
 
-    yield _launch
-    for s in started:
-        s.stop()
+    def launch(self, *flags: str, api_key: str | None = None) -> RunningServer:
+        return self.launch_together(flags, api_key=api_key)[0]
+
+    def shared(self, *flag_lists: tuple[str, ...], api_key: str | None = None) -> list[RunningServer]:
+        """The session's one server for each of flag_lists (and api_key), those not running yet started together
+        and left running: for tests that only send them requests (a test that stops or kills its server launches
+        its own)."""
+        missing = [flags for flags in dict.fromkeys(flag_lists) if (flags, api_key) not in self.running]
+        for flags, started in zip(missing, self.launch_together(*missing, api_key=api_key), strict=True):
+            self.running[flags, api_key] = started
+        return [self.running[flags, api_key] for flags in flag_lists]
+
+    def stop_all(self) -> None:
+        for s in self.started:
+            s.stop()
 
 
 @pytest.fixture(scope="session")
-def shared_server(launch):
-    """shared_server(*flags, api_key=None) -> the one server of the session with these flags and key, started on
-    first use and left running: for tests that only send it requests (a test that stops or kills its server
-    launches its own)."""
-    running: dict[tuple, RunningServer] = {}
+def server_pool(model_dir, tmp_path_factory):
+    pool = ServerPool(model_dir, tmp_path_factory)
+    yield pool
+    pool.stop_all()
 
-    def _shared(*flags: str, api_key: str | None = None) -> RunningServer:
-        if (flags, api_key) not in running:
-            running[flags, api_key] = launch(*flags, api_key=api_key)
-        return running[flags, api_key]
 
-    return _shared
+@pytest.fixture(scope="session")
+def launch(server_pool):
+    """launch(*flags, api_key=None) -> RunningServer; whatever is still running is stopped at the end."""
+    return server_pool.launch
+
+
+@pytest.fixture(scope="session")
+def launch_together(server_pool):
+    """launch_together(flags, ...) -> [RunningServer, ...], started at once; stopped at the end, as launch's."""
+    return server_pool.launch_together
+
+
+@pytest.fixture(scope="session")
+def shared_server(server_pool):
+    """shared_server(*flags, api_key=None) -> the session's one server with these flags and key (ServerPool.shared)."""
+    return lambda *flags, api_key=None: server_pool.shared(flags, api_key=api_key)[0]
 
 
 STRICT_KEY = "sk-test"
@@ -170,9 +182,12 @@ def strict_server(shared_server) -> RunningServer:
     return shared_server("--max-num-seqs", "1", "--max-waiting-requests", "2", api_key=STRICT_KEY)
 
 
-@pytest.fixture(scope="session", params=["thread", "process"])
-def server(shared_server, request) -> RunningServer:
+PLACEMENTS = {"thread": ("--no-engine-process",), "process": ("--engine-process",)}
+
+
+@pytest.fixture(scope="session", params=list(PLACEMENTS))
+def server(server_pool, request) -> RunningServer:
     """The shared server, run twice over: the engine on a thread of the server process, and the engine in
     a process of its own (--engine-process). Both are asked for by name: the default depends on the device.
-    pytest runs every test of one before starting the other."""
-    return shared_server("--engine-process" if request.param == "process" else "--no-engine-process")
+    pytest runs every test of one before starting the other; both start at the first ask, together."""
+    return server_pool.shared(*PLACEMENTS.values())[list(PLACEMENTS).index(request.param)]
