@@ -28,8 +28,10 @@ SHARED = "You are a careful assistant. Answer briefly and cite the manual where 
 def deployments(launch_together):
     """Both deployments of this module, started together (two GPUs are not a given: on the CPU): one API server,
     and two in front of the replicas (test_replicas_behind_several_api_servers)."""
-    return launch_together(("--data-parallel-size", "2", "--device", "cpu"),
-                           ("--data-parallel-size", "2", "--api-server-count", "2", "--device", "cpu"))
+    return launch_together(
+        ("--data-parallel-size", "2", "--device", "cpu"),
+        ("--data-parallel-size", "2", "--api-server-count", "2", "--device", "cpu"),
+    )
 
 
 @pytest.fixture(scope="module")
