@@ -1,7 +1,9 @@
 """Real server processes for the server tests: a tiny random Llama, a free port on 127.0.0.1.
 
 `server` is shared by the modules that need a plain server (one process for them all keeps the suite
-fast), once per engine backend; tests that need other flags start their own with `start_server`.
+fast), once per engine backend. Tests that need other flags and only send requests share one with `shared_server`
+(strict_server is one); a test that stops or kills its server starts its own with `launch` (or several at once
+with `launch_together`). Every server start costs seconds of the CI's budget: share where the test allows.
 """
 
 import os
