@@ -220,16 +220,8 @@ def test_sigterm_drains_and_leaves_no_process(pair):
     _assert_gone(children)
 
 
-@pytest.fixture(scope="module")
-def to_end(launch_together) -> list:
-    """Three more deployments of two API servers, one for each test below that ends its own in another way, started
-    together: a deployment's start has sequential phases (the supervisor, then its API servers and engine) that
-    leave a core idle."""
-    return launch_together(*[("--api-server-count", "2")] * 3)
-
-
-def test_killed_engine_reaches_requests_on_both_servers(to_end):
-    server = to_end.pop()
+def test_killed_engine_reaches_requests_on_both_servers(launch):
+    server = launch("--api-server-count", "2")
     children = child_pids(server.proc.pid)
     _, engine = _pids(server)
     opened = [_open_stream(server, max_tokens=480, on=index) for index in ("0", "1")]
@@ -248,8 +240,8 @@ def test_killed_engine_reaches_requests_on_both_servers(to_end):
     _assert_gone(children)
 
 
-def test_killed_api_server_stops_the_deployment(to_end):
-    server = to_end.pop()
+def test_killed_api_server_stops_the_deployment(launch):
+    server = launch("--api-server-count", "2")
     children = child_pids(server.proc.pid)
     servers, _ = _pids(server)
     http, stream, lines = _open_stream(server, max_tokens=150, on="1")
@@ -264,8 +256,8 @@ def test_killed_api_server_stops_the_deployment(to_end):
     _assert_gone(children)
 
 
-def test_killed_supervisor_leaves_no_process(to_end):
-    server = to_end.pop()
+def test_killed_supervisor_leaves_no_process(launch):
+    server = launch("--api-server-count", "2")
     children = child_pids(server.proc.pid)
     http, stream, lines = _open_stream(server, max_tokens=150)
     server.proc.kill()
