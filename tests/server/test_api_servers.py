@@ -15,6 +15,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ import openai
 import pytest
 from processes import child_pids, fail_from_step, is_alive, pace_steps
 
+from nanoserve import cli
 from nanoserve.args import engine_args_from
 from nanoserve.bench import serve
 from nanoserve.config import EngineArgs
@@ -38,10 +40,15 @@ HEADER = "x-nanoserve-api-server"
 REPO = Path(__file__).resolve().parents[2]
 
 
+NAMES = ("tiny-llama", "alias")
+
+
 @pytest.fixture(scope="module")
 def pair(launch):
-    """A deployment of two API servers, shared by the tests that leave it running."""
-    return launch("--api-server-count", "2")
+    """A deployment of two API servers, shared by the tests that leave it running; with two model names, request
+    logging off and uvicorn at warning, whose effect on API server processes test_names_and_log_flags checks."""
+    return launch("--api-server-count", "2", "--served-model-name", *NAMES, "--disable-log-requests",
+                  "--uvicorn-log-level", "warning")
 
 
 def _pids(server) -> tuple[list[int], int]:
@@ -102,11 +109,16 @@ def test_requests_spread_over_both_servers_and_metrics_count_them_all(pair):
     pair.wait_idle()
 
 
-def test_health_and_models_on_every_server(pair):
+def test_health_models_and_engine_view_on_every_server(pair):
     for r in _on_each_server(pair, "GET", "/health").values():
         assert r.status_code == 200 and r.json()["status"] == "ok"
     for r in _on_each_server(pair, "GET", "/v1/models").values():
         assert r.json()["data"][0]["id"] == "tiny-llama"
+    # The engine view (tests/server/test_engine_view.py) is served by every API server, each naming itself.
+    for index, r in _on_each_server(pair, "GET", "/v1/engine/stats").items():
+        body = r.json()
+        assert body["kv_grid"] is not None and body["config"]["api_server"] == int(index)
+        assert body["config"]["engine_process"] is True
 
 
 def _open_stream(server, max_tokens: int, on: str | None = None, avoid: str | None = None):
@@ -169,6 +181,28 @@ def _assert_gone(pids: list[int]) -> None:
     while any(is_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in pids if is_alive(pid)], "a process of the deployment outlived it"
+
+
+def test_names_and_log_flags_reach_every_server(pair):
+    client = pair.client()
+    assert [m.id for m in client.models.list().data] == list(NAMES)
+    reply = client.completions.create(model="alias", prompt="Hi", max_tokens=2)
+    assert reply.model == "alias"
+    # uvicorn's head limit holds in API server processes too: an 80 KB header is refused with 431.
+    with socket.create_connection(("127.0.0.1", pair.port), timeout=30) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (80 * 1024) + b"\r\n\r\n")
+        reply_bytes = b""
+        while chunk := sock.recv(65536):
+            reply_bytes += chunk
+    assert reply_bytes.startswith(b"HTTP/1.1 431 "), reply_bytes[:200]
+    # Counted in the API server's metric files, summed by whichever server is scraped.
+    metrics = httpx.get(pair.url + "/metrics", timeout=10).text
+    match = re.search(r'^vllm:request_success_total{[^}]*finished_reason="length"[^}]*} (\S+)$', metrics, re.M)
+    assert match and float(match.group(1)) >= 1, metrics
+    log = pair.log()
+    assert f"on http://127.0.0.1:{pair.port}" in log
+    assert reply.id not in log  # --disable-log-requests
+    assert "Uvicorn running" not in log and "Application startup complete" not in log  # uvicorn at warning
 
 
 def test_sigterm_drains_and_leaves_no_process(pair):
@@ -242,9 +276,12 @@ def _serve_cli(*flags: str) -> subprocess.CompletedProcess:
                           env=env, capture_output=True, text=True, timeout=120)
 
 
-def test_bad_count_is_refused_naming_the_flag():
-    result = _serve_cli("--api-server-count", "0")
-    assert result.returncode == 2 and "argument --api-server-count: must be at least 1, got 0" in result.stderr
+def test_bad_count_is_refused_naming_the_flag(capsys):
+    # `nanoserve serve`'s own parsing, in this process: a subprocess spent its seconds importing.
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "--port", "0", "--api-server-count", "0"])
+    assert exit_.value.code == 2
+    assert "argument --api-server-count: must be at least 1, got 0" in capsys.readouterr().err
 
 
 def test_startup_errors_exit_non_zero_with_the_message(model_dir, tmp_path):

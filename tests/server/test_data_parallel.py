@@ -25,8 +25,18 @@ SHARED = "You are a careful assistant. Answer briefly and cite the manual where 
 
 
 @pytest.fixture(scope="module")
-def dp(launch):
-    return launch("--data-parallel-size", "2", "--device", "cpu")  # two GPUs are not a given
+def deployments(launch_together):
+    """Both deployments of this module, started together (two GPUs are not a given: on the CPU): one API server,
+    and two in front of the replicas (test_replicas_behind_several_api_servers)."""
+    return launch_together(
+        ("--data-parallel-size", "2", "--device", "cpu"),
+        ("--data-parallel-size", "2", "--api-server-count", "2", "--device", "cpu"),
+    )
+
+
+@pytest.fixture(scope="module")
+def dp(deployments):
+    return deployments[0]
 
 
 def _per_engine(server, name: str) -> dict[str, float]:
@@ -145,9 +155,9 @@ def test_killed_replica_ends_the_server_non_zero(dp):
     assert "engine 1: the engine process was killed by SIGKILL" in dp.log()
 
 
-def test_replicas_behind_several_api_servers(launch):
+def test_replicas_behind_several_api_servers(deployments):
     # Each API server routes over its own channel into each replica; a lost replica stops them all.
-    server = launch("--data-parallel-size", "2", "--api-server-count", "2", "--device", "cpu")
+    server = deployments[1]
 
     async def one(i: int) -> tuple[str, int]:
         async with server.async_client() as client:  # a connection of its own: either API server may take it

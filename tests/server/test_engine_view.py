@@ -1,11 +1,11 @@
 """The engine view behind the web page: the KV pool's block grid (engine/block_view.py), the step recorder
 (engine/step_view.py) as the EngineCore loop runs it while someone watches, and the two endpoints,
-GET /v1/engine/stats and GET /v1/engine/events (server/engine_view.py), on real servers: one API server, several,
-with an API key, and while draining."""
+GET /v1/engine/stats and GET /v1/engine/events (server/engine_view.py), on real servers: one API server and
+one with an API key. On the servers other tests start anyway: several API servers each serving the view
+(tests/server/test_api_servers.py), the event stream ending when the server drains (tests/server/test_shutdown.py)."""
 
 import asyncio
 import json
-import signal
 import threading
 import time
 
@@ -19,8 +19,6 @@ from nanoserve.engine.block_view import GPU_STATES, gpu_grid, grid_of
 from nanoserve.engine.request import Request, Sequence
 from nanoserve.runtime.async_engine import AsyncEngine
 from nanoserve.sampling_params import SamplingParams
-
-HEADER = "x-nanoserve-api-server"
 
 
 # -- the block grid ------------------------------------------------------------------------------------------
@@ -234,11 +232,11 @@ def test_interval_spaces_the_events(server):
     assert all(b - a >= 0.45 for a, b in zip(times, times[1:], strict=False))
 
 
-def test_endpoints_need_the_key_but_the_page_does_not(launch):
-    keyed = launch("--no-engine-process", api_key="sk-view")
+def test_endpoints_need_the_key_but_the_page_does_not(strict_server):
+    keyed = strict_server
     assert httpx.get(keyed.url + "/v1/engine/stats", timeout=10).status_code == 401
     assert httpx.get(keyed.url + "/v1/engine/events", timeout=10).status_code == 401
-    auth = {"Authorization": "Bearer sk-view"}
+    auth = {"Authorization": f"Bearer {keyed.api_key}"}
     assert httpx.get(keyed.url + "/v1/engine/stats", headers=auth, timeout=30).json()["kv_grid"] is not None
     assert _events(keyed.url, headers=auth, limit=1)[0]["status"] == "ok"
     page = httpx.get(keyed.url + "/", timeout=10)
@@ -249,31 +247,3 @@ def test_endpoints_need_the_key_but_the_page_does_not(launch):
     for path in ("/static/../app.py", "/static/", "/static/nothing.js"):
         assert httpx.get(keyed.url + path, headers=auth, timeout=10).status_code == 404
     assert httpx.post(keyed.url + "/", timeout=10).status_code == 401  # only GET and HEAD pass the gate unasked
-
-
-def test_every_api_server_serves_the_view(launch):
-    pair = launch("--api-server-count", "2")
-    seen = {}
-    for _ in range(64):  # each new connection lands on either server
-        r = httpx.get(pair.url + "/v1/engine/stats", timeout=30)
-        seen.setdefault(r.headers[HEADER], r.json())
-        if len(seen) == 2:
-            break
-    assert sorted(seen) == ["0", "1"]
-    for index, body in seen.items():
-        assert body["kv_grid"] is not None and body["config"]["api_server"] == int(index)
-        assert body["config"]["engine_process"] is True
-
-
-def test_events_end_when_the_server_drains(launch):
-    s = launch("--no-engine-process")
-    events: list[dict] = []
-    reader = threading.Thread(target=_events, args=(s.url,), kwargs={"out": events, "limit": 10_000})
-    reader.start()
-    while not events:
-        time.sleep(0.05)
-    s.proc.send_signal(signal.SIGTERM)
-    reader.join(timeout=60)
-    assert not reader.is_alive()
-    assert events[-1]["status"] == "draining"
-    assert s.proc.wait(timeout=60) == 0

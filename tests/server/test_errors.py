@@ -6,16 +6,14 @@ import asyncio
 import httpx
 import openai
 import pytest
+from conftest import STRICT_KEY as KEY
 
-KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def strict(launch):
-    s = launch("--max-num-seqs", "1", "--max-waiting-requests", "2", api_key=KEY)
-    yield s
-    s.stop()
+def strict(strict_server):
+    return strict_server
 
 
 def _error(r: httpx.Response, status: int, param: str | None = None) -> dict:

@@ -2,9 +2,10 @@
 queue counted in prompts, request head limits (size, slowloris), error types, stream_options, the developer
 role, logit_bias, /docs behind the key, vLLM's metric names, several served model names, and the request log.
 
-`edge` is one server with an API key, one running sequence, a queue of four and two model names; `multi`
-runs two API server processes with request logging off and uvicorn at warning. The head limits are also
-tested with short limits on a bare uvicorn server in this process, which serves a stub app.
+`edge` is one server with an API key, one running sequence, a queue of four and two model names (two API server
+processes with the names, request logging off and uvicorn at warning: tests/server/test_api_servers.py, on the
+deployment it starts anyway). The head limits are also tested with short limits on a bare uvicorn server in this
+process, which serves a stub app.
 """
 
 import asyncio
@@ -33,14 +34,6 @@ NAMES = ("tiny-llama", "alias")
 @pytest.fixture(scope="module")
 def edge(launch):
     s = launch("--max-num-seqs", "1", "--max-waiting-requests", "4", "--served-model-name", *NAMES, api_key=KEY)
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def multi(launch):
-    s = launch("--api-server-count", "2", "--served-model-name", *NAMES, "--disable-log-requests",
-               "--uvicorn-log-level", "warning")
     yield s
     s.stop()
 
@@ -417,18 +410,3 @@ def test_each_request_is_logged_when_it_finishes(edge):
     assert match, edge.log()[-2000:]
     assert match.groups() == (str(reply.usage.prompt_tokens), "3", "length")
     assert f"on http://127.0.0.1:{edge.port}" in edge.log()
-
-
-def test_api_servers_take_the_names_and_the_log_flags(multi):
-    client = multi.client()
-    assert [m.id for m in client.models.list().data] == list(NAMES)
-    reply = client.completions.create(model="alias", prompt="Hi", max_tokens=2)
-    assert reply.model == "alias"
-    assert _status(_exchange(multi.port, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (80 * 1024)
-                             + b"\r\n\r\n")) == 431
-    # Counted in the API server's metric files, summed by whichever server is scraped.
-    assert _value(_samples(multi), "vllm:request_success_total", finished_reason="length") >= 1
-    log = multi.log()
-    assert f"on http://127.0.0.1:{multi.port}" in log
-    assert reply.id not in log  # --disable-log-requests
-    assert "Uvicorn running" not in log and "Application startup complete" not in log  # uvicorn at warning

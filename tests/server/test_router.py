@@ -28,8 +28,8 @@ SHARED = "You are a careful assistant. Answer briefly and cite the manual where 
 
 
 @pytest.fixture(scope="module")
-def backends(launch) -> list[RunningServer]:
-    return [launch(), launch()]
+def backends(launch_together) -> list[RunningServer]:
+    return launch_together([], [])
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""SIGTERM during load: new requests get 503, in-flight streams finish, and the process exits 0."""
+"""SIGTERM during load: new requests get 503, in-flight streams finish, the engine view's event stream ends
+(tests/server/test_engine_view.py has the view), and the process exits 0."""
 
 import json
 import signal
@@ -40,14 +41,28 @@ def _load(server, n: int, max_tokens: int) -> tuple[list, list[threading.Thread]
     return results, threads
 
 
+def _view_events(server, out: list) -> None:
+    """The engine view's events (GET /v1/engine/events), appended to `out` until the stream ends."""
+    with httpx.stream("GET", server.url + "/v1/engine/events", timeout=60) as r:
+        out.extend(json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: "))
+
+
 def test_sigterm_drains_in_flight_streams_and_exits_0(launch):
     server = launch("--drain-timeout", "60")
     results, threads = _load(server, n=6, max_tokens=300)
+    events: list[dict] = []
+    viewer = threading.Thread(target=_view_events, args=(server, events))
+    viewer.start()
+    while not events:
+        time.sleep(0.05)
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.2)
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=10)
     assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error"
     assert httpx.get(server.url + "/health").status_code == 503
+    # A draining server ends the event stream (it would hold the server open), its last event saying so.
+    viewer.join(timeout=60)
+    assert not viewer.is_alive() and events[-1]["status"] == "draining", events[-1:]
     for t in threads:
         t.join(60)
     assert results == [(300, ["length"], True)] * 6

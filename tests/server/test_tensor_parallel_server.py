@@ -18,20 +18,24 @@ def _greedy(server, prompt: str, stream: bool) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(launch) -> dict[str, str]:
-    server = launch("--no-engine-process")
-    texts = {p: _greedy(server, p, stream=False) for p in ("Hello world", "The quick brown fox")}
-    server.stop()
-    return texts
+def reference(shared_server) -> dict[str, str]:
+    server = shared_server("--no-engine-process")  # the shared server[thread]: one rank, nothing else
+    return {p: _greedy(server, p, stream=False) for p in ("Hello world", "The quick brown fox")}
 
 
-@pytest.mark.parametrize("flags", [["--no-engine-process"], ["--engine-process"], ["--api-server-count", "2"]],
-                         ids=["thread", "process", "two-api-servers"])
-def test_tensor_parallel_server_matches_one_rank(launch, reference, flags):
-    server = launch("--tensor-parallel-size", "2", *flags)
+def _assert_matches(server, reference: dict[str, str]) -> None:
     for prompt, want in reference.items():
         assert _greedy(server, prompt, stream=False) == want
         assert _greedy(server, prompt, stream=True) == want
+
+
+# The engine in a process of its own (--engine-process) is checked by test_killed_rank_ends_the_server_non_zero's
+# process case, on the server it then ends; a clean stop of a TP engine in its own process, by two-api-servers'.
+@pytest.mark.parametrize("flags", [["--no-engine-process"], ["--api-server-count", "2"]],
+                         ids=["thread", "two-api-servers"])
+def test_tensor_parallel_server_matches_one_rank(launch, reference, flags):
+    server = launch("--tensor-parallel-size", "2", *flags)
+    _assert_matches(server, reference)
     assert server.stop() == 0
 
 
@@ -47,8 +51,9 @@ def _tp_worker(server) -> int:
 
 
 @pytest.mark.parametrize("flags", [["--no-engine-process"], ["--engine-process"]], ids=["thread", "process"])
-def test_killed_rank_ends_the_server_non_zero(launch, flags):
+def test_killed_rank_ends_the_server_non_zero(launch, reference, flags):
     server = launch("--tensor-parallel-size", "2", *flags)
+    _assert_matches(server, reference)
     os.kill(_tp_worker(server), signal.SIGKILL)
     deadline = time.monotonic() + 30
     while server.proc.poll() is None and time.monotonic() < deadline:
