@@ -18,7 +18,8 @@ c6bbeb4; NCCL / one-shot / two-shot):
     8 MB   64.2 / 97.0 / 59.9    16 MB 95.6 / 189 / 107
 
 At 4 ranks one-shot stops at 256 KB; two ranks each read one peer only, and one-shot beat NCCL to 1 MB there (2 x
-H200, GPU-MACHINE.md). The batch-256 decode step of Llama-3.1-8B at TP=4 (2 MB messages) went 6.47 -> 5.66 ms.
+H200, GPU-MACHINE.md); two-shot is not measured at 2 ranks, so they go to NCCL above 1 MB. The batch-256 decode step
+of Llama-3.1-8B at TP=4 (2 MB messages) went 6.47 -> 5.66 ms.
 
 Each rank allocates its symmetric buffers once, at start (a collective rendezvous); a call copies the input into
 one, runs the op with the input as its output (one-shot; two-shot reduces the buffer in place and copies it back),
@@ -37,8 +38,8 @@ logger = logging.getLogger(__name__)
 # Measured on 2 x H200 (NV18, torch 2.11; /work/shared/GPU-MACHINE.md): one-shot beats NCCL up to 1 MB, eager and
 # in a CUDA graph (1 MB: 13.3 vs 16.6 us in a graph); above, each GPU reading every peer's whole buffer loses to
 # NCCL's ring.
-ONE_SHOT_MAX_BYTES = 1 << 20  # at two ranks
-ONE_SHOT_MAX_BYTES_4 = 256 << 10  # at four ranks and more
+ONE_SHOT_MAX_BYTES = 1 << 20  # at two ranks, where two-shot is not used
+ONE_SHOT_MAX_BYTES_4 = 256 << 10  # at four ranks and more, with two-shot above
 TWO_SHOT_MAX_BYTES = 8 << 20
 _DTYPES = (torch.bfloat16, torch.float32)  # the op's kernels
 
@@ -127,8 +128,11 @@ def connect(
         return None
     import torch.distributed._symmetric_memory as symm_mem
 
+    # Two-shot where it was measured, four ranks and more; two ranks keep one-shot to 1 MB, then NCCL, as measured.
+    two_shot = dist.get_world_size(group) >= 4 and hasattr(torch.ops.symm_mem, "two_shot_all_reduce_")
     if max_bytes is None:
-        max_bytes = TWO_SHOT_MAX_BYTES if hasattr(torch.ops.symm_mem, "two_shot_all_reduce_") else ONE_SHOT_MAX_BYTES
+        max_bytes = TWO_SHOT_MAX_BYTES if two_shot else ONE_SHOT_MAX_BYTES
+    one_shot = ONE_SHOT_MAX_BYTES_4 if two_shot else max_bytes  # without two-shot, one-shot takes all the buffer holds
     try:
         buffers = tuple(symm_mem.empty(max_bytes, dtype=torch.uint8, device=device) for _ in range(2))
         for buffer in buffers:
@@ -141,11 +145,10 @@ def connect(
             "tensor parallel: all-reduces of up to %d KiB through symmetric memory (one-shot up to %d KiB, then "
             "two-shot), NCCL above (NCCL_NVLS_ENABLE=%s, TORCH_SYMM_MEM_DISABLE_MULTICAST=%s)",
             max_bytes >> 10,
-            min(max_bytes, ONE_SHOT_MAX_BYTES if dist.get_world_size(group) <= 2 else ONE_SHOT_MAX_BYTES_4) >> 10,
+            min(max_bytes, one_shot) >> 10,
             os.environ.get("NCCL_NVLS_ENABLE", "unset"),
             os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST", "unset"),
         )
-    one_shot = ONE_SHOT_MAX_BYTES if dist.get_world_size(group) <= 2 else ONE_SHOT_MAX_BYTES_4
     return SymmAllReduce(
         group.group_name,
         buffers,

@@ -215,11 +215,13 @@ class LLMEngine(EngineFrontend):
 
     def _propose(self) -> None:
         """Drafts for the running samples about to decode, capped so that no sample can emit past max_tokens or
-        max_model_len. Not for a constrained sample (a draft would need its grammar's masks at every position)."""
+        max_model_len. Not for a constrained sample (a draft would need its grammar's masks at every position), nor for
+        the prompt's last token of a request still to fork into its n samples (the verify entry would hold one sample's
+        rows for n of them)."""
         rows, caps = [], []
         for seq in self.scheduler.running:
             if seq.num_tokens - seq.num_computed_tokens != 1 or seq.num_pending or seq.cpu_blocks is not None or \
-                    seq.grammar is not None or seq.params.structured_outputs is not None:
+                    seq.grammar is not None or seq.params.structured_outputs is not None or seq.request.needs_fork:
                 continue
             # A verify step emits accepted drafts + 1 tokens.
             cap = min(seq.request.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
@@ -309,7 +311,8 @@ class LLMEngine(EngineFrontend):
         accepted = len(at) - 1
         for n, i in enumerate(at):
             self._append_token(seq, sampled.token_ids[i], sampled.logprobs[i])
-            if seq.is_finished:
+            if seq.is_finished:  # a stop, eos or max_tokens: what came after was never emitted
+                accepted = min(accepted, n + 1)
                 break
             if sampled.token_ids[i] in self.force_after_token_ids:
                 accepted = min(accepted, n + 1)  # the drafts after it are dropped: counted as rejected

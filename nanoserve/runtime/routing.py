@@ -199,6 +199,8 @@ class RoutingPolicy:
         for i, h in enumerate(hashes):
             if h in seen:
                 seen.move_to_end(h)
+                if h in children:  # a hot chunk stays counted while prompts still pass through it
+                    children.move_to_end(h)
                 continue
             seen[h] = None
             if i:

@@ -70,6 +70,18 @@ def test_a_shared_prefix_spreads_and_each_conversation_stays():
     assert [policy.choose(prompt + [7] * 48, idle) for prompt in turns] == home
 
 
+def test_a_shared_prefix_stays_shared_while_prompts_pass_through_it():
+    policy = RoutingPolicy(RoutingConfig(max_chunks=64), backends=range(2))
+    system = list(range(1000, 1160))
+    idle = dict.fromkeys(range(2), 0)
+    for i in range(2):
+        policy.choose(system + [i] * 32, idle)
+    for i in range(100):  # one-off prompts fill the bounded memory; a conversation keeps using the system prompt
+        policy.choose([5000 + i] * 32, idle)
+        policy.choose(system + [0] * 32 + [i] * 16, idle)
+    assert policy.shared_prefix(prefix_hashes(system + [9] * 32, CONFIG)) == 10
+
+
 def test_cache_aware_leaves_an_overloaded_backend():
     policy = RoutingPolicy(RoutingConfig(balance_abs=8, balance_rel=0.25), backends=["a", "b"])
     assert policy.choose(LONG, {"a": 0, "b": 0}) == "a"

@@ -58,6 +58,18 @@ def test_bundled_model_greedy_is_unchanged():
     assert got == run(LLM(), prompts, params)
 
 
+def test_n_samples_from_a_prompt_whose_last_chunk_is_one_token():
+    # 33 prompt tokens at 32 a step: the second step holds the prompt's last token alone, where the n samples fork.
+    # A draft for it used to make the verify entry one sample's rows for two samples (a shape error: engine dead).
+    prompt = ([11, 12, 13, 14, 15, 16, 17, 18] * 8)[:33]
+    params = SamplingParams(n=2, temperature=0, max_tokens=12, ignore_eos=True)
+    kwargs = dict(max_num_batched_tokens=32, max_num_seqs=4, num_kv_blocks=64, enable_prefix_caching=False)
+    spec = LLM(speculative_config=NGRAM, **kwargs)
+    got = [c.token_ids for c in spec.generate(prompt, params, use_tqdm=False)[0].outputs]
+    assert got == [c.token_ids for c in LLM(**kwargs).generate(prompt, params, use_tqdm=False)[0].outputs]
+    assert accepted(spec) > 0
+
+
 def test_random_checkpoint_through_prefix_hits_chunks_and_preemption(llama_dir, reference):
     # 12 blocks of 16 hold about two of these sequences; 24 tokens a step chunk the prompts and cap the drafts.
     spec = LLM(str(llama_dir), num_kv_blocks=12, max_num_batched_tokens=24, speculative_config=NGRAM)

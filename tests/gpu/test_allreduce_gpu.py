@@ -1,6 +1,6 @@
-"""On 2+ GPUs: TensorParallelGroup.all_reduce (symmetric-memory one-shot up to 1 MB, 256 KB at 4 ranks; two-shot up
-to 8 MB; NCCL above) gives NCCL's sums for bf16 messages of 8 KB to 16 MB, eagerly and replayed from a CUDA graph,
-with NVLink multicast off. Two ranks (four on a machine with four GPUs), spawned, each on its GPU."""
+"""On 2+ GPUs: TensorParallelGroup.all_reduce (symmetric-memory one-shot up to 1 MB at 2 ranks; at 4, one-shot to
+256 KB and two-shot to 8 MB; NCCL above) gives NCCL's sums for bf16 messages of 8 KB to 16 MB, eagerly and replayed
+from a CUDA graph, with NVLink multicast off. Two ranks (four on a machine with four GPUs), spawned, each on its GPU."""
 
 import multiprocessing as mp
 import os
