@@ -42,8 +42,8 @@ class KVGroups:
 
 def kv_groups(config: EngineConfig, windows: list[int | None]) -> KVGroups | None:
     """Two pools where some layers have a window shorter than max_model_len and others none; None: one pool (the
-    flag disable_hybrid_kv_cache_manager, one kind of layer, or windows that differ: every supported model with local
-    layers gives them one window)."""
+    flag disable_hybrid_kv_cache_manager, one kind of layer, windows that differ (every supported model with local
+    layers gives them one window), or the CPU tier)."""
     if config.args.disable_hybrid_kv_cache_manager or None not in windows:
         return None
     local_windows = {w for w in windows if w is not None}
@@ -54,9 +54,10 @@ def kv_groups(config: EngineConfig, windows: list[int | None]) -> KVGroups | Non
                        "blocks are kept)", sorted(local_windows))
         return None
     if config.args.kv_offload_gb:
-        raise ValueError("kv_offload_gb: the CPU KV tier is not supported for models with sliding-window and global "
-                         "layers (two KV pools); pass disable_hybrid_kv_cache_manager (--disable-hybrid-kv-cache-"
-                         "manager) to keep one pool")
+        # The CPU tier and the long-context ring move one pool's blocks: asked for, they win over the window pool.
+        logger.info("kv_offload_gb: one KV pool for all layers (the CPU tier moves one pool's blocks; "
+                    "sliding-window layers keep their out-of-window blocks)")
+        return None
     return KVGroups([w is not None for w in windows], local_windows.pop())
 
 
