@@ -137,9 +137,6 @@ class Eagle3Proposer(DraftModelProposer):
         super().release(seq_id)
         self.done.pop(seq_id, None)
 
-    def evict(self, seq_id: int) -> None:
-        self.release(seq_id)
-
     @torch.inference_mode()
     def propose(self, rows: Sequence[HeadRow], max_tokens: Sequence[int]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in rows]
