@@ -3,25 +3,14 @@
 decoding's through prefix hits, chunked prefill, preemption and n > 1; the head's refusals."""
 
 import pytest
-import torch
 from checkpoints import write_checkpoint, write_eagle3_head
 from eagle3_reference import ReferenceHead
+from prompts import three_prompts as prompts
 
 from nanoserve import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 K = 3
-
-
-def prompts() -> list[list[int]]:
-    """Mixed lengths, the first two sharing a 40-token prefix (prefix hits)."""
-    g = torch.Generator().manual_seed(6)
-    system = torch.randint(2, 384, (40,), generator=g).tolist()
-    return [
-        system + torch.randint(2, 384, (5,), generator=g).tolist(),
-        system + torch.randint(2, 384, (19,), generator=g).tolist(),
-        torch.randint(2, 384, (27,), generator=g).tolist(),
-    ]
 
 
 def run(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
