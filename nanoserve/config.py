@@ -443,26 +443,29 @@ class EngineConfig:
         self.max_model_len = pool_tokens
         self.max_model_len_source = f"the KV pool's size; the model allows {_model_limit(self.model)[0]}"
 
-    def summary(self, num_kv_blocks: int, local_pool: tuple[int, int] | None = None) -> str:
-        """One line on what the engine loaded, for the log at start. local_pool: (blocks, window) of the
-        sliding-window layers' own pool, if they have one."""
+    def summary(self, num_kv_blocks: int, local_pool: tuple[int, int, bool] | None = None) -> str:
+        """One line on what the engine loaded, for the log at start. local_pool: (blocks, window, every layer
+        windowed) of the sliding-window layers' own pool, if they have one."""
         weights = "random weights" if self.args.load_format == "dummy" else "weights"
         dtype = str(self.dtype).removeprefix("torch.")
-        block = self.args.block_size
         quantized = f"; {self.quantization.describe()}" if self.quantization else ""
         kv_dtype = str(self.kv_dtype).removeprefix("torch.")
         return (f"loaded {self.model.architecture} {weights} from {self.model_dir} as {dtype} on {self.device}"
-                f"{quantized}; KV cache {num_kv_blocks} blocks x {block} = {num_kv_blocks * block} tokens in "
-                f"{kv_dtype}{_local_pool_text(local_pool, block)}; "
+                f"{quantized}; {_kv_pool_text(num_kv_blocks, local_pool, self.args.block_size, kv_dtype)}; "
                 f"max_model_len {self.max_model_len} ({self.max_model_len_source})")
 
 
-def _local_pool_text(local_pool: tuple[int, int] | None, block: int) -> str:
+def _kv_pool_text(num_kv_blocks: int, local_pool: tuple[int, int, bool] | None, block: int, kv_dtype: str) -> str:
+    tokens = f"{num_kv_blocks} blocks x {block} = {num_kv_blocks * block} tokens"
     if local_pool is None:
-        return ""
-    blocks, window = local_pool
-    return (f" (global layers), sliding-window layers (window {window}) {blocks} blocks = {blocks * block} tokens, "
-            "out-of-window blocks freed")
+        return f"KV cache {tokens} in {kv_dtype}"
+    blocks, window, all_local = local_pool
+    freed = f"{blocks} blocks = {blocks * block} tokens, out-of-window blocks freed"
+    if all_local:
+        # The global pool's blocks hold no layer's KV (worker/kv_cache.py): they only number the context's blocks.
+        return (f"KV cache in {kv_dtype}, every layer sliding-window (window {window}): {freed}; block tables of "
+                f"{tokens} (no KV)")
+    return f"KV cache {tokens} in {kv_dtype} (global layers), sliding-window layers (window {window}) {freed}"
 
 
 def _check_kv_cache_dtype(value: str) -> None:

@@ -73,7 +73,8 @@ class LLMEngine(EngineFrontend):
         if groups is not None:  # the sliding-window layers' own pool, which frees blocks out of their window
             local = LocalBlocks(self.runner.num_local_blocks, config.args.block_size, groups.window,
                                 config.args.enable_prefix_caching)
-        logger.info("%s", config.summary(self.runner.num_kv_blocks, local and (local.num_blocks - 1, local.window)))
+        logger.info("%s", config.summary(self.runner.num_kv_blocks,
+                                         local and (local.num_blocks - 1, local.window, groups.all_local)))
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.args.block_size,
                                           config.args.enable_prefix_caching, self.runner.num_cpu_blocks,
                                           cpu_prefix_tier=prefix_load_pays(config), local=local)

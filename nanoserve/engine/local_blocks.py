@@ -7,6 +7,10 @@ block_table, in which a block out of every future query's window is given back a
 The null block is zeroed once at start and never written: the kernels may load it for a tile that straddles the
 window's start, where zero keys and values give finite scores that the window's mask then removes.
 
+Where some layers are global (Gemma 2/3, gpt-oss), this pool holds the windowed layers' KV beside BlockManager's;
+where every layer is windowed (Mistral-7B-v0.1, Phi-3-mini-4k), it holds all of the model's KV, and BlockManager's
+blocks are ids only, which number a sequence's blocks and carry the hash chain (worker/kv_cache.py sizes both).
+
 Prefix caching: a full block is named by the same hash chain as the global pool's (BlockManager.match_prefix has
 checked the tokens of the global hits), and parked in an LRU free queue when given back, so a recent prefix still
 hits. A global hit of k blocks is used only up to the largest k' <= k for which this pool still holds every block a

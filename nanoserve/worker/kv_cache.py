@@ -2,17 +2,25 @@
 rank's kv heads under tensor parallelism; the block tables are the same on every rank), in config.kv_dtype: the
 model's dtype, or fp8 for kv_cache_dtype fp8 (one byte an element: twice the blocks in the same memory).
 
-A model with both sliding-window and global layers (Gemma 2/3, gpt-oss) has two pools (KVGroups): the global layers'
-blocks hold a sequence's whole context, the window layers' only the blocks its next queries can see
-(engine/local_blocks.py), so they need far fewer. How the memory is split (pool_sizes): the window pool gets enough
-blocks for max_num_seqs sequences to each hold a window (ceil((W - 1) / block_size) + 2 blocks: the window's and
-the one the next token starts, each possibly cut by block boundaries) plus two steps' worth of prefill chunks
-(2 ceil(max_num_batched_tokens / block_size): chunks of the step being scheduled and of one not yet released), and
-never more than the global pool's count (a sequence needs no more window blocks than global ones); the global pool
-takes the rest. So the window pool never limits max_num_seqs running sequences below what one pool would, and the
-memory it leaves is the global pool's: the fewer max_num_seqs, the more tokens fit. Where that rule gives the window
-pool as many blocks as the global one (many sequences, little memory: Gemma-3-27B at the default max_num_seqs 256 on
-an H200), it would save nothing, and the model runner keeps one pool (ModelRunner._size_pools).
+A model with sliding-window layers has a second pool (KVGroups): the global layers' blocks hold a sequence's whole
+context, the window layers' only the blocks its next queries can see (engine/local_blocks.py), so they need far
+fewer. How the memory is split (pool_sizes): the window pool gets enough blocks for max_num_seqs sequences to each
+hold a window (ceil((W - 1) / block_size) + 2 blocks: the window's and the one the next token starts, each possibly
+cut by block boundaries) plus two steps' worth of prefill chunks (2 ceil(max_num_batched_tokens / block_size): chunks
+of the step being scheduled and of one not yet released), and never more than the global pool's count (a sequence
+needs no more window blocks than global ones); the global pool takes the rest. So the window pool never limits
+max_num_seqs running sequences below what one pool would, and the memory it leaves is the global pool's: the fewer
+max_num_seqs, the more tokens fit. Where that rule gives the window pool as many blocks as the global one (many
+sequences, little memory: Gemma-3-27B at the default max_num_seqs 256 on an H200), it would save nothing, and the
+model runner keeps one pool (ModelRunner._size_pools).
+
+A model whose every layer is windowed (Mistral-7B-v0.1, Phi-3-mini-4k, Qwen2 windowed from layer 0) keeps all its KV
+in the window pool. Its global pool holds no layer's KV: its blocks are bookkeeping (block_table indexing, the hash
+chain that prefix caching names blocks by), which costs no device memory, so it gets as many as max_num_seqs
+sequences of max_model_len and two steps' chunks can name (bookkeeping_blocks) and the window pool gets the whole
+budget (at most as many blocks as the global pool: a larger pool would hold cached blocks no global hit names). A speculative draft model (or EAGLE-3 head) keeps its KV in blocks of the global pool's ids, for every
+block of the context: there the global pool costs the draft's bytes a block, and the budget is split as for two
+pools, the draft's KV standing in for the global layers'.
 """
 
 import logging
@@ -39,12 +47,17 @@ class KVGroups:
     def num_local(self) -> int:
         return sum(self.local)
 
+    @property
+    def all_local(self) -> bool:
+        """Every layer windowed: the global pool holds no KV, only block ids (module docstring)."""
+        return all(self.local)
+
 
 def kv_groups(config: EngineConfig, windows: list[int | None]) -> KVGroups | None:
-    """Two pools where some layers have a window shorter than max_model_len and others none; None: one pool (the
-    flag disable_hybrid_kv_cache_manager, one kind of layer, windows that differ (every supported model with local
-    layers gives them one window), or the CPU tier)."""
-    if config.args.disable_hybrid_kv_cache_manager or None not in windows:
+    """Two pools where some or all layers have a window shorter than max_model_len; None: one pool (the flag
+    disable_hybrid_kv_cache_manager, no windowed layer, windows that differ (every supported model with local layers
+    gives them one window), or the CPU tier)."""
+    if config.args.disable_hybrid_kv_cache_manager:
         return None
     local_windows = {w for w in windows if w is not None}
     if not local_windows or min(local_windows) >= config.max_model_len:
@@ -69,12 +82,21 @@ def bytes_per_block(config: EngineConfig, num_layers: int | None = None) -> int:
     return 2 * layers * config.args.block_size * config.num_kv_heads_per_rank * m.head_dim * elem
 
 
-def local_pool_cap(config: EngineConfig, window: int) -> int:
-    """Window-pool blocks (besides the null block) that max_num_seqs sequences can use at once (module docstring)."""
+def local_pool_cap(config: EngineConfig, window: int, num_seqs: int | None = None) -> int:
+    """Window-pool blocks (besides the null block) that num_seqs (None: max_num_seqs) sequences can use at once
+    (module docstring)."""
     args = config.args
     bs = args.block_size
     per_seq = min(-(-config.max_model_len // bs), -(-(window - 1) // bs) + 2)
-    return args.max_num_seqs * per_seq + 2 * -(-args.max_num_batched_tokens // bs)
+    num_seqs = args.max_num_seqs if num_seqs is None else num_seqs
+    return num_seqs * per_seq + 2 * -(-args.max_num_batched_tokens // bs)
+
+
+def bookkeeping_blocks(config: EngineConfig) -> int:
+    """Global blocks that max_num_seqs sequences of max_model_len, and two steps' prefill chunks, can name."""
+    args = config.args
+    bs = args.block_size
+    return args.max_num_seqs * -(-config.max_model_len // bs) + 2 * -(-args.max_num_batched_tokens // bs)
 
 
 def pool_sizes(config: EngineConfig, free_bytes: int | None, groups: KVGroups) -> tuple[int, int]:
@@ -87,6 +109,16 @@ def pool_sizes(config: EngineConfig, free_bytes: int | None, groups: KVGroups) -
         num = config.args.num_kv_blocks
         return num, min(num, cap) + 1
     budget = _CPU_POOL_BYTES if free_bytes is None else free_bytes
+    if g_bytes == 0:  # every layer windowed, no draft: the global pool is bookkeeping only
+        num = bookkeeping_blocks(config)
+        # No more window blocks than the global ones they would stand beside (the runner drops a larger pool).
+        local = min(budget // l_bytes, num)
+        needed = local_pool_cap(config, groups.window, num_seqs=1) + 1
+        if local < needed:
+            raise ValueError(f"gpu_memory_utilization: the sliding-window KV pool fits {local} blocks, but one "
+                             f"sequence's window and two prefill chunks need {needed}; lower "
+                             "max_num_batched_tokens or raise gpu_memory_utilization")
+        return num, local
     num = (budget - l_bytes) // (g_bytes + l_bytes)  # as many window blocks as global ones
     if num > cap:
         num = (budget - (cap + 1) * l_bytes) // g_bytes

@@ -144,10 +144,11 @@ class ModelRunner:
             self.warm_up_lm_head()
 
     def _size_pools(self, config: EngineConfig, free: int | None, fixed_pool: bool) -> None:
-        """num_kv_blocks, and for sliding-window layers beside global ones their own pool (kv_groups,
-        num_local_blocks with its null block; worker/kv_cache.py). Sized from the memory left (free), the pool for
-        the window layers is dropped where it would be as large as the global one (max_num_seqs sequences' windows
-        need that much): it would save nothing, and every step would build a second table. Every rank decides alike."""
+        """num_kv_blocks, and for sliding-window layers their own pool (kv_groups, num_local_blocks with its null
+        block; worker/kv_cache.py; every layer's where all are windowed, the global pool then block ids only). Sized
+        from the memory left (free), the pool for the window layers is dropped where it would be as large as the
+        global one (max_num_seqs sequences' windows need that much): it would save nothing, and every step would
+        build a second table. Every rank decides alike."""
         self.kv_groups = kv_groups(config, [layer.sliding_window for layer in self.attn_layers])
         self.num_local_blocks = 0
         if self.kv_groups is not None:
