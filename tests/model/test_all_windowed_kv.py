@@ -1,8 +1,11 @@
 """A model whose every layer is windowed (Mistral-7B-v0.1's layout) keeps all its KV in the window pool
 (engine/local_blocks.py, worker/kv_cache.py): token for token equal to transformers through prompts several windows
-long, chunks that straddle the window, a prefix hit and n > 1, while each sequence holds a window's blocks only; and
-the pools' sizes (the global pool block ids only, the window pool the memory)."""
+long, chunks that straddle the window, a prefix hit, n > 1 and preemption by the window pool, while each sequence
+holds a window's blocks only; and the pools' sizes (the global pool block ids only, the window pool the memory)."""
 
+from pathlib import Path
+
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -13,10 +16,12 @@ W, BS, CHUNK = 32, 16, 40  # chunks start at 0, 40, 80, ...: inside and past eac
 NEW_TOKENS = 4
 
 
-def test_all_windowed_model_frees_out_of_window_blocks(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory) -> tuple[Path, list[list[int]], list[list[int]]]:
+    """The checkpoint, two prompts of about four windows sharing their first 96 tokens, and transformers' tokens."""
     from checkpoints import write_checkpoint
 
-    path = write_checkpoint(tmp_path / "mistral", "mistral", sliding_window=W)
+    path = write_checkpoint(tmp_path_factory.mktemp("mistral"), "mistral", sliding_window=W)
     g = torch.Generator().manual_seed(5)
     shared = torch.randint(2, 384, (96,), generator=g).tolist()
     prompts = [shared + torch.randint(2, 384, (n,), generator=g).tolist() for n in (29, 11)]
@@ -25,7 +30,11 @@ def test_all_windowed_model_frees_out_of_window_blocks(tmp_path, monkeypatch):
     for prompt in prompts:
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
         expected.append(out[0, len(prompt) :].tolist())
+    return path, prompts, expected
 
+
+def test_all_windowed_model_frees_out_of_window_blocks(mistral, monkeypatch):
+    path, prompts, expected = mistral
     llm = LLM(str(path), block_size=BS, max_num_batched_tokens=CHUNK, max_num_seqs=4, max_model_len=256)
     runner, bm = llm.engine.runner, llm.engine.block_manager
     assert runner.kv_groups is not None and runner.kv_groups.all_local and bm.local is not None
@@ -61,17 +70,29 @@ def test_all_windowed_model_frees_out_of_window_blocks(tmp_path, monkeypatch):
         assert not k[0].any() and not v[0].any()
 
 
-def test_all_windowed_pool_sizes(tmp_path):
+def test_window_pool_preempts(mistral, monkeypatch):
+    """Six window blocks for two sequences that each need three or four: the window pool, not the global one, runs
+    out, and the preempted sequence comes back to the same tokens."""
+    from nanoserve.worker import kv_cache
+
+    path, prompts, expected = mistral
+    monkeypatch.setattr(kv_cache, "local_pool_cap", lambda *args, **kwargs: 6)
+    llm = LLM(str(path), block_size=BS, max_num_batched_tokens=CHUNK, num_kv_blocks=64, enable_prefix_caching=False)
+    assert llm.engine.block_manager.local.num_blocks == 7
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.block_manager.num_free_blocks == 64
+
+
+def test_all_windowed_pool_sizes(mistral):
     """Sized from memory, the global pool gets max_num_seqs sequences of max_model_len (and two steps' chunks) in
     block ids, the window pool all the memory; a draft model's KV, kept for every global block, splits the memory
     as global layers would; too little memory for one window is refused; --disable-hybrid-kv-cache-manager and
     --kv-offload-gb keep one pool."""
-    import pytest
-    from checkpoints import write_checkpoint
-
     from nanoserve.worker.kv_cache import KVGroups, bytes_per_block, kv_groups, local_pool_cap, pool_sizes
 
-    path = write_checkpoint(tmp_path / "mistral", "mistral", sliding_window=W)
+    path = mistral[0]
 
     def config(**args):
         return EngineArgs(model=str(path), block_size=BS, max_num_seqs=8, max_model_len=512,
@@ -86,6 +107,8 @@ def test_all_windowed_pool_sizes(tmp_path):
     assert (num_global, num_local) == (8 * 32 + 2 * 3, 100)
     # A budget past what the global pool's ids could name: the window pool stops at their count.
     assert pool_sizes(plain, 10**9 * l_bytes, groups) == (num_global, num_global)
+    line = plain.summary(num_global, (num_local - 1, W, True))
+    assert "every layer sliding-window (window 32): 99 blocks = 1584 tokens" in line and "262 blocks" in line
     with pytest.raises(ValueError, match="sliding-window KV pool fits"):
         pool_sizes(plain, local_pool_cap(plain, W, num_seqs=1) * l_bytes, groups)
 
