@@ -272,10 +272,10 @@ class EngineArgs:
                                      "cache (evicted prefix blocks are loaded back on a hit, which also serves "
                                      "preempted requests), and the older blocks of requests longer than the GPU "
                                      "pool (long-context mode); 0: none")
-    disable_hybrid_kv_cache_manager: bool = _arg(False, "models with sliding-window and global layers (Gemma 2/3, "
-                                                         "gpt-oss): keep every token's KV in every layer, instead of "
-                                                         "a pool for the window layers that frees the blocks out of "
-                                                         "their window")
+    disable_hybrid_kv_cache_manager: bool = _arg(False, "models with sliding-window layers (Gemma 2/3, gpt-oss, "
+                                                         "Mistral-7B-v0.1): keep every token's KV in every layer, "
+                                                         "instead of a pool for the window layers that frees the "
+                                                         "blocks out of their window")
     enforce_eager: bool = _arg(False, "run without CUDA graphs (quicker start, slower steps)")
     # Plan step N+1 while step N runs (LLMEngine.step). None: on for CUDA; on the CPU a step runs
     # to its end before the host goes on, so there it would only delay each output by a step.

@@ -79,7 +79,8 @@ def engine_facts(config: EngineConfig) -> dict:
 
 def kv_facts(runner) -> dict:
     """What the KV pools hold (worker/model_runner.py's ModelRunner, rank 0's share under tensor parallelism):
-    kv_cache_tokens, the global pool's tokens (the longest context that fits); kv_window_pool_tokens, the
+    kv_cache_tokens, the global pool's tokens (the longest context that fits; where every layer is windowed, the
+    block ids of max_num_seqs sequences of max_model_len, which hold no KV); kv_window_pool_tokens, the
     sliding-window layers' own pool's (None: one pool for every layer); kv_cache_bytes, every pool's; and
     kv_bytes_per_token, those bytes over kv_cache_tokens: a model whose window layers free their out-of-window blocks
     pays for them only in the window pool, so its figure is well under one pool's

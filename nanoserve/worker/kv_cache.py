@@ -18,9 +18,10 @@ A model whose every layer is windowed (Mistral-7B-v0.1, Phi-3-mini-4k, Qwen2 win
 in the window pool. Its global pool holds no layer's KV: its blocks are bookkeeping (block_table indexing, the hash
 chain that prefix caching names blocks by), which costs no device memory, so it gets as many as max_num_seqs
 sequences of max_model_len and two steps' chunks can name (bookkeeping_blocks) and the window pool gets the whole
-budget (at most as many blocks as the global pool: a larger pool would hold cached blocks no global hit names). A speculative draft model (or EAGLE-3 head) keeps its KV in blocks of the global pool's ids, for every
-block of the context: there the global pool costs the draft's bytes a block, and the budget is split as for two
-pools, the draft's KV standing in for the global layers'.
+budget (at most as many blocks as the global pool: a larger pool would hold cached blocks no global hit names). A
+speculative draft model (or EAGLE-3 head) keeps its KV in blocks of the global pool's ids, for every block of the
+context: there the global pool costs the draft's bytes a block, and the budget is split as for two pools, the
+draft's KV standing in for the global layers'.
 """
 
 import logging
