@@ -15,6 +15,16 @@ since at batch 1 each launch costs about as much as streaming a small layer's we
 (SiLU-and-mul, or Gemma's tanh-GELU-and-mul, for down_proj).
 The activation rows are a few KB, so every program recomputing them from L1/L2 costs little next to its
 slab of the weight.
+
+FP8 weights (weight_scale given: float8_e4m3fn [N, K] and one fp32 scale per output row, the form
+quantization/fp8_linear.py's per-tensor and per-channel schemes hold) run the same kernel with the weight dequantized
+in registers: tiles load at one byte an element and widen to fp32 (the CUDA cores) or to the activations' dtype (the
+tensor cores; exact, as every e4m3 value is a bf16 and an fp16), and each row's sum is multiplied by its scale once,
+after the K reduction, before the bias. The activations stay in their 16-bit dtype: at a few rows the step is bound
+by the weight's bytes, which fp8 halves, and the math is more exact than quantizing the activations too. The shape
+rule (_config) counts the weight's bytes, not its elements: an fp8 weight takes the path of a 16-bit weight of as
+many bytes. A constexpr switch (W_SCALED) leaves the 16-bit weights' code as it was (the kernel gains one unused
+pointer argument).
 """
 
 from typing import NamedTuple
@@ -59,11 +69,12 @@ def _residual_sum(x_ptrs, r_ptrs, mask, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.c
 
 
 @triton.jit
-def _skinny_linear_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm,
-                          stride_rm, stride_wn, stride_om, eps, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                          NORM_OFFSET: tl.constexpr, SILU_MUL: tl.constexpr, ACTIVATION: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+def _skinny_linear_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, w_scale_ptr, b_ptr, out_ptr, M, N, K,
+                          stride_xm, stride_rm, stride_wn, stride_om, eps, NORM: tl.constexpr,
+                          HAS_RESIDUAL: tl.constexpr, NORM_OFFSET: tl.constexpr, SILU_MUL: tl.constexpr,
+                          ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, W_SCALED: tl.constexpr,
+                          USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+                          USE_PDL: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           LATE_DEPENDENTS: tl.constexpr):
     pid = tl.program_id(0)
@@ -136,6 +147,8 @@ def _skinny_linear_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, b_ptr,
         if USE_DOT:
             # Tensor cores take the weight tile as it is (the A operand, K-contiguous) and x as B [K, M]
             # (also K-contiguous), accumulating in fp32.
+            if W_SCALED:
+                w = w.to(act_dtype)  # fp8 -> the activations' dtype, exactly (module docstring)
             acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
         else:
             w_next = _load_tile(w_ptrs, k0 + 2 * BLOCK_K, K, offs_k, BLOCK_K, EVEN_K)
@@ -151,6 +164,8 @@ def _skinny_linear_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, b_ptr,
         res = tl.trans(acc)
     else:
         res = tl.sum(acc, axis=2)
+    if W_SCALED:
+        res *= tl.load(w_scale_ptr + rows_w)[None, :]
     if HAS_BIAS:
         res += tl.load(b_ptr + rows_w).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
@@ -180,7 +195,8 @@ def _config(m: int, n: int, k: int, elem_size: int) -> _Config:
     """Block sizes from shapes alone, by a rule fitted to a sweep on an H200 (132 SMs, bf16, the Qwen3-0.6B and
     Llama-3.1-8B decode layers at M = 1, 2, 4, 8, 16, in CUDA graphs): the rule's pick was within 5% of the
     sweep's best config in most cases, 12% at worst (M = 2, N = 6144, where the tensor-core path won). M = 17-32
-    was added later from whole decode steps on an H100 (below)."""
+    was added later from whole decode steps on an H100 (below). elem_size: the weight's bytes an element (1 for
+    fp8), which the byte-based rules count; tile widths are in elements, as measured in bf16 (not retuned for fp8)."""
     block_m = triton.next_power_of_2(m)
     k_cap = max(16, triton.next_power_of_2(k))
     # Two rows of a wide layer (N > 2048) take the tensor-core path: in whole decode steps at batch 2 (`nanoserve
@@ -216,27 +232,30 @@ def _config(m: int, n: int, k: int, elem_size: int) -> _Config:
     # M = 17-32 pads to 32 rows with the same slabs: in whole Qwen3-0.6B decode steps on an H100 this beat cuBLAS
     # by 2.8 % at 24 rows and 1.0 % at 32, and lost at 48 (probe at 275aa23).
     block_n = max(16, min(64, _pow2_floor(n // 64)))
-    # fp32 tiles are twice the bytes (4 stages would need 320 KB): two fit in the 227 KB of shared memory.
+    # fp32 tiles are twice the bytes (4 stages would need 320 KB): two fit in the 227 KB of shared memory. An fp8
+    # weight's tile is half a bf16 one's, so 4 stages fit beside x's tile at any activation dtype.
     return _Config(True, max(16, block_m), block_n, min(256, k_cap), 4, 4 if elem_size <= 2 else 2)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, cfg: _Config, *,
             norm: tuple[torch.Tensor | None, torch.Tensor, float, torch.Tensor | None] | None = None,
             norm_offset: float = 0.0, silu_mul: bool = False, activation: str = "silu",
-            late_dependents: bool = False) -> None:
+            late_dependents: bool = False, weight_scale: torch.Tensor | None = None) -> None:
     """One launch of the kernel; `norm` = (residual, norm weight, eps, residual out) adds the RMSNorm prologue
     (scaling by norm_offset + weight), `silu_mul` the act-and-mul one (x then holds [gate | up], 2K columns;
-    activation "silu" or "gelu_tanh"). late_dependents: see skinny_norm_linear."""
+    activation "silu" or "gelu_tanh"). late_dependents: see skinny_norm_linear. weight_scale: an fp8 weight's
+    per-row scales (module docstring)."""
     m = x.shape[0]
     n, k = weight.shape
     residual, norm_weight, eps, residual_out = norm if norm is not None else (None, None, 0.0, None)
     pdl = use_pdl(x)
     _skinny_linear_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight,
-        residual_out if residual_out is not None else x, weight, bias if bias is not None else weight, out, m, n, k,
+        residual_out if residual_out is not None else x, weight, weight_scale if weight_scale is not None else weight,
+        bias if bias is not None else weight, out, m, n, k,
         x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0), out.stride(0), eps,
         NORM=norm is not None, HAS_RESIDUAL=residual is not None, NORM_OFFSET=float(norm_offset), SILU_MUL=silu_mul,
-        ACTIVATION=activation, HAS_BIAS=bias is not None,
+        ACTIVATION=activation, HAS_BIAS=bias is not None, W_SCALED=weight_scale is not None,
         USE_DOT=cfg.use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # tf32 would lose bits
         EVEN_K=k % cfg.block_k == 0, USE_PDL=pdl, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         LATE_DEPENDENTS=late_dependents and not cfg.use_dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -244,9 +263,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
 
 
 def _check(x: torch.Tensor, k: int, weight: torch.Tensor, bias: torch.Tensor | None,
-           out: torch.Tensor | None) -> torch.Tensor:
-    """Validates the GEMM operands (x holding K = k columns per row, or 2k for SiLU-and-mul); returns out,
-    allocated if None."""
+           out: torch.Tensor | None, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Validates the GEMM operands (x holding K = k columns per row, or 2k for SiLU-and-mul; an fp8 weight with
+    its per-row scales); returns out, allocated if None."""
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be 2-D [M, K] with a contiguous last dim, got shape {tuple(x.shape)}")
     m = x.shape[0]
@@ -255,8 +274,14 @@ def _check(x: torch.Tensor, k: int, weight: torch.Tensor, bias: torch.Tensor | N
     if weight.dim() != 2 or weight.shape[1] != k or weight.stride(-1) != 1:
         raise ValueError(f"weight must be [N, {k}] with a contiguous last dim, got shape {tuple(weight.shape)}")
     n = weight.shape[0]
-    if weight.dtype != x.dtype:
+    if weight_scale is None and weight.dtype != x.dtype:
         raise ValueError(f"weight dtype {weight.dtype} differs from x's {x.dtype}")
+    if weight_scale is not None:
+        if weight.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"weight dtype {weight.dtype}: a weight with weight_scale must be float8_e4m3fn")
+        if weight_scale.shape != (n,) or weight_scale.dtype != torch.float32 or not weight_scale.is_contiguous():
+            raise ValueError(f"weight_scale must be contiguous fp32 of shape ({n},), got {weight_scale.dtype} "
+                             f"{tuple(weight_scale.shape)}")
     if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
         raise ValueError(f"bias must be contiguous of shape ({n},), got {tuple(bias.shape)}")
     if out is None:
@@ -267,24 +292,26 @@ def _check(x: torch.Tensor, k: int, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T (+ bias [N]) -> [M, N] in x's dtype, accumulated in fp32, for 1 <= M <= MAX_M.
+    weight_scale [N] (fp32): weight is float8_e4m3fn and row n stands for weight[n] * weight_scale[n].
 
     Inputs need a contiguous last dimension; out, if given, is written in place and returned.
     """
-    out = _check(x, x.shape[-1], weight, bias, out)
+    out = _check(x, x.shape[-1], weight, bias, out, weight_scale)
     m, k = x.shape
-    _launch(x, weight, bias, out, _config(m, weight.shape[0], k, x.element_size()))
+    _launch(x, weight, bias, out, _config(m, weight.shape[0], k, weight.element_size()), weight_scale=weight_scale)
     return out
 
 
 def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                        weight: torch.Tensor, bias: torch.Tensor | None = None,
                        out: torch.Tensor | None = None, late_dependents: bool = False, weight_offset: float = 0.0,
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       weight_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm(x + residual) @ weight.T (+ bias) in one launch, and x + residual: the next residual, in a new
     tensor (`residual` is left as it is). Without a residual, RMSNorm(x) @ weight.T and x itself. weight_offset:
-    the norm scales by weight_offset + norm_weight (Gemma: 1.0; kernels/rms_norm.py).
+    the norm scales by weight_offset + norm_weight (Gemma: 1.0; kernels/rms_norm.py). weight_scale: an fp8 weight's
+    per-row scales, as in skinny_linear.
 
     late_dependents (CUDA-core path only): under PDL the next kernel's programs start once this kernel's have
     streamed their weight, not as soon as they pass their wait. The CUDA-core path hides memory latency with many
@@ -298,7 +325,7 @@ def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
     dtype), so the two paths agree but for the order of the fp32 sum of squares.
     """
     k = x.shape[-1]
-    out = _check(x, k, weight, bias, out)
+    out = _check(x, k, weight, bias, out, weight_scale)
     m = x.shape[0]
     if norm_weight.shape != (k,) or not norm_weight.is_contiguous():
         raise ValueError(f"norm_weight must be contiguous of shape ({k},), got {tuple(norm_weight.shape)}")
@@ -308,29 +335,32 @@ def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
             raise ValueError(f"residual must be [{m}, {k}] of {x.dtype} with a contiguous last dim, "
                              f"got {tuple(residual.shape)}")
         residual_out = torch.empty(m, k, dtype=x.dtype, device=x.device)
-    _launch(x, weight, bias, out, _config(m, weight.shape[0], k, x.element_size()),
-            norm=(residual, norm_weight, eps, residual_out), norm_offset=weight_offset, late_dependents=late_dependents)
+    _launch(x, weight, bias, out, _config(m, weight.shape[0], k, weight.element_size()),
+            norm=(residual, norm_weight, eps, residual_out), norm_offset=weight_offset, late_dependents=late_dependents,
+            weight_scale=weight_scale)
     return out, residual_out if residual_out is not None else x
 
 
 def skinny_silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                           out: torch.Tensor | None = None, activation: str = "silu") -> torch.Tensor:
+                           out: torch.Tensor | None = None, activation: str = "silu",
+                           weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """(SiLU(gate) * up) @ weight.T (+ bias) in one launch, for x = [gate | up] of shape [M, 2K] and weight [N, K];
     rounds the product to x's dtype first, as kernels/activation.py does. activation "gelu_tanh": Gemma's GELU
-    in SiLU's place."""
+    in SiLU's place. weight_scale: an fp8 weight's per-row scales, as in skinny_linear."""
     if x.dim() != 2 or x.shape[1] % 2:
         raise ValueError(f"x must be [M, 2K] (gate | up), got shape {tuple(x.shape)}")
     m, k = x.shape[0], x.shape[1] // 2
-    out = _check(x, k, weight, bias, out)
-    _launch(x, weight, bias, out, _config(m, weight.shape[0], k, x.element_size()), silu_mul=True,
-            activation=activation)
+    out = _check(x, k, weight, bias, out, weight_scale)
+    _launch(x, weight, bias, out, _config(m, weight.shape[0], k, weight.element_size()), silu_mul=True,
+            activation=activation, weight_scale=weight_scale)
     return out
 
 
 def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain PyTorch version of skinny_linear, in fp32."""
-    res = x.float() @ weight.float().T
+                      out: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain PyTorch version of skinny_linear, in fp32 (an fp8 weight dequantized: weight * weight_scale[:, None])."""
+    w = weight.float() if weight_scale is None else weight.float() * weight_scale.float()[:, None]
+    res = x.float() @ w.T
     if bias is not None:
         res += bias.float()
     res = res.to(x.dtype)
@@ -341,18 +371,19 @@ def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 def skinny_norm_linear_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                            weight: torch.Tensor, bias: torch.Tensor | None = None,
-                           out: torch.Tensor | None = None,
-                           weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                           out: torch.Tensor | None = None, weight_offset: float = 0.0,
+                           weight_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The unfused computation: the add+RMSNorm reference, then skinny_linear_ref."""
     if residual is None:
         normed = rms_norm_ref(x, norm_weight, eps, weight_offset=weight_offset).to(x.dtype)
-        return skinny_linear_ref(normed, weight, bias, out), x
+        return skinny_linear_ref(normed, weight, bias, out, weight_scale), x
     residual = residual.clone()  # rms_norm_ref writes x + residual into it
     normed = rms_norm_ref(x, norm_weight, eps, residual, weight_offset).to(x.dtype)
-    return skinny_linear_ref(normed, weight, bias, out), residual
+    return skinny_linear_ref(normed, weight, bias, out, weight_scale), residual
 
 
 def skinny_silu_mul_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                               out: torch.Tensor | None = None, activation: str = "silu") -> torch.Tensor:
+                               out: torch.Tensor | None = None, activation: str = "silu",
+                               weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The unfused computation: the act-and-mul reference, then skinny_linear_ref."""
-    return skinny_linear_ref(act_and_mul_ref(x, activation), weight, bias, out)
+    return skinny_linear_ref(act_and_mul_ref(x, activation), weight, bias, out, weight_scale)

@@ -21,11 +21,25 @@ from nanoserve.layers.step_plan import KernelPlan
 
 class LinearMethod(Protocol):
     """How a quantized Linear computes its output (nanoserve/quantization/ sets one on each layer it quantizes,
-    with the weight and scale parameters it needs); the layers here never import that package."""
+    with the weight and scale parameters it needs); the layers here never import that package.
+
+    A method may also define `skinny_weight(layer) -> (weight, weight_scale) | None`: an fp8 weight [N, K] and its
+    fp32 scale per output row [N] that the skinny GEMM (kernels/gemv.py) can run, dequantizing in registers, or None
+    where it cannot (skinny_operands)."""
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] -> [..., out_features] with the layer's bias added."""
         ...
+
+
+def skinny_operands(layer: "Linear") -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The weight and per-row scale (None: the weight is unscaled) that the skinny GEMM would read for this layer:
+    its own weight unquantized; a quantized layer's only where its method offers them (Fp8LinearMethod's per-tensor
+    and per-channel schemes); None otherwise, and the method's own GEMM runs at every step."""
+    if layer.quant_method is None:
+        return layer.weight, None
+    offer = getattr(layer.quant_method, "skinny_weight", None)
+    return None if offer is None else offer(layer)
 
 
 class Linear(nn.Linear):
@@ -39,19 +53,25 @@ class Linear(nn.Linear):
     down_proj (past the skinny GEMM's 64 MB, in kernels/silu_mul_gemv.py). Off that path they run as their own
     modules, exactly as without fusion.
 
-    A quantized layer (quant_method set) runs its method's GEMM instead, and the ops before it as their own
-    modules: the plan's kernels read unquantized weights.
+    A quantized layer (quant_method set) whose method offers an fp8 weight with per-row scales (skinny_operands:
+    FP8 per-tensor or per-channel weights, whatever the activations' scheme) takes the skinny GEMM and its fused
+    prologues by the same rules, applied to the fp8 weight's bytes, dequantizing the weight in registers: so a W8A8
+    checkpoint's steps of up to 32 rows in graphs run weight-only (16-bit activations, not quantized), where the
+    weight's bytes and not the math bound the step. Elsewhere (larger or eager steps, weights past the byte limit, block
+    scales, 4-bit weights) it runs its method's GEMM, with the ops before it as their own modules; never
+    kernels/silu_mul_gemv.py, which reads unquantized weights.
     """
 
     quant_method: LinearMethod | None = None
 
     def forward(self, x: torch.Tensor, plan: KernelPlan) -> torch.Tensor:
-        if self.quant_method is not None:
-            return self.quant_method.apply(self, x)
-        if plan.takes_skinny_gemm(self.weight):
+        operands = skinny_operands(self)
+        if operands is not None and plan.takes_skinny_gemm(operands[0]):
             from nanoserve.kernels.gemv import skinny_linear
 
-            return skinny_linear(x, self.weight, self.bias)
+            return skinny_linear(x, operands[0], self.bias, weight_scale=operands[1])
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x)
         return super().forward(x)
 
     def starts_next_late(self, plan: KernelPlan) -> bool:
@@ -63,11 +83,14 @@ class Linear(nn.Linear):
                      plan: KernelPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """self(norm(x + residual)) and the next residual x + residual; without a residual (the first layer),
         self(norm(x)) and x."""
-        if self.quant_method is None and plan.takes_fused_prologue(self.weight):
+        operands = skinny_operands(self)
+        if operands is not None and plan.takes_fused_prologue(operands[0]):
             from nanoserve.kernels.gemv import skinny_norm_linear
 
-            return skinny_norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias,
-                                      late_dependents=self.starts_next_late(plan), weight_offset=norm.offset)
+            weight, weight_scale = operands
+            return skinny_norm_linear(x, residual, norm.weight, norm.eps, weight, self.bias,
+                                      late_dependents=self.starts_next_late(plan), weight_offset=norm.offset,
+                                      weight_scale=weight_scale)
         if residual is None:
             return self(norm(x), plan), x
         x, residual = norm(x, residual)
@@ -76,18 +99,18 @@ class Linear(nn.Linear):
     def forward_silu_mul(self, x: torch.Tensor, act: SiluAndMul | GeluTanhAndMul, plan: KernelPlan) -> torch.Tensor:
         """self(act(x)) for x = [gate | up]: silu(gate) * up projected (Gemma's GELU in SiLU's place for
         GeluTanhAndMul)."""
-        if self.quant_method is not None:
-            # Linear's forward, not self's: a row-parallel layer reduces what this returns (forward_silu_mul).
-            return Linear.forward(self, act(x), plan)
-        if plan.takes_fused_prologue(self.weight):
+        operands = skinny_operands(self)
+        if operands is not None and plan.takes_fused_prologue(operands[0]):
             from nanoserve.kernels.gemv import skinny_silu_mul_linear
 
-            return skinny_silu_mul_linear(x, self.weight, self.bias, activation=act.activation)
-        if plan.takes_silu_mul_gemv(self.weight, self.bias):
+            return skinny_silu_mul_linear(x, operands[0], self.bias, activation=act.activation,
+                                          weight_scale=operands[1])
+        if self.quant_method is None and plan.takes_silu_mul_gemv(self.weight, self.bias):
             from nanoserve.kernels.silu_mul_gemv import silu_mul_gemv
 
             return silu_mul_gemv(x, self.weight, act.activation)
-        return self(act(x), plan)
+        # Linear's forward, not self's: a row-parallel layer reduces what this returns (forward_silu_mul), once.
+        return Linear.forward(self, act(x), plan)
 
 
 def load_whole(param: nn.Parameter, loaded, shard: str | None = None) -> None:

@@ -14,6 +14,9 @@ Triton launch cost) cuBLAS is faster. Timed one GEMM at a time, cuBLAS was as fa
 decode steps on an H100 (where the skinny GEMM starts under PDL beside the Triton kernels around it; probe at
 275aa23), the skinny GEMM made Qwen3-0.6B's steps 1.0-8.6 % faster at 3-32 rows and Llama-3.1-8B's (qkv and o_proj)
 1.3-2.2 % at 4-32, and cuBLAS won from 48 rows.
+The byte limits here and in kernels/gemv.py count a weight as stored (element_size): an fp8 weight (a quantized
+layer's, layers/linear.py's skinny_operands) of up to 64 MB takes the skinny GEMM, twice the elements of a bf16 one.
+That limit was measured against bf16 cuBLAS, not against the fp8 GEMMs that run past it (quantization/fp8_linear.py).
 
 Fused prologues (the residual add + RMSNorm before qkv_proj and gate_up_proj, SiLU-and-mul before down_proj, run
 inside the skinny GEMM): only at one row, and not on the tensor cores, which a large weight takes at one row

@@ -15,11 +15,22 @@ Under tensor parallelism a row-parallel layer's input is quantized per token ove
 sizes, while block groups lie within a rank's columns (config.py's _check_quantization) and quantize alike at every
 size.
 
-The forward: on the CPU, fp8_math.fp8_linear_reference (fp32). On CUDA in bfloat16: per-token or static activations
-through kernels/fp8_quant.py and torch._scaled_mm with rowwise scales; block weights through
-kernels/fp8_block_gemm.py, which quantizes the activations' groups itself; weight-only, and shapes or dtypes that
-_scaled_mm does not take (it needs dimensions that divide by 16 and bf16 output with rowwise scales), dequantize and
-run PyTorch's GEMM.
+The forward, by where it runs:
+- steps the plan gives the skinny GEMM (layers/step_plan.py: in CUDA graphs, up to 32 rows, weights of up to 64 MB
+  counted in fp8 bytes), with per-tensor or per-channel weights: Linear.forward, forward_norm and forward_silu_mul
+  run kernels/gemv.py on the fp8 weight and `weight_scale` (skinny_weight), the residual add + RMSNorm or
+  SiLU-and-mul fused in where the plan says. That GEMV dequantizes the weight in registers and keeps the activations
+  in bf16, whatever the activation scheme: a W8A8 checkpoint (static or dynamic per-token) runs weight-only there.
+  At a few rows the step is bound by the weight's bytes, which this halves against bf16 (Llama-3.1-8B batch 1:
+  _scaled_mm with per-token quantization took 5.27 ms a token against bf16's 4.34), and the result is closer to the
+  unquantized model's than with the activations quantized, but not the reference's (fp8_linear_reference quantizes
+  them);
+- block weights (weight_block_size, e.g. [128, 128]) keep kernels/fp8_block_gemm.py at every size, which quantizes
+  the activations' groups itself (no per-row scale for the GEMV to apply);
+- otherwise, on CUDA in bfloat16: per-token or static activations through kernels/fp8_quant.py and torch._scaled_mm
+  with rowwise scales; weight-only, and shapes or dtypes that _scaled_mm does not take (it needs dimensions that
+  divide by 16 and bf16 output with rowwise scales), dequantize and run PyTorch's GEMM;
+- on the CPU, fp8_math.fp8_linear_reference (fp32).
 """
 
 import torch
@@ -149,6 +160,16 @@ class Fp8LinearMethod:
         layer.quant_method = self
 
     # -- forward --------------------------------------------------------------------------------------------------
+    def skinny_weight(self, layer: Linear) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The fp8 weight [N, K] and its fp32 scale per output row [N] for the skinny GEMM (layers.linear's
+        skinny_operands): per-tensor and per-channel weights, whatever the activations' scheme. None for block
+        scales, and on GPUs before compute capability 8.9, which have no e4m3 conversions for Triton to load with."""
+        if self.scheme.weights == "block":
+            return None
+        if layer.weight.is_cuda and torch.cuda.get_device_capability(layer.weight.device) < (8, 9):
+            return None
+        return layer.weight, layer.weight_scale
+
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         s = self.scheme
         input_scale = layer.input_scale if s.activations == "tensor" else None

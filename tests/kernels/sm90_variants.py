@@ -120,18 +120,21 @@ def _chunk(dtype: torch.dtype, rows: int, accumulate: bool, window: bool, softca
 
 
 def _gemv(m: int, n: int, k: int, dtype: torch.dtype = BF16, bias: bool = False, prologue: str | None = None,
-          late_dependents: bool = False):
-    """The skinny GEMM (kernels/gemv.py): m, n, k pick its path (CUDA cores or tensor cores) and tiles."""
+          late_dependents: bool = False, fp8: bool = False):
+    """The skinny GEMM (kernels/gemv.py): m, n, k pick its path (CUDA cores or tensor cores) and tiles; fp8: an fp8
+    weight with per-row scales."""
     def call() -> None:
-        w, b = _zeros(n, k, dtype=dtype), _zeros(n, dtype=dtype) if bias else None
+        w, b = _zeros(n, k, dtype=FP8 if fp8 else dtype), _zeros(n, dtype=dtype) if bias else None
+        scale = _zeros(n, dtype=FP32) if fp8 else None
         if prologue in ("norm", "gemma_norm"):  # Gemma's: 1 + weight
             skinny_norm_linear(_zeros(m, k, dtype=dtype), _zeros(m, k, dtype=dtype), _zeros(k, dtype=dtype), 1e-6,
-                               w, b, late_dependents=late_dependents, weight_offset=float(prologue == "gemma_norm"))
+                               w, b, late_dependents=late_dependents, weight_offset=float(prologue == "gemma_norm"),
+                               weight_scale=scale)
         elif prologue in ("silu_mul", "gelu_tanh"):
             skinny_silu_mul_linear(_zeros(m, 2 * k, dtype=dtype), w, b,
-                                   activation="silu" if prologue == "silu_mul" else prologue)
+                                   activation="silu" if prologue == "silu_mul" else prologue, weight_scale=scale)
         else:
-            skinny_linear(_zeros(m, k, dtype=dtype), w, b)
+            skinny_linear(_zeros(m, k, dtype=dtype), w, b, weight_scale=scale)
     return call
 
 
@@ -257,6 +260,13 @@ VARIANTS = [
     ("gemv bf16 M=1 silu_mul", _gemv(1, 512, 1000, prologue="silu_mul")),
     ("gemv bf16 M=1 gemma norm+residual", _gemv(1, 512, 1024, prologue="gemma_norm")),
     ("gemv bf16 M=1 gelu_tanh_mul", _gemv(1, 512, 1000, prologue="gelu_tanh")),
+    ("gemv fp8 weight M=1 CUDA cores bias", _gemv(1, 1024, 3072, bias=True, fp8=True)),
+    ("gemv fp8 weight M=1 tensor cores", _gemv(1, 8192, 4096, fp8=True)),
+    ("gemv fp8 weight M=4 tensor cores", _gemv(4, 4096, 512, fp8=True)),
+    ("gemv fp8 weight M=32 tensor cores", _gemv(32, 1024, 3072, fp8=True)),
+    ("gemv fp8 weight M=1 norm+residual late dependents", _gemv(1, 512, 1024, prologue="norm", late_dependents=True,
+                                                                fp8=True)),
+    ("gemv fp8 weight M=1 silu_mul", _gemv(1, 512, 1000, prologue="silu_mul", fp8=True)),
     ("silu_mul_gemv bf16", lambda: silu_mul_gemv(_zeros(1, 2048), _zeros(512, 1024))),
     ("silu_mul_gemv bf16 gelu_tanh", lambda: silu_mul_gemv(_zeros(1, 2048), _zeros(512, 1024), "gelu_tanh")),
     ("fp8_block_linear M=1 FP8 dot", _fp8_linear(1, (128, 128))),

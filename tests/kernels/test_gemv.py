@@ -79,3 +79,48 @@ def test_config_rule_pads_rows_to_16_or_32():
     assert gemv._config(17, 4096, 1024, 2) == gemv._Config(True, 32, 64, 256, 4, 4)
     assert gemv._config(32, 1024, 3072, 2) == gemv._Config(True, 32, 16, 256, 4, 4)
     assert gemv._config(32, 1024, 3072, 4).num_stages == 2  # fp32 tiles: two stages fit in shared memory
+
+
+def _fp8_weight(n, k, device, gen):
+    """An fp8 weight [N, K] and fp32 scales per row [N] that differ row to row and keep outputs near 1."""
+    w = torch.randn(n, k, generator=gen).to(torch.float8_e4m3fn)
+    scale = (0.5 + torch.rand(n, generator=gen)) * k**-0.5
+    return w.to(device), scale.to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("k", [1024, 200])  # K a whole number of tiles, K off every BLOCK_K
+@pytest.mark.parametrize("m", [1, 16])  # the CUDA cores, the tensor cores
+def test_fp8_weight(device, gen, tol, m, k, dtype):
+    """An fp8 weight with per-row scales, dequantized in the kernel, against weight.float() * scale[:, None]."""
+    n = 129  # off every BLOCK_N
+    x = torch.randn(m, k, generator=gen).to(device, dtype)
+    w, scale = _fp8_weight(n, k, device, gen)
+    b = torch.randn(n, generator=gen).to(device, dtype)
+    assert gemv.tensor_cores_at(m, w) == (m == 16)
+    bias = b if k == 200 else None
+    got = skinny_linear(x, w, bias, weight_scale=scale)
+    want = x.float() @ (w.float() * scale[:, None]).T + (0 if bias is None else bias.float())
+    torch.testing.assert_close(got, want.to(dtype), **tol[dtype])
+    torch.testing.assert_close(got, skinny_linear_ref(x, w, bias, weight_scale=scale), **tol[dtype])
+
+
+def test_config_counts_the_weights_bytes():
+    """An fp8 weight takes the path of a bf16 weight of as many bytes: Llama-3.1-8B's qkv_proj (6144 x 4096) is 48 MB
+    in bf16, on the tensor cores at one row, and 24 MB in fp8, on the CUDA cores."""
+    assert gemv._config(1, 6144, 4096, 2).use_dot and not gemv._config(1, 6144, 4096, 1).use_dot
+    w = torch.empty(6144, 4096, dtype=torch.float8_e4m3fn)
+    assert not gemv.tensor_cores_at(1, w) and gemv.tensor_cores_at(1, w.to(torch.bfloat16))
+
+
+def test_bad_fp8_inputs_raise(device, gen):
+    x = torch.randn(2, 64, generator=gen).to(device)
+    w, scale = _fp8_weight(40, 64, device, gen)
+    with pytest.raises(ValueError, match="^weight dtype"):
+        skinny_linear(x, w)  # fp8 without its scales
+    with pytest.raises(ValueError, match="^weight dtype"):
+        skinny_linear(x, w.float(), weight_scale=scale)  # scales on an unquantized weight
+    with pytest.raises(ValueError, match="^weight_scale "):
+        skinny_linear(x, w, weight_scale=scale[:39])
+    with pytest.raises(ValueError, match="^weight_scale "):
+        skinny_linear(x, w, weight_scale=scale.half())

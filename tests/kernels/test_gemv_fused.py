@@ -245,3 +245,28 @@ def test_late_dependents(device, gen, monkeypatch, use_dot):
     assert seen == [False, not use_dot]
     for got, want in zip(late, early, strict=True):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 16])  # the CUDA cores, the tensor cores
+def test_prologues_with_fp8_weight(device, gen, tol, m, dtype):
+    """Both prologues before an fp8 weight with per-row scales, against the unfused references on the dequantized
+    weight (weight.float() * scale[:, None]); N off BLOCK_N, K off BLOCK_K, a bias."""
+    k, n = 1000, 65
+    x, residual, norm_w = _norm_inputs(m, k, dtype, device, gen)
+    w = torch.randn(n, k, generator=gen).to(device, torch.float8_e4m3fn)
+    scale = ((0.5 + torch.rand(n, generator=gen)) * k**-0.5).to(device)
+    _, b = _weights(k, n, dtype, device, gen)
+    assert gemv.tensor_cores_at(m, w) == (m == 16)
+    got, new_residual = skinny_norm_linear(x, residual, norm_w, 1e-6, w, b, weight_scale=scale)
+    want, want_residual = skinny_norm_linear_ref(x, residual, norm_w, 1e-6, w, b, weight_scale=scale)
+    torch.testing.assert_close(got, want, **tol[dtype])
+    torch.testing.assert_close(new_residual, want_residual, atol=0, rtol=0)
+    if dtype == torch.float32:  # the reference's dequantization spelled out (fp16 would round the weight)
+        dequantized = w.float() * scale[:, None]
+        torch.testing.assert_close(got, skinny_norm_linear_ref(x, residual, norm_w, 1e-6, dequantized, b)[0],
+                                   **tol[dtype])
+    gate_up = torch.randn(m, 2 * k, generator=gen).to(device, dtype)
+    got = skinny_silu_mul_linear(gate_up, w, b if m == 1 else None, weight_scale=scale)
+    want = skinny_silu_mul_linear_ref(gate_up, w, b if m == 1 else None, weight_scale=scale)
+    torch.testing.assert_close(got, want, **tol[dtype])
