@@ -258,10 +258,10 @@ def eager_tile_map(meta: AttentionMetadata, device: torch.device, head_dim: int,
     """Give an eager step's prefill part its split map and scratch (planner: the model's heads on this device), so
     the kernel never reads lengths back."""
     nd = meta.num_decodes
+    if nd == meta.seq_lens.shape[0]:  # decodes only (a draft's passes built on the device have no host lengths)
+        return
     cu = [c - nd for c in meta.cu_seqlens_q_cpu[nd:]]
     lens = meta.seq_lens_cpu[nd:]
-    if not lens:
-        return
     launch, split_map = planner.for_batch(cu, lens)
     meta.tile_map = to_device(split_map, torch.int32, device)
     meta.block_m, meta.pack = launch.block_m, planner.pack

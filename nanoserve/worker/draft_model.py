@@ -9,6 +9,15 @@ the first draft, then runs k - 1 single-token steps. The tokens it cached that t
 comparing `cached` with the sequence's tokens, and written over. Simple and exact; it pays no attention to the
 target's prefix cache (a prompt the target found cached is prefilled by the draft all the same).
 
+What runs where (_draft_loop, which EAGLE-3's proposer shares): the host builds the catch-up pass's inputs
+(StepInputs, one copy to the device) and the sequences' block tables, grown beforehand for every draft (one more
+copy). From then on the draft tokens stay on the device: each single-token pass takes the last pass's draws as its
+input ids and makes its positions, slots and lengths from the last pass's on the device (_decode_pass), so the host
+queues all k passes without waiting for any; the drafts come to the host in one read at the end (the engine's
+scheduler and the verify step's inputs take them as lists). A pass's drafts are read at once only where a row's
+penalties read its tokens, drafts included. At one draft pass of ~1 ms, a read per pass left the GPU idle while the
+host read the token and built the next pass's inputs.
+
 Each draft is drawn from the draft's distribution q at its position, made with the request's own parameters
 (Sampler.processed and filtered_probs, the drafts before it counted as its tokens, as verification counts them), and
 q is kept for verification (spec_decode/rejection.py: accept with min(1, p/q)); greedy requests take q's argmax.
@@ -18,12 +27,15 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from nanoserve.config import EngineConfig, read_config_json
+from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.model.registry import check_architecture
 from nanoserve.spec_decode.proposer import DraftRow
 from nanoserve.spec_decode.rejection import DraftPosition
+from nanoserve.utils import to_device
 from nanoserve.worker.cuda_graphs import CUDAGraphRunner
 from nanoserve.worker.kv_cache import allocate_kv_cache, bytes_per_block
 from nanoserve.worker.model_runner import ModelRunner
@@ -57,6 +69,21 @@ class _Batch:
     block_copies: tuple = ()
     kv_swap_out: tuple = ()
     kv_swap_in: tuple = ()
+
+
+@dataclass
+class _DecodeState:
+    """The drafting rows at their last pass, on the device, in the order of that pass's logits: what the next
+    single-token pass is made from."""
+
+    positions: torch.Tensor  # [rows] int64: the position each row's last pass ran
+    block_tables: torch.Tensor  # [rows, width] int32, in the draft's pool (grown for every draft first)
+    hidden: torch.Tensor | None = None  # EAGLE-3: the head's output there, the next pass's hidden-state input
+
+    def select(self, keep: torch.Tensor) -> None:
+        self.positions, self.block_tables = self.positions[keep], self.block_tables[keep]
+        if self.hidden is not None:
+            self.hidden = self.hidden[keep]
 
 
 def draft_engine_config(config: EngineConfig) -> EngineConfig:
@@ -169,32 +196,95 @@ class DraftModelProposer:
             return drafts
         self._catch_up(work)
         entries = [_Entry(view, start, len(view.token_ids) - start, [view]) for _, _, view, start, _ in work]
-        live = list(range(len(work)))
-        probs: list[list[torch.Tensor]] = [[] for _ in work]
-        for j in range(max(w[4] for w in work)):
-            logits = self._forward(entries)
-            positions = [DraftPosition(work[w][1], drafts[work[w][0]]) for w in live]
-            tokens, q = self._draw(logits, positions)
-            next_live = []
-            for at, w in enumerate(live):
-                i, _, view, _, k = work[w]
-                if tokens[at] is None:  # its own sampling work raised: no more drafts for it
-                    continue
-                drafts[i].append(tokens[at])
-                if q is not None and q[at] is not None:
-                    probs[w].append(q[at])
-                if j + 1 < k:
-                    view.token_ids.append(tokens[at])
-                    next_live.append(w)
-            live = next_live
-            if not live:
-                break
-            entries = [_Entry(work[w][2], len(work[w][2].token_ids) - 1, 1, [work[w][2]]) for w in live]
-        for w, (i, row, view, _, _) in enumerate(work):
+        logits = self._forward(entries)
+        # Each sequence's last position run, and its table: where its single-token passes go on from.
+        state = self._decode_state([len(w[2].token_ids) - 1 for w in work], [w[2].block_table for w in work])
+        found = self._draft_loop(logits, [w[1] for w in work], [w[4] for w in work], state)
+        for (i, row, view, _, _), d in zip(work, found, strict=True):
+            drafts[i] = d
             # Its KV now holds its tokens and every draft but the last.
-            self.cached[row.seq_id] = view.token_ids[: len(row.token_ids) + len(drafts[i]) - 1]
-            self.probs[row.seq_id] = torch.stack(probs[w]) if probs[w] and len(probs[w]) == len(drafts[i]) else None
+            self.cached[row.seq_id] = (view.token_ids + d)[: len(row.token_ids) + len(d) - 1]
         return drafts
+
+    def _decode_state(
+        self, positions: list[int], tables: list[list[int]], hidden: torch.Tensor | None = None
+    ) -> _DecodeState:
+        """The sequences' state after their sampling catch-up pass, on the device (one copy a proposal)."""
+        width = max(len(t) for t in tables)
+        padded = np.zeros((len(tables), width), dtype=np.int32)
+        for row, table in zip(padded, tables, strict=True):
+            row[: len(table)] = table
+        device = self.config.device
+        return _DecodeState(to_device(positions, torch.int64, device), to_device(padded, torch.int32, device), hidden)
+
+    def _draft_loop(
+        self, logits: torch.Tensor, rows: list[DraftRow], ks: list[int], state: _DecodeState
+    ) -> list[list[int]]:
+        """Up to ks[w] drafts for rows[w]: the first drawn from `logits` (its catch-up's last row), each next one
+        from a single-token pass over the draft before it (_decode_pass, inputs built on the device). The drafts stay
+        on the device until all are drawn, then come to the host in one read; so the host queues every pass without
+        waiting for the one before, save where a row's penalties read its drafts (then each pass's are read).
+        Sets each row's q (self.probs)."""
+        history = any(row.params.has_penalties for row in rows)
+        drafted: list[list[int]] = [[] for _ in rows]  # on the host, kept only for penalties
+        passes = []  # per pass: its drawn tokens on the device, and (row, index in them) of each draft it kept
+        probs: list[list[torch.Tensor]] = [[] for _ in rows]
+        live = list(range(len(rows)))
+        for j in range(max(ks)):
+            # Without penalties only the drafts' count is read (min_tokens): their values need not be on the host.
+            positions = [DraftPosition(rows[w], drafted[w] if history else [None] * j) for w in live]
+            tokens, q, failed = self._draw(logits, positions)
+            kept = [(w, at) for at, w in enumerate(live) if at not in failed]  # a row whose sampling raised stops
+            passes.append((tokens, kept))
+            if q is not None:
+                for w, at in kept:
+                    if q[at] is not None:
+                        probs[w].append(q[at])
+            if history:
+                values = tokens.tolist()
+                for w, at in kept:
+                    drafted[w].append(values[at])
+            going = [at for w, at in kept if j + 1 < ks[w]]
+            if not going:
+                break
+            keep = None if len(going) == len(live) else to_device(going, torch.int64, self.config.device)
+            logits = self._decode_pass(state, tokens, keep)
+            live = [live[at] for at in going]
+        values = torch.cat([tokens for tokens, _ in passes]).tolist()  # the proposal's one wait for the device
+        drafts: list[list[int]] = [[] for _ in rows]
+        at_pass = 0
+        for tokens, kept in passes:
+            for w, at in kept:
+                drafts[w].append(values[at_pass + at])
+            at_pass += tokens.shape[0]
+        for w, row in enumerate(rows):
+            self.probs[row.seq_id] = torch.stack(probs[w]) if probs[w] and len(probs[w]) == len(drafts[w]) else None
+        return drafts
+
+    def _decode_pass(self, state: _DecodeState, tokens: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        """One single-token pass of the rows `keep` picks (None: all) over `tokens`, the drafts the last pass drew:
+        its logits, with every input made on the device from the last pass's (state, advanced here), none on the
+        host. Decode graphs replay it where the draft has them."""
+        if keep is not None:
+            tokens = tokens[keep]
+            state.select(keep)
+        state.positions = positions = state.positions + 1
+        bs, n = self.block_size, tokens.shape[0]
+        pages = state.block_tables.gather(1, (positions // bs)[:, None])[:, 0]
+        meta = AttentionMetadata(
+            slot_mapping=pages.to(torch.int64) * bs + positions % bs,
+            cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32, device=tokens.device),
+            seq_lens=(positions + 1).to(torch.int32),
+            block_tables=state.block_tables,
+            max_seqlen_q=1,
+            num_decodes=n,
+        )
+        return self._decode_logits(tokens, positions, meta, state)
+
+    def _decode_logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, state: _DecodeState
+    ) -> torch.Tensor:
+        return self.runner.model.compute_logits(self.runner.run_model(input_ids, positions, meta))
 
     def _grow(self, table: list[int], num_positions: int, decoding: set[int]) -> bool:
         """Blocks for positions 0 .. num_positions - 1; when the pool runs short, sequences not decoding now
@@ -254,8 +344,9 @@ class DraftModelProposer:
                 return i
         return most
 
-    def _draw(self, logits: torch.Tensor, rows: list[DraftPosition]) -> tuple[list, list | None]:
-        """Each row's draft and q (None: greedy): argmax of the processed logits, or a draw from q."""
+    def _draw(self, logits: torch.Tensor, rows: list[DraftPosition]) -> tuple[torch.Tensor, list | None, set[int]]:
+        """Each row's draft, on the device (argmax of the processed logits, or a draw from q), its q (None: greedy),
+        and the rows whose own sampling work raised (their tokens are no drafts). Nothing is read back."""
         sampler = self.runner.sampler
         params = [r.params for r in rows]
         failed: dict[int, Exception] = {}
@@ -264,8 +355,9 @@ class DraftModelProposer:
         sampled = [r for r, p in enumerate(params) if p.temperature != 0]
         q_rows: list | None = None
         if sampled:
+            at_sampled = to_device(sampled, torch.int64, logits.device)  # not a list index: a blocking copy
             probs = sampler.filtered_probs(
-                processed[sampled],
+                processed[at_sampled],
                 [params[r].temperature for r in sampled],
                 [params[r].top_k for r in sampled],
                 [params[r].top_p for r in sampled],
@@ -278,9 +370,8 @@ class DraftModelProposer:
                         noise[at].exponential_(generator=rows[r].generator)
                     except Exception as exc:
                         failed.setdefault(r, exc)
-            tokens[sampled] = (probs / noise).argmax(dim=-1)
+            tokens[at_sampled] = (probs / noise).argmax(dim=-1)
             q_rows = [None] * len(rows)
             for at, r in enumerate(sampled):
                 q_rows[r] = probs[at]
-        out = tokens.tolist()
-        return [None if r in failed else t for r, t in enumerate(out)], q_rows
+        return tokens, q_rows, set(failed)

@@ -12,7 +12,9 @@ only run where the target has run:
   blocks it shares; a verify step's rows past the accepted drafts sit in slots the next step writes over;
 - a proposal catches the head up on positions done .. N - 2 of a sequence of N tokens (the target has run all of
   them, and the token after each is known), whose last row gives the first draft; then k - 1 single-token steps,
-  each feeding the head's own output (before its final norm) as the next position's hidden state.
+  each feeding the head's own output (before its final norm) as the next position's hidden state. These run as a
+  draft model's do (draft_model.py's _draft_loop: inputs made on the device from the pass before, the drafts read
+  back once at the end); the output goes from one pass to the next on the device too (_decode_logits).
 The head's KV of positions past N - 2, written from its own outputs, is written over by the next catch-up. So a
 head's drafts depend on the sequence's tokens alone: not on its batch, on prefix hits, or on preemption.
 """
@@ -25,12 +27,12 @@ from typing import Protocol
 import torch
 
 from nanoserve.config import EngineConfig, read_config_json
+from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.model.llama_eagle3 import aux_hidden_state_layers
 from nanoserve.model.registry import DRAFT_HEADS
 from nanoserve.spec_decode.proposer import DraftRow
-from nanoserve.spec_decode.rejection import DraftPosition
 from nanoserve.utils import to_device
-from nanoserve.worker.draft_model import DraftModelProposer, _Batch, _DraftSeq, _Entry
+from nanoserve.worker.draft_model import DraftModelProposer, _Batch, _DecodeState, _DraftSeq, _Entry
 from nanoserve.worker.model_runner import ModelRunner
 from nanoserve.worker.step_inputs import StepInputs, chunk_slots
 
@@ -163,31 +165,14 @@ class Eagle3Proposer(DraftModelProposer):
         at = 0
         for _, _, entry, _ in work:
             entry.hidden, at = hidden[at : at + entry.num_new_tokens], at + entry.num_new_tokens
-        entries = self._catch_up_head([w[2] for w in work])
-        live = list(range(len(work)))
-        probs: list[list[torch.Tensor]] = [[] for _ in work]
-        for j in range(max(w[3] for w in work)):
-            logits, out = self._forward_head(entries)
-            positions = [DraftPosition(work[w][1], drafts[work[w][0]]) for w in live]
-            tokens, q = self._draw(logits, positions)
-            next_live, next_entries = [], []
-            for at, w in enumerate(live):
-                i, _, entry, k = work[w]
-                if tokens[at] is None:  # its own sampling work raised: no more drafts for it
-                    continue
-                drafts[i].append(tokens[at])
-                if q is not None and q[at] is not None:
-                    probs[w].append(q[at])
-                if j + 1 < k:
-                    view = entry.seq
-                    view.token_ids.append(tokens[at])
-                    next_live.append(w)
-                    next_entries.append(_HeadEntry(view, len(view.token_ids) - 1, 1, [view], hidden=out[at : at + 1]))
-            live, entries = next_live, next_entries
-            if not live:
-                break
-        for w, (i, row, _, _) in enumerate(work):
-            self.probs[row.seq_id] = torch.stack(probs[w]) if probs[w] and len(probs[w]) == len(drafts[i]) else None
+        logits, out = self._forward_head(self._catch_up_head([w[2] for w in work]))
+        # Each sequence's last row (position N - 2) and its table in the head's pool, for the single-token passes.
+        state = self._decode_state(
+            [len(row.token_ids) - 2 for _, row, _, _ in work], [w[2].seq.block_table for w in work], hidden=out
+        )
+        found = self._draft_loop(logits, [w[1] for w in work], [w[3] for w in work], state)
+        for (i, _, _, _), d in zip(work, found, strict=True):
+            drafts[i] = d
         return drafts
 
     def _catch_up_head(self, entries: list[_HeadEntry]) -> list[_HeadEntry]:
@@ -213,6 +198,15 @@ class Eagle3Proposer(DraftModelProposer):
                 for e in entries
             ]
         return entries
+
+    def _decode_logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, state: _DecodeState
+    ) -> torch.Tensor:
+        """A single-token pass reads the head's output at the position before as its hidden state."""
+        self.head.hidden_in[: input_ids.shape[0]].copy_(state.hidden)
+        # Not cloned: the next pass copies it into hidden_in before its replay writes over a graph's output buffer.
+        state.hidden = self.runner.run_model(input_ids, positions, meta)
+        return self.head.compute_logits(state.hidden)
 
     def _forward_head(self, entries: list[_HeadEntry]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One pass of the head: the logits (over the target's vocabulary) and the output (the next step's hidden

@@ -338,9 +338,15 @@ class ModelRunner:
         if step.kv_swap_in:
             self.offloader.swap([], step.kv_swap_in)
         input_ids, positions, meta, logit_rows = step.to_device(self.device, prev_tokens)
-        num_seqs = step.num_seqs
         if step.long_context:  # streams KV through the ring layer by layer: eager
             meta.long_context = LongContextAttention(self.ring, step.long_context, self.block_size)
+        return self.run_model(input_ids, positions, meta), logit_rows
+
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The model over inputs already on the device, in a decode or prefill graph where one fits, else eagerly:
+        its hidden states (a graph's output buffer, valid until the next pass). A draft proposer's single-token
+        passes come here directly, with inputs it built on the device (worker/draft_model.py)."""
+        num_seqs = meta.seq_lens.shape[0]
         if meta.long_context is None and self.graphs is not None and self.graphs.can_run(num_seqs, meta.num_decodes):
             hidden = self.graphs.run(input_ids, positions, meta)
         elif meta.long_context is None and self.prefill_graphs is not None and \
@@ -354,7 +360,7 @@ class ModelRunner:
             if self.planner.prefill is not None:
                 eager_tile_map(meta, self.device, self.attn_layers[0].head_dim, self.planner.prefill)
             hidden = self.model(input_ids, positions, meta)
-        return hidden, logit_rows
+        return hidden
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent)."""

@@ -3,11 +3,13 @@
 decoding's through prefix hits, chunked prefill, preemption and n > 1; the head's refusals."""
 
 import pytest
+import torch
 from checkpoints import write_checkpoint, write_eagle3_head
 from eagle3_reference import ReferenceHead
 from prompts import three_prompts as prompts
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.worker.step_inputs import StepInputs
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 K = 3
@@ -85,6 +87,40 @@ def test_drafts_equal_the_reference_heads(dirs, reference):
     assert len(seen) >= 6
     for tokens, drafts in seen:
         assert drafts == ref.drafts(tokens, len(drafts))
+
+
+def test_a_proposal_builds_host_inputs_once_and_reads_its_drafts_once(dirs, reference, monkeypatch):
+    """The host does not wait for the device between a proposal's k head passes: it builds the inputs of the
+    catch-up pass alone (each single-token pass's are made on the device from the pass before) and reads the drafted
+    tokens back once, at the end. On the CPU nothing waits, so the reads of int64 tensors (token ids) stand in."""
+    spec = LLM(str(dirs[0]), num_kv_blocks=64, speculative_config=eagle3(dirs[1]))
+    builds, reads, proposals = [], [], []
+    build, tolist = StepInputs.build.__func__, torch.Tensor.tolist
+
+    def counting_build(cls, *args, **kwargs):
+        builds.append(1)
+        return build(cls, *args, **kwargs)
+
+    def counting_tolist(tensor):
+        if tensor.dtype == torch.int64:
+            reads.append(1)
+        return tolist(tensor)
+
+    monkeypatch.setattr(StepInputs, "build", classmethod(counting_build))
+    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+    proposer = spec.engine.proposer
+    propose = proposer.propose
+
+    def counted(rows, caps):
+        before = len(builds), len(reads)
+        out = propose(rows, caps)
+        proposals.append((len(builds) - before[0], len(reads) - before[1], max(len(d) for d in out)))
+        return out
+
+    proposer.propose = counted
+    assert run(spec, prompts()) == reference
+    assert any(most == K for _, _, most in proposals)
+    assert all((b, r) == (1, 1) for b, r, _ in proposals), proposals
 
 
 def test_greedy_through_prefix_hits_chunks_preemption_and_n(dirs, reference):
