@@ -1,0 +1,211 @@
+"""Candidate one-row W4A16 GEMVs (batch-1 decode): out[M, N] = x[M, K] @ W[K, N] (+ bias) for a weight in the W4
+layout (nanoserve/quantization/w4_packing.py), one program per (BLOCK_N columns, row, K split), as w4a16_gemm.py's
+one-row kernel, which they are meant to replace once scripts/probe_w4_gemv.py has timed them on an H200.
+
+Two changes to that kernel's structure, in both variants:
+- the weight is prefetched into registers two tiles ahead of the one being multiplied (as kernels/gemv.py does for
+  bf16), with the tile's scales and zero points: the kernel's loads of a tile were otherwise issued only after the
+  previous tile's arithmetic, so with few programs an SM (Llama-3.1-8B's o_proj and down_proj give one) little of
+  the weight is in flight and the GEMV runs far below the memory's bandwidth;
+- a split of K is summed by the split's last program to finish (an arrival counter per column tile, which that
+  program resets), not by a second launch: at batch 1 a launch costs about as much as streaming a small layer.
+
+The variants differ in how a packed value becomes a product with x (ops counted per 4-bit value, SASS):
+- "magic" (w4a16_gemm.py's arithmetic): shift, and|or (one LOP3) to the float 2^23 + q, minus 2^23 + z, times x
+  and added: 4 ops.
+- "hoisted": the zero point and the magic number leave the inner loop. Each shift of the int32 brings two
+  values at once into the mantissa's bits 15..18 and 19..22, where one LOP3 each makes the floats 2^23 + q 2^15
+  and 2^23 + q 2^19 (the second's x is pre-scaled by 1/16); these are multiplied into x and added as they are, and
+  per tile row the sum less 2^23 (S_even + S_odd / 16) and less z 2^15 (S_even + S_odd) is Σ (q - z) x 2^15
+  (S: the row's x summed over its even and odd positions, computed once for all columns). 2.5 ops a value plus
+  about 4 a row and column of the tile. Exactness: 2^23 + q 2^19 < 2^24 is an fp32 integer, and the bias of 2^23 x
+  is at most 2^8 times the term it carries (q 2^15 x), so the subtraction costs ~8 of fp32's 24 bits: products
+  stay within ~1e-5 relative, far below bf16's rounding of the output.
+
+A tile lies in one group of the quantization (BLOCK_K divides the group size) and K is whole tiles (the wrapper
+narrows BLOCK_K to the largest power of two dividing K), so no load is masked.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoserve.kernels.w4a16_reference import PACK
+
+VARIANTS = ("magic", "hoisted")
+
+MAGIC_BITS = tl.constexpr(0x4B000000)  # the fp32 2^23: its mantissa's bits are integers (w4a16_gemm.py)
+MAGIC = tl.constexpr(8388608.0)
+LOW_FIELD = tl.constexpr(0xF << 15)  # mantissa bits 15..18: 2^23 + q 2^15
+HIGH_FIELD = tl.constexpr(0xF << 19)  # mantissa bits 19..22: 2^23 + q 2^19
+
+
+@triton.jit
+def _x_at(x_ptr, perm_ptr, k, HAS_PERM: tl.constexpr):
+    """x (fp32) at weight rows k: x's own columns perm[k] with act-order."""
+    if HAS_PERM:
+        k = tl.load(perm_ptr + k)
+    return tl.load(x_ptr + k).to(tl.float32)
+
+
+@triton.jit
+def _tile_magic(packed, x_ptr, perm_ptr, k8, s, z, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr):
+    """Σ_j (q - z) x s over the eight values of each int32 of a [P, BLOCK_N] tile (rows k8 + j), not summed over P."""
+    z_magic = z + MAGIC if HAS_ZEROS else z * 0.0 + (MAGIC + 8.0)
+    part = tl.zeros(packed.shape, dtype=tl.float32)
+    for j in tl.static_range(8):
+        x = _x_at(x_ptr, perm_ptr, k8 + j, HAS_PERM)
+        q = (((packed >> (4 * j)) & 0xF) | MAGIC_BITS).to(tl.float32, bitcast=True)  # 2^23 + q
+        part += (q - z_magic[None, :]) * x[:, None]
+    return part * s[None, :]
+
+
+@triton.jit
+def _tile_hoisted(packed, x_ptr, perm_ptr, k8, s, z, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr):
+    """As _tile_magic, with the magic number and the zero point subtracted once per tile element (module doc)."""
+    part = tl.zeros(packed.shape, dtype=tl.float32)
+    sum_even = tl.zeros(k8.shape, dtype=tl.float32)
+    sum_odd = tl.zeros(k8.shape, dtype=tl.float32)
+    for i in tl.static_range(4):
+        # Values 2i and 2i + 1 (bits 8i..8i+7) to bits 15..22; an arithmetic right shift's sign copies land above.
+        if 8 * i <= 15:
+            t = packed << (15 - 8 * i)
+        else:
+            t = packed >> (8 * i - 15)
+        x_even = _x_at(x_ptr, perm_ptr, k8 + 2 * i, HAS_PERM)
+        x_odd = _x_at(x_ptr, perm_ptr, k8 + 2 * i + 1, HAS_PERM)
+        sum_even += x_even
+        sum_odd += x_odd
+        part += ((t & LOW_FIELD) | MAGIC_BITS).to(tl.float32, bitcast=True) * x_even[:, None]
+        part += ((t & HIGH_FIELD) | MAGIC_BITS).to(tl.float32, bitcast=True) * (x_odd * 0.0625)[:, None]
+    # part = 2^23 (S_even + S_odd / 16) + 2^15 Σ q x
+    bias = MAGIC * (sum_even + sum_odd * 0.0625)
+    x_sum = (sum_even + sum_odd) * 32768.0
+    if HAS_ZEROS:
+        qz = (part - bias[:, None]) - z[None, :] * x_sum[:, None]
+    else:
+        qz = (part - bias[:, None]) - 8.0 * x_sum[:, None]
+    return qz * (s * (1.0 / 32768.0))[None, :]
+
+
+@triton.jit
+def _group_params(s_ptr, z_ptr, k0, cols, N, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr):
+    """The scales and zero points (fp32; zeros 8 without them) of the group holding weight row k0."""
+    g = k0 // GROUP if GROUP > 0 else 0
+    s = tl.load(s_ptr + g * N + cols).to(tl.float32)
+    if HAS_ZEROS:
+        z = tl.load(z_ptr + g * N + cols).to(tl.float32)
+    else:
+        z = s
+    return s, z
+
+
+@triton.jit
+def _w4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, b_ptr, out_ptr, part_ptr, count_ptr, N, K, stride_xm,
+                    k_per_split, splits, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, HOISTED: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.minimum(offs_n, N - 1)  # tail columns read a valid one again; the store drops them
+    offs_p = tl.arange(0, BLOCK_K // PACK)
+    w_ptrs = qw_ptr + offs_p[:, None] * N + cols[None, :]
+    x_row = x_ptr + m * stride_xm
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    # Loads past the split's end take its last tile again (a cache hit) rather than a predicate on every load.
+    last = k_end - BLOCK_K
+    w = tl.load(w_ptrs + (k_start // PACK) * N)
+    s, z = _group_params(s_ptr, z_ptr, k_start, cols, N, GROUP, HAS_ZEROS)
+    k_ahead = tl.minimum(k_start + BLOCK_K, last)
+    w_ahead = tl.load(w_ptrs + (k_ahead // PACK) * N)
+    s_ahead, z_ahead = _group_params(s_ptr, z_ptr, k_ahead, cols, N, GROUP, HAS_ZEROS)
+    # Summed over the tile's rows only after the loop: a reduction per tile would be a cross-thread exchange each.
+    acc = tl.zeros([BLOCK_K // PACK, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k_next = tl.minimum(k0 + 2 * BLOCK_K, last)
+        w_next = tl.load(w_ptrs + (k_next // PACK) * N)
+        s_next, z_next = _group_params(s_ptr, z_ptr, k_next, cols, N, GROUP, HAS_ZEROS)
+        k8 = k0 + offs_p * PACK
+        if HOISTED:
+            acc += _tile_hoisted(w, x_row, perm_ptr, k8, s, z, HAS_ZEROS, HAS_PERM)
+        else:
+            acc += _tile_magic(w, x_row, perm_ptr, k8, s, z, HAS_ZEROS, HAS_PERM)
+        w, s, z = w_ahead, s_ahead, z_ahead
+        w_ahead, s_ahead, z_ahead = w_next, s_next, z_next
+    res = tl.sum(acc, axis=0)
+    offs = tl.arange(0, BLOCK_N)
+    mask = offs_n < N
+    if SPLIT_K:
+        tile = m * tl.num_programs(0) + pid_n
+        tile_part = part_ptr + tile * splits * BLOCK_N
+        tl.store(tile_part + pid_k * BLOCK_N + offs, res)
+        # Every thread's partial is stored before the arrival is counted (one thread counts it, releasing them).
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == splits - 1:
+            # The last to arrive sums the partials in split order (so the result does not depend on who is last),
+            # from L2 (.cg: L1 is not coherent), and resets the counter for the next launch.
+            total = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for i in range(splits):
+                total += tl.load(tile_part + i * BLOCK_N + offs, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(b_ptr + cols).to(tl.float32)
+            tl.store(out_ptr + m * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(count_ptr + tile, 0)
+    else:
+        if HAS_BIAS:
+            res += tl.load(b_ptr + cols).to(tl.float32)
+        tl.store(out_ptr + m * N + offs_n, res.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """n zeroed int32 counters, kept between calls (each launch leaves them zero): allocate them (a first call)
+    before any CUDA graph capture that uses them."""
+    counters = _counters.get(device)
+    if counters is None or counters.numel() < n:
+        counters = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _counters[device] = counters
+    return counters
+
+
+def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+               perm: torch.Tensor | None, group_size: int, bias: torch.Tensor | None = None, *,
+               variant: str = "hoisted", block_n: int = 128, block_k: int = 128, split: int = 4,
+               num_warps: int = 4, num_stages: int = 1) -> torch.Tensor:
+    """x [M, K] (contiguous) @ the W4 weight (+ bias [N]) -> [M, N] in x's dtype, one program per BLOCK_N columns
+    of a row and K split `split` ways (fewer where K has fewer tiles); group_size -1: one group per column."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    m, k = x.shape
+    k8, n = qweight.shape
+    if k8 * PACK != k or not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous [M, {k8 * PACK}], got {tuple(x.shape)}")
+    for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros), ("perm", perm), ("bias", bias)):
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if group_size != -1 and k % group_size:
+        raise ValueError(f"group_size {group_size} does not divide K = {k}")
+    group = 0 if group_size == -1 else group_size
+    # A tile lies in one group and K is whole tiles: the largest power of two dividing both, at most block_k.
+    block_k = min(block_k, k & -k, group & -group if group else k & -k)
+    tiles = k // block_k
+    tiles_per_split = triton.cdiv(tiles, min(split, tiles))
+    splits = triton.cdiv(tiles, tiles_per_split)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    n_tiles = triton.cdiv(n, block_n)
+    if splits > 1:
+        partials = torch.empty(m * n_tiles * splits * block_n, dtype=torch.float32, device=x.device)
+        counters = _arrival_counters(x.device, m * n_tiles)
+    else:
+        partials = counters = out
+    _w4_gemv_kernel[(n_tiles, m, splits)](
+        x, qweight, scales, zeros if zeros is not None else scales, perm if perm is not None else qweight,
+        bias if bias is not None else scales, out, partials, counters, n, k, x.stride(0), tiles_per_split * block_k,
+        splits, GROUP=group, HAS_ZEROS=zeros is not None, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
+        SPLIT_K=splits > 1, HOISTED=variant == "hoisted", BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        num_stages=num_stages)
+    return out
