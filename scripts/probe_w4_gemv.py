@@ -1,5 +1,6 @@
 """Times the candidate one-row W4A16 GEMVs (nanoserve/kernels/w4a16_gemv.py) against the engine's current one
-(kernels/w4a16_gemm.py's w4a16_linear at M = 1) and the bf16 GEMV (kernels/gemv.py's skinny_linear) at
+(kernels/w4a16_gemm.py's w4a16_linear at M = 1, label "current"), that file's tensor-core GEMM forced at one row
+("tc": x padded to 16 rows, a few tile sizes and splits) and the bf16 GEMV (kernels/gemv.py's skinny_linear) at
 Llama-3.1-8B's four projections, one row (issue #41). Prints a table and, last, one JSON line
 {shape: {variant: {"us": best, "config": {...}}}}.
 
@@ -27,7 +28,7 @@ from collections.abc import Callable
 import torch
 import triton
 
-from nanoserve.kernels import pdl
+from nanoserve.kernels import pdl, w4a16_gemm
 from nanoserve.kernels.gemv import skinny_linear
 from nanoserve.kernels.w4a16_gemm import w4a16_linear
 from nanoserve.kernels.w4a16_gemv import VARIANTS, w4a16_gemv
@@ -46,6 +47,8 @@ ROTATE_BYTES = 200 << 20  # four times an H200's L2
 TILES = [(128, 128, 4, 1), (128, 128, 8, 1), (64, 128, 2, 1), (256, 128, 8, 1), (256, 64, 4, 1), (256, 16, 1, 1),
          (512, 16, 2, 1), (64, 64, 1, 1), (128, 128, 4, 3)]
 SPLITS = [1, 2, 4, 8, 16]
+# The tensor-core path at one row (w4a16_gemm.py's GEMM kernel, x padded to 16 rows): (block_n, split).
+TC_TILES = [(64, 1), (64, 2), (64, 4), (128, 1), (128, 2), (128, 4), (128, 8)]
 TINY_TILES, TINY_SPLITS = [(32, 32, 2, 1)], [1, 3]
 
 
@@ -59,6 +62,26 @@ def random_w4(k: int, n: int, device: str, gen: torch.Generator):
 
 def weight_copies(nbytes: int) -> int:
     return max(1, min(CALLS, math.ceil(ROTATE_BYTES / nbytes)))
+
+
+def tc_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, block_n: int,
+              split: int) -> torch.Tensor:
+    """w4a16_linear's tensor-core branch forced at one row (16-row tiles, K split `split` ways, summed by a second
+    launch), without act-order or bias."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    block_k = min(128, GROUP)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    w4a16_gemm._w4a16_gemm_kernel[(triton.cdiv(n, block_n), 1, split)](
+        x, qweight, scales, zeros, qweight, scales, target, m, n, k, x.stride(0), k_per_split, GROUP=GROUP,
+        HAS_ZEROS=True, HAS_PERM=False, HAS_BIAS=False, SPLIT=split, DOT_PRECISION="tf32", BLOCK_M=16,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    if split > 1:
+        w4a16_gemm._sum_splits_kernel[(triton.cdiv(m * n, 1024),)](target, target, out, m * n, n, SPLIT=split,
+                                                                   HAS_BIAS=False, BLOCK=1024)
+    return out
 
 
 def rotating(fn: Callable[[object], object], items: list) -> list[Callable[[], object]]:
@@ -95,9 +118,11 @@ def check(got: torch.Tensor, want: torch.Tensor) -> str | None:
     return f"wrong: max abs err {err.max().item():.3g} (max |ref| {want.float().abs().max().item():.3g})"
 
 
-def probe_shape(name: str, k: int, n: int, variants: list[str], tiles, splits, device: str,
+def probe_shape(name: str, k: int, n: int, variants: list[str], tiles, splits, tc_tiles, device: str,
                 gen: torch.Generator) -> dict:
-    x = torch.randn(1, k, generator=gen, device=device).to(torch.bfloat16)
+    # bf16 as the model runs; fp16 on the CPU, whose interpreter mishandles bf16 in tl.dot.
+    act_dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    x = torch.randn(1, k, generator=gen, device=device).to(act_dtype)
     qweight, scales, zeros = random_w4(k, n, device, gen)
     w4_bytes = qweight.numel() * 4 + scales.numel() * 2 + zeros.numel()
     copies = [(qweight, scales, zeros)] + [(qweight.clone(), scales.clone(), zeros.clone())
@@ -122,7 +147,11 @@ def probe_shape(name: str, k: int, n: int, variants: list[str], tiles, splits, d
             results[label] = {"us": round(us, 2), "config": config}
 
     run("current", {}, lambda c: w4a16_linear(x, *c, None, GROUP), copies)
-    for variant in variants:
+    if "tc" in variants:
+        for block_n, split in tc_tiles:
+            cfg = dict(block_n=block_n, split=split)
+            run("tc", cfg, lambda c, cfg=cfg: tc_linear(x, *c, **cfg), copies)
+    for variant in (v for v in variants if v in VARIANTS):
         for block_n, block_k, warps, stages in tiles:
             for split in splits:
                 if split > max(1, k // min(block_k, GROUP)):
@@ -132,9 +161,9 @@ def probe_shape(name: str, k: int, n: int, variants: list[str], tiles, splits, d
                     copies)
     del copies
     # The bf16 GEMV on the same shape: its weight [N, K], the copies again past L2.
-    dense = torch.randn(n, k, generator=gen, device=device).to(torch.bfloat16) * 0.02
+    dense = torch.randn(n, k, generator=gen, device=device).to(act_dtype) * 0.02
     dense_copies = [dense] + [dense.clone() for _ in range(weight_copies(dense.numel() * 2) - 1)]
-    want_bf16 = (x.float() @ dense.float().T).to(torch.bfloat16)
+    want_bf16 = (x.float() @ dense.float().T).to(act_dtype)
     try:
         problem = check(skinny_linear(x, dense), want_bf16)
         if problem is None:
@@ -151,7 +180,7 @@ def probe_shape(name: str, k: int, n: int, variants: list[str], tiles, splits, d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=[*VARIANTS, "tc"], default=[*VARIANTS, "tc"])
     parser.add_argument("--pdl", action="store_true", help="let the bf16 GEMV launch with PDL")
     parser.add_argument("--tiny", action="store_true", help="one small shape and config (for the CPU interpreter)")
     args = parser.parse_args()
@@ -159,12 +188,12 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=device).manual_seed(0)
     shapes = TINY_SHAPES if args.tiny else {s: SHAPES[s] for s in args.shapes}
-    tiles, splits = (TINY_TILES, TINY_SPLITS) if args.tiny else (TILES, SPLITS)
+    tiles, splits, tc_tiles = (TINY_TILES, TINY_SPLITS, [(32, 2)]) if args.tiny else (TILES, SPLITS, TC_TILES)
     gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU (interpreter: times are not measured)"
     print(f"{gpu}, triton {triton.__version__}, torch {torch.__version__}, bf16 PDL {'on' if args.pdl else 'off'}")
     summary = {}
     for name, (k, n) in shapes.items():
-        results = probe_shape(name, k, n, args.variants, tiles, splits, device, gen)
+        results = probe_shape(name, k, n, args.variants, tiles, splits, tc_tiles, device, gen)
         nbytes = results.pop("_bytes")
         summary[name] = results
         base = results.get("current", {}).get("us")
