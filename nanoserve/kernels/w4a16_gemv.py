@@ -3,10 +3,10 @@ layout (nanoserve/quantization/w4_packing.py), one program per (BLOCK_N columns,
 one-row kernel, which they are meant to replace once scripts/probe_w4_gemv.py has timed them on an H200.
 
 Two changes to that kernel's structure, in both variants:
-- the weight is prefetched into registers two tiles ahead of the one being multiplied (as kernels/gemv.py does for
-  bf16), with the tile's scales and zero points: the kernel's loads of a tile were otherwise issued only after the
-  previous tile's arithmetic, so with few programs an SM (Llama-3.1-8B's o_proj and down_proj give one) little of
-  the weight is in flight and the GEMV runs far below the memory's bandwidth;
+- the weight is prefetched into registers one or two tiles ahead of the one being multiplied (as kernels/gemv.py
+  does for bf16), with the tile's scales and zero points: the kernel's loads of a tile were otherwise issued only
+  after the previous tile's arithmetic, so with few programs an SM (Llama-3.1-8B's o_proj and down_proj give one)
+  little of the weight is in flight and the GEMV runs far below the memory's bandwidth;
 - a split of K is summed by the split's last program to finish (an arrival counter per column tile, which that
   program resets), not by a second launch: at batch 1 a launch costs about as much as streaming a small layer.
 
@@ -34,50 +34,55 @@ from nanoserve.kernels.w4a16_reference import PACK
 
 VARIANTS = ("magic", "hoisted")
 
+VALUES_PER_INT32 = tl.constexpr(PACK)  # PACK, as the kernels may read it
 MAGIC_BITS = tl.constexpr(0x4B000000)  # the fp32 2^23: its mantissa's bits are integers (w4a16_gemm.py)
 MAGIC = tl.constexpr(8388608.0)
-LOW_FIELD = tl.constexpr(0xF << 15)  # mantissa bits 15..18: 2^23 + q 2^15
-HIGH_FIELD = tl.constexpr(0xF << 19)  # mantissa bits 19..22: 2^23 + q 2^19
+LOW_FIELD = 0xF << 15  # mantissa bits 15..18: 2^23 + q 2^15
+HIGH_FIELD = 0xF << 19  # mantissa bits 19..22: 2^23 + q 2^19
 
 
 @triton.jit
-def _x_at(x_ptr, perm_ptr, k, HAS_PERM: tl.constexpr):
-    """x (fp32) at weight rows k: x's own columns perm[k] with act-order."""
+def _x_at(row_ptrs, x_row, j, HAS_PERM: tl.constexpr):
+    """x (fp32) at weight rows k8 + j, for row_ptrs = x_row + k8, or perm + k8 with act-order (x's columns perm[k]).
+    A pointer plus a constant, so that the compiler folds j into the load's address (an index plus j, it computed
+    each load's 64-bit address: three instructions a load)."""
     if HAS_PERM:
-        k = tl.load(perm_ptr + k)
-    return tl.load(x_ptr + k).to(tl.float32)
+        return tl.load(x_row + tl.load(row_ptrs + j)).to(tl.float32)
+    return tl.load(row_ptrs + j).to(tl.float32)
 
 
 @triton.jit
-def _tile_magic(packed, x_ptr, perm_ptr, k8, s, z, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr):
-    """Σ_j (q - z) x s over the eight values of each int32 of a [P, BLOCK_N] tile (rows k8 + j), not summed over P."""
+def _tile_magic(packed, row_ptrs, x_row, s, z, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr):
+    """Σ_j (q - z) x s over the eight values of each int32 of a [P, BLOCK_N] tile (rows k8 + j), not summed over P;
+    row_ptrs as _x_at's."""
     z_magic = z + MAGIC if HAS_ZEROS else z * 0.0 + (MAGIC + 8.0)
     part = tl.zeros(packed.shape, dtype=tl.float32)
     for j in tl.static_range(8):
-        x = _x_at(x_ptr, perm_ptr, k8 + j, HAS_PERM)
+        x = _x_at(row_ptrs, x_row, j, HAS_PERM)
         q = (((packed >> (4 * j)) & 0xF) | MAGIC_BITS).to(tl.float32, bitcast=True)  # 2^23 + q
         part += (q - z_magic[None, :]) * x[:, None]
     return part * s[None, :]
 
 
 @triton.jit
-def _tile_hoisted(packed, x_ptr, perm_ptr, k8, s, z, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr):
+def _tile_hoisted(packed, row_ptrs, x_row, s, z, low_field, high_field, HAS_ZEROS: tl.constexpr,
+                  HAS_PERM: tl.constexpr):
     """As _tile_magic, with the magic number and the zero point subtracted once per tile element (module doc)."""
     part = tl.zeros(packed.shape, dtype=tl.float32)
-    sum_even = tl.zeros(k8.shape, dtype=tl.float32)
-    sum_odd = tl.zeros(k8.shape, dtype=tl.float32)
+    sum_even = tl.zeros(row_ptrs.shape, dtype=tl.float32)
+    sum_odd = tl.zeros(row_ptrs.shape, dtype=tl.float32)
     for i in tl.static_range(4):
         # Values 2i and 2i + 1 (bits 8i..8i+7) to bits 15..22; an arithmetic right shift's sign copies land above.
         if 8 * i <= 15:
             t = packed << (15 - 8 * i)
         else:
             t = packed >> (8 * i - 15)
-        x_even = _x_at(x_ptr, perm_ptr, k8 + 2 * i, HAS_PERM)
-        x_odd = _x_at(x_ptr, perm_ptr, k8 + 2 * i + 1, HAS_PERM)
+        x_even = _x_at(row_ptrs, x_row, 2 * i, HAS_PERM)
+        x_odd = _x_at(row_ptrs, x_row, 2 * i + 1, HAS_PERM)
         sum_even += x_even
         sum_odd += x_odd
-        part += ((t & LOW_FIELD) | MAGIC_BITS).to(tl.float32, bitcast=True) * x_even[:, None]
-        part += ((t & HIGH_FIELD) | MAGIC_BITS).to(tl.float32, bitcast=True) * (x_odd * 0.0625)[:, None]
+        part += ((t & low_field) | MAGIC_BITS).to(tl.float32, bitcast=True) * x_even[:, None]
+        part += ((t & high_field) | MAGIC_BITS).to(tl.float32, bitcast=True) * (x_odd * 0.0625)[:, None]
     # part = 2^23 (S_even + S_odd / 16) + 2^15 Σ q x
     bias = MAGIC * (sum_even + sum_odd * 0.0625)
     x_sum = (sum_even + sum_odd) * 32768.0
@@ -92,6 +97,10 @@ def _tile_hoisted(packed, x_ptr, perm_ptr, k8, s, z, HAS_ZEROS: tl.constexpr, HA
 def _group_params(s_ptr, z_ptr, k0, cols, N, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr):
     """The scales and zero points (fp32; zeros 8 without them) of the group holding weight row k0."""
     g = k0 // GROUP if GROUP > 0 else 0
+    # Loaded four columns a thread, as the weight tile holds them: left to itself Triton loads 16 bytes a thread
+    # (8 fp16 scales, 16 uint8 zeros) and moves them into the tile's layout through shared memory, with barriers,
+    # every tile (sm_90 SASS).
+    cols = tl.max_contiguous(cols, 4)
     s = tl.load(s_ptr + g * N + cols).to(tl.float32)
     if HAS_ZEROS:
         z = tl.load(z_ptr + g * N + cols).to(tl.float32)
@@ -102,37 +111,57 @@ def _group_params(s_ptr, z_ptr, k0, cols, N, GROUP: tl.constexpr, HAS_ZEROS: tl.
 
 @triton.jit
 def _w4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, b_ptr, out_ptr, part_ptr, count_ptr, N, K, stride_xm,
-                    k_per_split, splits, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, HOISTED: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+                    k_per_split, splits, low_field, high_field, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                    HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, HOISTED: tl.constexpr,
+                    AHEAD: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.minimum(offs_n, N - 1)  # tail columns read a valid one again; the store drops them
-    offs_p = tl.arange(0, BLOCK_K // PACK)
+    if EVEN_N:
+        # Unclamped, the columns are known contiguous: each thread loads 16 bytes of int32 (4 columns) at once and
+        # shares its x work over them. Clamped (w4a16_gemm.py's form), Triton gave each thread one column of the
+        # tile: a load and a conversion of x per 4-bit value (sm_90 SASS).
+        cols = offs_n
+    else:
+        cols = tl.minimum(offs_n, N - 1)  # tail columns read a valid one again; the store drops them
+    offs_p = tl.arange(0, BLOCK_K // VALUES_PER_INT32)
     w_ptrs = qw_ptr + offs_p[:, None] * N + cols[None, :]
     x_row = x_ptr + m * stride_xm
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     # Loads past the split's end take its last tile again (a cache hit) rather than a predicate on every load.
     last = k_end - BLOCK_K
-    w = tl.load(w_ptrs + (k_start // PACK) * N)
+    w = tl.load(w_ptrs + (k_start // VALUES_PER_INT32) * N)
     s, z = _group_params(s_ptr, z_ptr, k_start, cols, N, GROUP, HAS_ZEROS)
-    k_ahead = tl.minimum(k_start + BLOCK_K, last)
-    w_ahead = tl.load(w_ptrs + (k_ahead // PACK) * N)
-    s_ahead, z_ahead = _group_params(s_ptr, z_ptr, k_ahead, cols, N, GROUP, HAS_ZEROS)
+    # A tile a group: its scales and zero points are prefetched with it. Narrower tiles reload them at each group's
+    # first tile only, as moving them into the tile's layout may take a pass through shared memory (module doc).
+    if AHEAD == 2:
+        k_ahead = tl.minimum(k_start + BLOCK_K, last)
+        w_ahead = tl.load(w_ptrs + (k_ahead // VALUES_PER_INT32) * N)
+        if GROUP == BLOCK_K:
+            s_ahead, z_ahead = _group_params(s_ptr, z_ptr, k_ahead, cols, N, GROUP, HAS_ZEROS)
     # Summed over the tile's rows only after the loop: a reduction per tile would be a cross-thread exchange each.
-    acc = tl.zeros([BLOCK_K // PACK, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_K // VALUES_PER_INT32, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        k_next = tl.minimum(k0 + 2 * BLOCK_K, last)
-        w_next = tl.load(w_ptrs + (k_next // PACK) * N)
-        s_next, z_next = _group_params(s_ptr, z_ptr, k_next, cols, N, GROUP, HAS_ZEROS)
-        k8 = k0 + offs_p * PACK
+        k_next = tl.minimum(k0 + AHEAD * BLOCK_K, last)
+        w_next = tl.load(w_ptrs + (k_next // VALUES_PER_INT32) * N)
+        if GROUP == BLOCK_K:
+            s_next, z_next = _group_params(s_ptr, z_ptr, k_next, cols, N, GROUP, HAS_ZEROS)
+        elif GROUP > 0:
+            if k0 % GROUP == 0:
+                s, z = _group_params(s_ptr, z_ptr, k0, cols, N, GROUP, HAS_ZEROS)
+        row_ptrs = (perm_ptr if HAS_PERM else x_row) + k0 + offs_p * VALUES_PER_INT32
         if HOISTED:
-            acc += _tile_hoisted(w, x_row, perm_ptr, k8, s, z, HAS_ZEROS, HAS_PERM)
+            acc += _tile_hoisted(w, row_ptrs, x_row, s, z, low_field, high_field, HAS_ZEROS, HAS_PERM)
         else:
-            acc += _tile_magic(w, x_row, perm_ptr, k8, s, z, HAS_ZEROS, HAS_PERM)
-        w, s, z = w_ahead, s_ahead, z_ahead
-        w_ahead, s_ahead, z_ahead = w_next, s_next, z_next
+            acc += _tile_magic(w, row_ptrs, x_row, s, z, HAS_ZEROS, HAS_PERM)
+        if AHEAD == 2:
+            w, w_ahead = w_ahead, w_next
+            if GROUP == BLOCK_K:
+                s, z, s_ahead, z_ahead = s_ahead, z_ahead, s_next, z_next
+        else:
+            w = w_next
+            if GROUP == BLOCK_K:
+                s, z = s_next, z_next
     res = tl.sum(acc, axis=0)
     offs = tl.arange(0, BLOCK_N)
     mask = offs_n < N
@@ -175,11 +204,14 @@ def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
 def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                perm: torch.Tensor | None, group_size: int, bias: torch.Tensor | None = None, *,
                variant: str = "hoisted", block_n: int = 128, block_k: int = 128, split: int = 4,
-               num_warps: int = 4, num_stages: int = 1) -> torch.Tensor:
+               num_warps: int = 4, num_stages: int = 1, ahead: int = 2) -> torch.Tensor:
     """x [M, K] (contiguous) @ the W4 weight (+ bias [N]) -> [M, N] in x's dtype, one program per BLOCK_N columns
-    of a row and K split `split` ways (fewer where K has fewer tiles); group_size -1: one group per column."""
+    of a row and K split `split` ways (fewer where K has fewer tiles); group_size -1: one group per column.
+    ahead: weight tiles loaded ahead of the one multiplied, 1 or 2 (each holds a tile's int32s in registers)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    if ahead not in (1, 2):
+        raise ValueError(f"ahead must be 1 or 2, got {ahead}")
     m, k = x.shape
     k8, n = qweight.shape
     if k8 * PACK != k or not x.is_contiguous():
@@ -205,7 +237,8 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     _w4_gemv_kernel[(n_tiles, m, splits)](
         x, qweight, scales, zeros if zeros is not None else scales, perm if perm is not None else qweight,
         bias if bias is not None else scales, out, partials, counters, n, k, x.stride(0), tiles_per_split * block_k,
-        splits, GROUP=group, HAS_ZEROS=zeros is not None, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
-        SPLIT_K=splits > 1, HOISTED=variant == "hoisted", BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-        num_stages=num_stages)
+        splits, LOW_FIELD, HIGH_FIELD, GROUP=group, HAS_ZEROS=zeros is not None, HAS_PERM=perm is not None,
+        HAS_BIAS=bias is not None,
+        SPLIT_K=splits > 1, HOISTED=variant == "hoisted", AHEAD=ahead, EVEN_N=n % block_n == 0, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     return out

@@ -39,7 +39,9 @@ def test_w4a16_gemv(variant, dtype, m, n, k, group, zeros, perm, bias, cfg, devi
     args = [t.to(device) if t is not None else None for t in (x, qweight, scales, z, p)]
     b = None if b is None else b.to(device)
     block_n, block_k, split = cfg
-    got = w4a16_gemv(*args, group, b, variant=variant, block_n=block_n, block_k=block_k, split=split, num_warps=2)
+    # One tile ahead unsplit (four tiles a program) and split four ways (one tile each), two elsewhere.
+    got = w4a16_gemv(*args, group, b, variant=variant, block_n=block_n, block_k=block_k, split=split, num_warps=2,
+                     ahead=1 if split in (1, 4) else 2)
     want = w4a16_linear_ref(*args, group, b)
     assert got.dtype == dtype and got.shape == (m, n)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
