@@ -41,15 +41,17 @@ GROUP = 128
 CALLS = 20
 REPLAYS = 50
 ROTATE_BYTES = 200 << 20  # four times an H200's L2
-# (block_n, block_k, num_warps, num_stages): a thread holds 4 columns of the tile per 128 columns a warp covers
-# beyond what its program's warps span (more columns a thread share its x work), and the tile's int32s three
-# times over (two tiles prefetched); stages > 1 lets Triton's own pipeliner try as well.
-TILES = [(128, 128, 4, 1), (128, 128, 8, 1), (64, 128, 2, 1), (256, 128, 8, 1), (256, 64, 4, 1), (256, 16, 1, 1),
-         (512, 16, 2, 1), (64, 64, 1, 1), (128, 128, 4, 3)]
-SPLITS = [1, 2, 4, 8, 16]
+# (block_n, block_k, num_warps, num_stages, ahead). A thread holds 4 adjacent columns of the tile, times
+# block_n / (128 num_warps) where that exceeds 1 (it then shares its x work over 8), and (block_k / 8) x 128 /
+# block_n / 32 rows; the int32s 1 + ahead times over. block_n = 128 num_warps keeps the scales' layout the tile's
+# (no shared-memory pass); stages > 1 lets Triton's own pipeliner try too.
+TILES = [(128, 128, 4, 1, 2), (128, 128, 4, 1, 1), (128, 128, 8, 1, 2), (512, 32, 4, 1, 2), (256, 32, 2, 1, 2),
+         (1024, 16, 4, 1, 2), (512, 16, 2, 1, 2), (512, 32, 2, 1, 1), (128, 128, 4, 3, 2)]
+SPLITS = [1, 2, 4, 8, 16, 32]
+MIN_PROGRAMS = 128  # fewer leave SMs idle: such configs are not timed
 # The tensor-core path at one row (w4a16_gemm.py's GEMM kernel, x padded to 16 rows): (block_n, split).
 TC_TILES = [(64, 1), (64, 2), (64, 4), (128, 1), (128, 2), (128, 4), (128, 8)]
-TINY_TILES, TINY_SPLITS = [(32, 32, 2, 1)], [1, 3]
+TINY_TILES, TINY_SPLITS = [(32, 32, 2, 1, 2), (32, 32, 2, 1, 1)], [1, 3]
 
 
 def random_w4(k: int, n: int, device: str, gen: torch.Generator):
@@ -152,11 +154,13 @@ def probe_shape(name: str, k: int, n: int, variants: list[str], tiles, splits, t
             cfg = dict(block_n=block_n, split=split)
             run("tc", cfg, lambda c, cfg=cfg: tc_linear(x, *c, **cfg), copies)
     for variant in (v for v in variants if v in VARIANTS):
-        for block_n, block_k, warps, stages in tiles:
+        for block_n, block_k, warps, stages, ahead in tiles:
             for split in splits:
-                if split > max(1, k // min(block_k, GROUP)):
+                programs = triton.cdiv(n, block_n) * split
+                if split > max(1, k // min(block_k, GROUP)) or (device == "cuda" and programs < MIN_PROGRAMS):
                     continue
-                cfg = dict(block_n=block_n, block_k=block_k, split=split, num_warps=warps, num_stages=stages)
+                cfg = dict(block_n=block_n, block_k=block_k, split=split, num_warps=warps, num_stages=stages,
+                           ahead=ahead)
                 run(variant, cfg, lambda c, cfg=cfg, v=variant: w4a16_gemv(x, *c, None, GROUP, variant=v, **cfg),
                     copies)
     del copies
