@@ -2,25 +2,32 @@
 layout (nanoserve/quantization/w4_packing.py), one program per (BLOCK_N columns, row, K split), as w4a16_gemm.py's
 one-row kernel, which they are meant to replace once scripts/probe_w4_gemv.py has timed them on an H200.
 
-Two changes to that kernel's structure, in both variants:
-- the weight is prefetched into registers one or two tiles ahead of the one being multiplied (as kernels/gemv.py
-  does for bf16), with the tile's scales and zero points: the kernel's loads of a tile were otherwise issued only
-  after the previous tile's arithmetic, so with few programs an SM (Llama-3.1-8B's o_proj and down_proj give one)
-  little of the weight is in flight and the GEMV runs far below the memory's bandwidth;
+What both variants change in that kernel's structure (each found in its sm_90 SASS, compiled on a CPU):
+- full column tiles are not clamped to N (EVEN_N): clamping hid the columns' contiguity, so Triton gave each
+  thread one column of the tile, loading the weight 4 bytes at a time and loading and converting x once per 4-bit
+  value; unclamped, a thread holds 4 adjacent columns (16-byte loads) and shares its x work over them;
+- x is read at a pointer plus a constant (the compiler folds it into the load; an index plus a constant cost three
+  instructions a load to form a 64-bit address);
+- the weight is prefetched into registers one or two tiles ahead of the one multiplied (as kernels/gemv.py does for
+  bf16), with its scales and zero points where a tile is a group; narrower tiles reload those at each group's first
+  tile only, since unless BLOCK_N is 128 x num_warps Triton moves them into the tile's layout through shared
+  memory, with barriers;
 - a split of K is summed by the split's last program to finish (an arrival counter per column tile, which that
   program resets), not by a second launch: at batch 1 a launch costs about as much as streaming a small layer.
 
-The variants differ in how a packed value becomes a product with x (ops counted per 4-bit value, SASS):
-- "magic" (w4a16_gemm.py's arithmetic): shift, and|or (one LOP3) to the float 2^23 + q, minus 2^23 + z, times x
-  and added: 4 ops.
-- "hoisted": the zero point and the magic number leave the inner loop. Each shift of the int32 brings two
-  values at once into the mantissa's bits 15..18 and 19..22, where one LOP3 each makes the floats 2^23 + q 2^15
-  and 2^23 + q 2^19 (the second's x is pre-scaled by 1/16); these are multiplied into x and added as they are, and
-  per tile row the sum less 2^23 (S_even + S_odd / 16) and less z 2^15 (S_even + S_odd) is Σ (q - z) x 2^15
-  (S: the row's x summed over its even and odd positions, computed once for all columns). 2.5 ops a value plus
-  about 4 a row and column of the tile. Exactness: 2^23 + q 2^19 < 2^24 is an fp32 integer, and the bias of 2^23 x
-  is at most 2^8 times the term it carries (q 2^15 x), so the subtraction costs ~8 of fp32's 24 bits: products
-  stay within ~1e-5 relative, far below bf16's rounding of the output.
+The variants differ in how a packed value becomes a product with x:
+- "magic" (w4a16_gemm.py's arithmetic): shift and mask, OR in 2^23's exponent (the float 2^23 + q), minus
+  2^23 + z, times x, added.
+- "hoisted": the zero point and the magic number leave the inner loop. Each shift of the int32 brings two values
+  at once into the mantissa's bits 15..18 and 19..22, where one LOP3 each makes the floats 2^23 + q 2^15 and
+  2^23 + q 2^19 (the second's x pre-scaled by 1/16); these are multiplied into x and added as they are, and per
+  tile row the sum less 2^23 (S_even + S_odd / 16) and less z 2^15 (S_even + S_odd) is 2^15 Σ (q - z) x (S: the
+  row's x summed over its even and odd positions, once for all of a thread's columns). Exactness: 2^23 + q 2^19 <
+  2^24 is an fp32 integer, and the 2^23 x carried along is at most 2^8 times the term that matters (q 2^15 x), so
+  the subtraction costs ~8 of fp32's 24 bits: ~1e-5 relative, far below bf16's rounding of the output.
+Main loop per 128 values (16 int32 a thread; 128 columns, 128-row tiles, 4 warps): the current kernel 1153 SASS
+instructions, "magic" 760, "hoisted" 561 (128 FFMA + 128 LOP3 + 64 shifts at its core); "hoisted" at 512 columns,
+32-row tiles, 2 warps, one tile ahead (8 columns a thread): 961 per 256 values.
 
 A tile lies in one group of the quantization (BLOCK_K divides the group size) and K is whole tiles (the wrapper
 narrows BLOCK_K to the largest power of two dividing K), so no load is masked.
@@ -37,8 +44,10 @@ VARIANTS = ("magic", "hoisted")
 VALUES_PER_INT32 = tl.constexpr(PACK)  # PACK, as the kernels may read it
 MAGIC_BITS = tl.constexpr(0x4B000000)  # the fp32 2^23: its mantissa's bits are integers (w4a16_gemm.py)
 MAGIC = tl.constexpr(8388608.0)
-LOW_FIELD = 0xF << 15  # mantissa bits 15..18: 2^23 + q 2^15
-HIGH_FIELD = 0xF << 19  # mantissa bits 19..22: 2^23 + q 2^19
+# Mantissa bits 15..18 (2^23 + q 2^15) and 19..22 (2^23 + q 2^19). Passed as arguments: as constants, ptxas
+# rematerialized one into a register before every other LOP3 (which takes one immediate, and 2^23's is the other).
+LOW_FIELD = 0xF << 15
+HIGH_FIELD = 0xF << 19
 
 
 @triton.jit
@@ -97,10 +106,6 @@ def _tile_hoisted(packed, row_ptrs, x_row, s, z, low_field, high_field, HAS_ZERO
 def _group_params(s_ptr, z_ptr, k0, cols, N, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr):
     """The scales and zero points (fp32; zeros 8 without them) of the group holding weight row k0."""
     g = k0 // GROUP if GROUP > 0 else 0
-    # Loaded four columns a thread, as the weight tile holds them: left to itself Triton loads 16 bytes a thread
-    # (8 fp16 scales, 16 uint8 zeros) and moves them into the tile's layout through shared memory, with barriers,
-    # every tile (sm_90 SASS).
-    cols = tl.max_contiguous(cols, 4)
     s = tl.load(s_ptr + g * N + cols).to(tl.float32)
     if HAS_ZEROS:
         z = tl.load(z_ptr + g * N + cols).to(tl.float32)
