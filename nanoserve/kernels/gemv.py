@@ -206,7 +206,9 @@ def _config(m: int, n: int, k: int, elem_size: int) -> _Config:
     # One row of a weight of 32 MB or more (Llama-3.1-8B's qkv_proj and o_proj) takes it too, with the prologue
     # left to its own kernel (tensor_cores_at): whole batch-1 decode on an H200 went 4.555 -> 4.505 ms a token, and
     # stayed at 6.01 on an H100; with the prologue fused in, the tensor-core path was slower (4.72-4.76).
-    small_one_row = block_m == 1 and n * k * elem_size < TENSOR_CORES_FROM_BYTES_AT_ONE_ROW
+    # An fp8 weight stays on the CUDA cores at one row whatever its size: Llama-3.1-8B's fp8 down_proj (59 MB) took
+    # 77.8 us on the tensor-core path and 33.6 on the CUDA cores (H200, c14782a, CUDA graphs, weights past L2).
+    small_one_row = block_m == 1 and (elem_size == 1 or n * k * elem_size < TENSOR_CORES_FROM_BYTES_AT_ONE_ROW)
     narrow_two_rows = block_m == 2 and n <= 2048
     if small_one_row or narrow_two_rows or (block_m <= 8 and n < 2048):
         # CUDA-core path. Its weight loads go to registers, so memory latency is hidden only by many resident

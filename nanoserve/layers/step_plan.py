@@ -14,9 +14,11 @@ Triton launch cost) cuBLAS is faster. Timed one GEMM at a time, cuBLAS was as fa
 decode steps on an H100 (where the skinny GEMM starts under PDL beside the Triton kernels around it; probe at
 275aa23), the skinny GEMM made Qwen3-0.6B's steps 1.0-8.6 % faster at 3-32 rows and Llama-3.1-8B's (qkv and o_proj)
 1.3-2.2 % at 4-32, and cuBLAS won from 48 rows.
-The byte limits here and in kernels/gemv.py count a weight as stored (element_size): an fp8 weight (a quantized
-layer's, layers/linear.py's skinny_operands) of up to 64 MB takes the skinny GEMM, twice the elements of a bf16 one.
-That limit was measured against bf16 cuBLAS, not against the fp8 GEMMs that run past it (quantization/fp8_linear.py).
+An fp8 weight (a quantized layer's, layers/linear.py's skinny_operands) takes the skinny GEMM at any size: what runs
+otherwise is a per-token quantization launch and torch._scaled_mm, and whole Llama-3.1-8B batch-1 steps (H200,
+c14782a, one call) took 5.665 ms with fp8 weights past 64 MB left to _scaled_mm (gate_up_proj), 5.032 with every fp8
+weight in the skinny GEMM on the CUDA cores (kernels/gemv.py), 6.12 and 6.82 with its tensor-core path from 32 and
+8 MB on.
 
 Fused prologues (the residual add + RMSNorm before qkv_proj and gate_up_proj, SiLU-and-mul before down_proj, run
 inside the skinny GEMM): only at one row, and not on the tensor cores, which a large weight takes at one row
@@ -97,7 +99,8 @@ class KernelPlan:
 
     def takes_skinny_gemm(self, weight: torch.Tensor) -> bool:
         """Whether a projection with this weight runs the skinny GEMM."""
-        return self.skinny_gemm and _weight_bytes(weight) <= SKINNY_MAX_WEIGHT_BYTES
+        fp8 = weight.dtype == torch.float8_e4m3fn  # any size (module docstring)
+        return self.skinny_gemm and (fp8 or _weight_bytes(weight) <= SKINNY_MAX_WEIGHT_BYTES)
 
     def takes_fused_prologue(self, weight: torch.Tensor) -> bool:
         """Whether the skinny GEMM of this weight also runs the op before it (Linear.forward_norm,

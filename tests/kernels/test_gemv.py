@@ -111,6 +111,9 @@ def test_config_counts_the_weights_bytes():
     assert gemv._config(1, 6144, 4096, 2).use_dot and not gemv._config(1, 6144, 4096, 1).use_dot
     w = torch.empty(6144, 4096, dtype=torch.float8_e4m3fn)
     assert not gemv.tensor_cores_at(1, w) and gemv.tensor_cores_at(1, w.to(torch.bfloat16))
+    # At one row an fp8 weight stays on the CUDA cores at any size (down_proj, 59 MB, measured 2.3x faster there).
+    down = torch.empty(4096, 14336, dtype=torch.float8_e4m3fn, device="meta")
+    assert not gemv.tensor_cores_at(1, down) and gemv.tensor_cores_at(2, down)
 
 
 def test_bad_fp8_inputs_raise(device, gen):

@@ -176,6 +176,9 @@ def test_skinny_gemm_rule():
     assert plan(3).takes_skinny_gemm(llama8b_qkv) and plan(32).takes_skinny_gemm(llama8b_qkv)
     assert not plan(33).takes_skinny_gemm(llama8b_qkv)
     assert not plan(1).takes_skinny_gemm(llama8b_gate_up)
+    # An fp8 weight at any size: past the limit, the alternative is a quantize launch and torch._scaled_mm.
+    assert plan(1).takes_skinny_gemm(llama8b_gate_up.to(torch.float8_e4m3fn))
+    assert not plan(1, graph=False).takes_skinny_gemm(llama8b_gate_up.to(torch.float8_e4m3fn))
     # The prologues only at one row on the CUDA cores, where fusing measured faster: a 50 MB weight takes the
     # tensor cores at one row, and its norm runs as its own kernel.
     qwen3_qkv = torch.empty(4096, 1024, dtype=torch.bfloat16, device="meta")
