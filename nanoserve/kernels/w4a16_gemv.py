@@ -192,8 +192,8 @@ MIN_TILES_PER_SPLIT = 4
 
 
 def gemv_config(n: int, k: int, group_size: int) -> GemvConfig:
-    """The tiles by shape, from scripts/probe_w4_gemv.py on an H200 (H200, 2026-11-28; Llama-3.1-8B's projections
-    at one row, bf16 x, group 128 with zero points, CUDA graphs, weights rotated past L2), microseconds:
+    """The tiles by shape, from scripts/probe_w4_gemv.py (H200, 2026-11-28; Llama-3.1-8B's projections at one row,
+    bf16 x, group 128 with zero points, CUDA graphs, weights rotated past L2), microseconds:
 
         shape (K, N)           old one-row kernel   "magic"   this kernel (split)   bf16 skinny GEMV
         qkv (4096, 6144)            18.67             11.54      9.62 (8)              16.68
@@ -202,10 +202,10 @@ def gemv_config(n: int, k: int, group_size: int) -> GemvConfig:
         down (14336, 4096)          52.00             22.25     17.48 (16)             35.62
 
     The best at every shape was 128 columns, 128-row tiles, 4 warps, 1 stage, one tile ahead (of 128 to 1024
-    columns, 16 to 128 rows, 2 to 8 warps, 1 or 3 stages, one or two ahead). Its split is the largest power of two
-    up to MAX_SPLIT that launches at most MAX_PROGRAMS programs and leaves each at least MIN_TILES_PER_SPLIT tiles
-    of K (8, 8, 4, 16 above). Narrower groups narrow the tiles (to the group size's largest power of two), as does a
-    K that is not a multiple of 128 (one group per column)."""
+    columns, 16 to 128 rows, 2 to 8 warps, 1 or 3 stages, one or two ahead, splits 1 to 32). Its split is the
+    largest power of two up to MAX_SPLIT that launches at most MAX_PROGRAMS programs (column tiles x split) and
+    leaves each at least MIN_TILES_PER_SPLIT tiles of K (8, 8, 4, 16 above). Narrower groups narrow the tiles (to the
+    group size's largest power of two), as does a K that is not a multiple of 128 (one group per column)."""
     group = 0 if group_size == -1 else group_size
     block_k = min(128, k & -k, group & -group if group else k & -k)  # as w4a16_gemv narrows it
     tiles = k // block_k
