@@ -1,5 +1,6 @@
-"""Times the candidate one-row W4A16 GEMVs (nanoserve/kernels/w4a16_gemv.py) against the engine's current one
-(kernels/w4a16_gemm.py's w4a16_linear at M = 1, label "current"), that file's tensor-core GEMM forced at one row
+"""Times the one-row W4A16 GEMV (nanoserve/kernels/w4a16_gemv.py, label "hoisted") over tile configs against the
+engine's pick (kernels/w4a16_gemm.py's w4a16_linear at M = 1, label "current": the GEMV at gemv_config's tiles; until
+issue #41 another kernel, and a "magic" variant was timed too), that file's tensor-core GEMM forced at one row
 ("tc": x padded to 16 rows, a few tile sizes and splits) and the bf16 GEMV (kernels/gemv.py's skinny_linear) at
 Llama-3.1-8B's four projections, one row (issue #41). Prints a table and, last, one JSON line
 {shape: {variant: {"us": best, "config": {...}}}}.
@@ -31,7 +32,7 @@ import triton
 from nanoserve.kernels import pdl, w4a16_gemm
 from nanoserve.kernels.gemv import skinny_linear
 from nanoserve.kernels.w4a16_gemm import w4a16_linear
-from nanoserve.kernels.w4a16_gemv import VARIANTS, w4a16_gemv
+from nanoserve.kernels.w4a16_gemv import GemvConfig, w4a16_gemv
 from nanoserve.kernels.w4a16_reference import w4a16_linear_ref
 from nanoserve.quantization.w4_packing import pack
 
@@ -52,6 +53,7 @@ MIN_PROGRAMS = 128  # fewer leave SMs idle: such configs are not timed
 # The tensor-core path at one row (w4a16_gemm.py's GEMM kernel, x padded to 16 rows): (block_n, split).
 TC_TILES = [(64, 1), (64, 2), (64, 4), (128, 1), (128, 2), (128, 4), (128, 8)]
 TINY_TILES, TINY_SPLITS = [(32, 32, 2, 1, 2), (32, 32, 2, 1, 1)], [1, 3]
+VARIANTS = ("hoisted",)
 
 
 def random_w4(k: int, n: int, device: str, gen: torch.Generator):
@@ -78,8 +80,8 @@ def tc_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     w4a16_gemm._w4a16_gemm_kernel[(triton.cdiv(n, block_n), 1, split)](
         x, qweight, scales, zeros, qweight, scales, target, m, n, k, x.stride(0), k_per_split, GROUP=GROUP,
-        HAS_ZEROS=True, HAS_PERM=False, HAS_BIAS=False, SPLIT=split, DOT_PRECISION="tf32", BLOCK_M=16,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        HAS_ZEROS=True, HAS_PERM=False, HAS_BIAS=False, SPLIT=split, DOT_PRECISION="tf32", EVEN_N=n % block_n == 0,
+        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     if split > 1:
         w4a16_gemm._sum_splits_kernel[(triton.cdiv(m * n, 1024),)](target, target, out, m * n, n, SPLIT=split,
                                                                    HAS_BIAS=False, BLOCK=1024)
@@ -130,6 +132,9 @@ def probe_shape(name: str, k: int, n: int, variants: list[str], tiles, splits, t
     copies = [(qweight, scales, zeros)] + [(qweight.clone(), scales.clone(), zeros.clone())
                                            for _ in range(weight_copies(w4_bytes) - 1)]
     want = w4a16_linear_ref(x, qweight, scales, zeros, None, GROUP)
+    # The split's arrival counters, as a layer holds them (made before the graphs; every launch leaves them zero),
+    # for column tiles of 16 or more.
+    counters = torch.zeros(triton.cdiv(n, 16), dtype=torch.int32, device=device)
     results: dict[str, dict] = {}
 
     def run(label: str, config: dict, fn: Callable[[tuple], torch.Tensor], copies: list[tuple]) -> None:
@@ -148,7 +153,7 @@ def probe_shape(name: str, k: int, n: int, variants: list[str], tiles, splits, t
         if best is None or us < best["us"]:
             results[label] = {"us": round(us, 2), "config": config}
 
-    run("current", {}, lambda c: w4a16_linear(x, *c, None, GROUP), copies)
+    run("current", {}, lambda c: w4a16_linear(x, *c, None, GROUP, None, counters), copies)
     if "tc" in variants:
         for block_n, split in tc_tiles:
             cfg = dict(block_n=block_n, split=split)
@@ -161,7 +166,8 @@ def probe_shape(name: str, k: int, n: int, variants: list[str], tiles, splits, t
                     continue
                 cfg = dict(block_n=block_n, block_k=block_k, split=split, num_warps=warps, num_stages=stages,
                            ahead=ahead)
-                run(variant, cfg, lambda c, cfg=cfg, v=variant: w4a16_gemv(x, *c, None, GROUP, variant=v, **cfg),
+                run(variant, cfg, lambda c, cfg=cfg: w4a16_gemv(x, *c, None, GROUP, None, counters,
+                                                                         GemvConfig(**cfg)),
                     copies)
     del copies
     # The bf16 GEMV on the same shape: its weight [N, K], the copies again past L2.

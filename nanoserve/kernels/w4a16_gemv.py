@@ -1,8 +1,7 @@
-"""Candidate one-row W4A16 GEMVs (batch-1 decode): out[M, N] = x[M, K] @ W[K, N] (+ bias) for a weight in the W4
-layout (nanoserve/quantization/w4_packing.py), one program per (BLOCK_N columns, row, K split), as w4a16_gemm.py's
-one-row kernel, which they are meant to replace once scripts/probe_w4_gemv.py has timed them on an H200.
-
-What both variants change in that kernel's structure (each found in its sm_90 SASS, compiled on a CPU):
+"""The one-row W4A16 GEMV (batch-1 decode, kernels/w4a16_gemm.py's w4a16_linear at M = 1): out[M, N] = x[M, K] @
+W[K, N] (+ bias) for a weight in the W4 layout (nanoserve/quantization/w4_packing.py), one program per (BLOCK_N
+columns, row, K split). Bound by the weight's bytes, so its structure is what keeps the loop short (each point found
+in its sm_90 SASS, compiled on a CPU):
 - full column tiles are not clamped to N (EVEN_N): clamping hid the columns' contiguity, so Triton gave each
   thread one column of the tile, loading the weight 4 bytes at a time and loading and converting x once per 4-bit
   value; unclamped, a thread holds 4 adjacent columns (16-byte loads) and shares its x work over them;
@@ -13,25 +12,24 @@ What both variants change in that kernel's structure (each found in its sm_90 SA
   tile only, since unless BLOCK_N is 128 x num_warps Triton moves them into the tile's layout through shared
   memory, with barriers;
 - a split of K is summed by the split's last program to finish (an arrival counter per column tile, which that
-  program resets), not by a second launch: at batch 1 a launch costs about as much as streaming a small layer.
-
-The variants differ in how a packed value becomes a product with x:
-- "magic" (w4a16_gemm.py's arithmetic): shift and mask, OR in 2^23's exponent (the float 2^23 + q), minus
-  2^23 + z, times x, added.
-- "hoisted": the zero point and the magic number leave the inner loop. Each shift of the int32 brings two values
+  program resets: the caller's buffer, split_counters), not by a second launch: at batch 1 a launch costs about as
+  much as streaming a small layer;
+- the zero point and the magic number leave the inner loop ("hoisted"). Each shift of the int32 brings two values
   at once into the mantissa's bits 15..18 and 19..22, where one LOP3 each makes the floats 2^23 + q 2^15 and
   2^23 + q 2^19 (the second's x pre-scaled by 1/16); these are multiplied into x and added as they are, and per
   tile row the sum less 2^23 (S_even + S_odd / 16) and less z 2^15 (S_even + S_odd) is 2^15 Σ (q - z) x (S: the
   row's x summed over its even and odd positions, once for all of a thread's columns). Exactness: 2^23 + q 2^19 <
   2^24 is an fp32 integer, and the 2^23 x carried along is at most 2^8 times the term that matters (q 2^15 x), so
   the subtraction costs ~8 of fp32's 24 bits: ~1e-5 relative, far below bf16's rounding of the output.
-Main loop per 128 values (16 int32 a thread; 128 columns, 128-row tiles, 4 warps): the current kernel 1153 SASS
-instructions, "magic" 760, "hoisted" 561 (128 FFMA + 128 LOP3 + 64 shifts at its core); "hoisted" at 512 columns,
-32-row tiles, 2 warps, one tile ahead (8 columns a thread): 961 per 256 values.
+Main loop per 128 values (16 int32 a thread; 128 columns, 128-row tiles, 4 warps): 561 SASS instructions (128 FFMA
++ 128 LOP3 + 64 shifts at its core); the one-row kernel it replaced (the weight's values taken one at a time as
+(2^23 + q) - (2^23 + z), columns clamped) 1153, and that arithmetic unclamped and prefetched ("magic") 760.
 
 A tile lies in one group of the quantization (BLOCK_K divides the group size) and K is whole tiles (the wrapper
-narrows BLOCK_K to the largest power of two dividing K), so no load is masked.
+narrows BLOCK_K to the largest power of two dividing K), so no load is masked. Tiles and split by shape: gemv_config.
 """
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -39,10 +37,8 @@ import triton.language as tl
 
 from nanoserve.kernels.w4a16_reference import PACK
 
-VARIANTS = ("magic", "hoisted")
-
 VALUES_PER_INT32 = tl.constexpr(PACK)  # PACK, as the kernels may read it
-MAGIC_BITS = tl.constexpr(0x4B000000)  # the fp32 2^23: its mantissa's bits are integers (w4a16_gemm.py)
+MAGIC_BITS = tl.constexpr(0x4B000000)  # the fp32 2^23: OR-ing into its mantissa's bits gives 2^23 + that integer
 MAGIC = tl.constexpr(8388608.0)
 # Mantissa bits 15..18 (2^23 + q 2^15) and 19..22 (2^23 + q 2^19). Passed as arguments: as constants, ptxas
 # rematerialized one into a register before every other LOP3 (which takes one immediate, and 2^23's is the other).
@@ -61,22 +57,9 @@ def _x_at(row_ptrs, x_row, j, HAS_PERM: tl.constexpr):
 
 
 @triton.jit
-def _tile_magic(packed, row_ptrs, x_row, s, z, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr):
-    """Σ_j (q - z) x s over the eight values of each int32 of a [P, BLOCK_N] tile (rows k8 + j), not summed over P;
-    row_ptrs as _x_at's."""
-    z_magic = z + MAGIC if HAS_ZEROS else z * 0.0 + (MAGIC + 8.0)
-    part = tl.zeros(packed.shape, dtype=tl.float32)
-    for j in tl.static_range(8):
-        x = _x_at(row_ptrs, x_row, j, HAS_PERM)
-        q = (((packed >> (4 * j)) & 0xF) | MAGIC_BITS).to(tl.float32, bitcast=True)  # 2^23 + q
-        part += (q - z_magic[None, :]) * x[:, None]
-    return part * s[None, :]
-
-
-@triton.jit
-def _tile_hoisted(packed, row_ptrs, x_row, s, z, low_field, high_field, HAS_ZEROS: tl.constexpr,
-                  HAS_PERM: tl.constexpr):
-    """As _tile_magic, with the magic number and the zero point subtracted once per tile element (module doc)."""
+def _tile(packed, row_ptrs, x_row, s, z, low_field, high_field, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr):
+    """Σ_j (q - z) x s over the eight values of each int32 of a [P, BLOCK_N] tile (rows k8 + j), not summed over P,
+    the magic number and the zero point subtracted once per tile element (module doc); row_ptrs as _x_at's."""
     part = tl.zeros(packed.shape, dtype=tl.float32)
     sum_even = tl.zeros(row_ptrs.shape, dtype=tl.float32)
     sum_odd = tl.zeros(row_ptrs.shape, dtype=tl.float32)
@@ -117,14 +100,14 @@ def _group_params(s_ptr, z_ptr, k0, cols, N, GROUP: tl.constexpr, HAS_ZEROS: tl.
 @triton.jit
 def _w4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, b_ptr, out_ptr, part_ptr, count_ptr, N, K, stride_xm,
                     k_per_split, splits, low_field, high_field, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                    HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, HOISTED: tl.constexpr,
-                    AHEAD: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, AHEAD: tl.constexpr,
+                    EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if EVEN_N:
         # Unclamped, the columns are known contiguous: each thread loads 16 bytes of int32 (4 columns) at once and
-        # shares its x work over them. Clamped (w4a16_gemm.py's form), Triton gave each thread one column of the
-        # tile: a load and a conversion of x per 4-bit value (sm_90 SASS).
+        # shares its x work over them. Clamped, Triton gave each thread one column of the tile: a load and a
+        # conversion of x per 4-bit value (sm_90 SASS).
         cols = offs_n
     else:
         cols = tl.minimum(offs_n, N - 1)  # tail columns read a valid one again; the store drops them
@@ -155,10 +138,7 @@ def _w4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, b_ptr, out_ptr, part_
             if k0 % GROUP == 0:
                 s, z = _group_params(s_ptr, z_ptr, k0, cols, N, GROUP, HAS_ZEROS)
         row_ptrs = (perm_ptr if HAS_PERM else x_row) + k0 + offs_p * VALUES_PER_INT32
-        if HOISTED:
-            acc += _tile_hoisted(w, row_ptrs, x_row, s, z, low_field, high_field, HAS_ZEROS, HAS_PERM)
-        else:
-            acc += _tile_magic(w, row_ptrs, x_row, s, z, HAS_ZEROS, HAS_PERM)
+        acc += _tile(w, row_ptrs, x_row, s, z, low_field, high_field, HAS_ZEROS, HAS_PERM)
         if AHEAD == 2:
             w, w_ahead = w_ahead, w_next
             if GROUP == BLOCK_K:
@@ -193,57 +173,97 @@ def _w4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, b_ptr, out_ptr, part_
         tl.store(out_ptr + m * N + offs_n, res.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-_counters: dict[torch.device, torch.Tensor] = {}
+class GemvConfig(NamedTuple):
+    """A launch's tiles: BLOCK_N columns a program, BLOCK_K rows a tile (narrowed to fit the groups and K), K split
+    `split` ways (fewer where K has fewer tiles), `ahead` weight tiles loaded ahead of the one multiplied (1 or 2;
+    each holds a tile's int32s in registers)."""
+    block_n: int = 128
+    block_k: int = 128
+    split: int = 1
+    num_warps: int = 4
+    num_stages: int = 1
+    ahead: int = 1
 
 
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """n zeroed int32 counters, kept between calls (each launch leaves them zero): allocate them (a first call)
-    before any CUDA graph capture that uses them."""
-    counters = _counters.get(device)
-    if counters is None or counters.numel() < n:
-        counters = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _counters[device] = counters
-    return counters
+BLOCK_N = GemvConfig().block_n  # the rule's columns a program, which split_counters sizes for
+MAX_SPLIT = 16
+MAX_PROGRAMS = 1024
+MIN_TILES_PER_SPLIT = 4
+
+
+def gemv_config(n: int, k: int, group_size: int) -> GemvConfig:
+    """The tiles by shape, from scripts/probe_w4_gemv.py (H200, 2026-11-28; Llama-3.1-8B's projections at one row,
+    bf16 x, group 128 with zero points, CUDA graphs, weights rotated past L2), microseconds:
+
+        shape (K, N)           old one-row kernel   "magic"   this kernel (split)   bf16 skinny GEMV
+        qkv (4096, 6144)            18.67             11.54      9.62 (8)              16.68
+        o (4096, 4096)              17.62              9.97      8.09 (8)              12.78
+        gate_up (4096, 28672)       51.06             36.99     28.50 (4)              61.73
+        down (14336, 4096)          52.00             22.25     17.48 (16)             35.62
+
+    The best at every shape was 128 columns, 128-row tiles, 4 warps, 1 stage, one tile ahead (of 128 to 1024
+    columns, 16 to 128 rows, 2 to 8 warps, 1 or 3 stages, one or two ahead, splits 1 to 32). Its split is the
+    largest power of two up to MAX_SPLIT that launches at most MAX_PROGRAMS programs (column tiles x split) and
+    leaves each at least MIN_TILES_PER_SPLIT tiles of K (8, 8, 4, 16 above). Narrower groups narrow the tiles (to the
+    group size's largest power of two), as does a K that is not a multiple of 128 (one group per column)."""
+    group = 0 if group_size == -1 else group_size
+    block_k = min(128, k & -k, group & -group if group else k & -k)  # as w4a16_gemv narrows it
+    tiles = k // block_k
+    columns = triton.cdiv(n, BLOCK_N)
+    split = 1
+    while (split * 2 <= MAX_SPLIT and columns * split * 2 <= MAX_PROGRAMS
+           and tiles >= MIN_TILES_PER_SPLIT * split * 2):
+        split *= 2
+    return GemvConfig(block_k=block_k, split=split)
+
+
+def split_counters(n: int, device: torch.device | str, rows: int = 1) -> torch.Tensor:
+    """The zeroed int32 arrival counters a split launch of `rows` rows of an N-column weight counts on at the rule's
+    tiles, which each launch leaves zero again: a layer allocates its own once, before any CUDA graph capture, and
+    passes it to every call (launches in stream order may share one; concurrent ones may not)."""
+    return torch.zeros(rows * triton.cdiv(n, BLOCK_N), dtype=torch.int32, device=device)
 
 
 def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-               perm: torch.Tensor | None, group_size: int, bias: torch.Tensor | None = None, *,
-               variant: str = "hoisted", block_n: int = 128, block_k: int = 128, split: int = 4,
-               num_warps: int = 4, num_stages: int = 1, ahead: int = 2) -> torch.Tensor:
-    """x [M, K] (contiguous) @ the W4 weight (+ bias [N]) -> [M, N] in x's dtype, one program per BLOCK_N columns
-    of a row and K split `split` ways (fewer where K has fewer tiles); group_size -1: one group per column.
-    ahead: weight tiles loaded ahead of the one multiplied, 1 or 2 (each holds a tile's int32s in registers)."""
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-    if ahead not in (1, 2):
-        raise ValueError(f"ahead must be 1 or 2, got {ahead}")
+               perm: torch.Tensor | None, group_size: int, bias: torch.Tensor | None = None,
+               counters: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+    """x [M, K] (contiguous last dim) @ the W4 weight (+ bias [N]) -> [M, N] in x's dtype; group_size -1: one group
+    per column. config: gemv_config's by default. counters: split_counters' (a zeroed int32 per row and column tile,
+    left zero), used where K is split; None: a fresh one each call (a memset launch more)."""
     m, k = x.shape
     k8, n = qweight.shape
-    if k8 * PACK != k or not x.is_contiguous():
-        raise ValueError(f"x must be a contiguous [M, {k8 * PACK}], got {tuple(x.shape)}")
+    if k8 * PACK != k or x.stride(-1) != 1:
+        raise ValueError(f"x must be [M, {k8 * PACK}] with a contiguous last dim, got {tuple(x.shape)}")
+    # The kernel indexes the weight's tensors as row-major.
     for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros), ("perm", perm), ("bias", bias)):
         if t is not None and not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
     if group_size != -1 and k % group_size:
         raise ValueError(f"group_size {group_size} does not divide K = {k}")
+    cfg = config or gemv_config(n, k, group_size)
+    if cfg.ahead not in (1, 2):
+        raise ValueError(f"ahead must be 1 or 2, got {cfg.ahead}")
     group = 0 if group_size == -1 else group_size
     # A tile lies in one group and K is whole tiles: the largest power of two dividing both, at most block_k.
-    block_k = min(block_k, k & -k, group & -group if group else k & -k)
+    block_k = min(cfg.block_k, k & -k, group & -group if group else k & -k)
     tiles = k // block_k
-    tiles_per_split = triton.cdiv(tiles, min(split, tiles))
+    tiles_per_split = triton.cdiv(tiles, min(cfg.split, tiles))
     splits = triton.cdiv(tiles, tiles_per_split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    n_tiles = triton.cdiv(n, block_n)
+    n_tiles = triton.cdiv(n, cfg.block_n)
     if splits > 1:
-        partials = torch.empty(m * n_tiles * splits * block_n, dtype=torch.float32, device=x.device)
-        counters = _arrival_counters(x.device, m * n_tiles)
+        partials = torch.empty(m * n_tiles * splits * cfg.block_n, dtype=torch.float32, device=x.device)
+        if counters is None:
+            counters = torch.zeros(m * n_tiles, dtype=torch.int32, device=x.device)
+        elif counters.dtype != torch.int32 or counters.numel() < m * n_tiles or counters.device != x.device:
+            raise ValueError(f"counters must be int32 on {x.device} with at least {m * n_tiles} entries, got "
+                             f"{counters.numel()} {counters.dtype} on {counters.device}")
     else:
         partials = counters = out
     _w4_gemv_kernel[(n_tiles, m, splits)](
         x, qweight, scales, zeros if zeros is not None else scales, perm if perm is not None else qweight,
         bias if bias is not None else scales, out, partials, counters, n, k, x.stride(0), tiles_per_split * block_k,
         splits, LOW_FIELD, HIGH_FIELD, GROUP=group, HAS_ZEROS=zeros is not None, HAS_PERM=perm is not None,
-        HAS_BIAS=bias is not None,
-        SPLIT_K=splits > 1, HOISTED=variant == "hoisted", AHEAD=ahead, EVEN_N=n % block_n == 0, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+        HAS_BIAS=bias is not None, SPLIT_K=splits > 1, AHEAD=cfg.ahead, EVEN_N=n % cfg.block_n == 0,
+        BLOCK_N=cfg.block_n, BLOCK_K=block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

@@ -11,9 +11,10 @@ format: unpacked, rows of the weight sorted by group where g_idx says act-order 
 packed GPTQ-style along the input columns; scales stored in the narrowest of the activation dtype, fp16 and bf16 that
 holds them exactly. Checkpoint parameters are dropped.
 
-The forward: on CUDA, kernels/w4a16_gemm.py (int4 unpacked in registers, a one-row GEMV that streams the packed
-weight once, a tensor-core GEMM above); elsewhere the weight dequantized to the activation dtype and PyTorch's GEMM
-(the reference, fp32 on the CPU).
+The forward: on CUDA, kernels/w4a16_gemm.py's w4a16_linear (int4 unpacked in registers: one row by
+kernels/w4a16_gemv.py, which streams the packed weight once and has the last of a K split's programs sum it, counting
+arrivals in the layer's `split_counters`; a tensor-core GEMM above); elsewhere the weight dequantized to the
+activation dtype and PyTorch's GEMM (the reference, fp32 on the CPU).
 """
 
 import torch
@@ -157,7 +158,19 @@ class W4LinearMethod:
         layer.zeros = None if w.zeros is None else nn.Parameter(w.zeros.contiguous(), requires_grad=False)
         layer.perm = None if perm is None else nn.Parameter(perm.to(torch.int32), requires_grad=False)
         layer.group_size = s.group_size
+        layer.register_buffer("split_counters", self._split_counters(layer.qweight), persistent=False)
         layer.quant_method = self
+
+    @staticmethod
+    def _split_counters(qweight: torch.Tensor) -> torch.Tensor | None:
+        """The one-row kernel's arrival counters, on CUDA (elsewhere the forward is PyTorch's, and Triton may be
+        absent; the interpreter's tests pass none). Made here, not at a first forward, which may be inside a CUDA
+        graph's capture (the allocation and its zeroing would be captured with it)."""
+        if not qweight.is_cuda:
+            return None
+        from nanoserve.kernels.w4a16_gemv import split_counters
+
+        return split_counters(qweight.shape[1], qweight.device)
 
     def _check_shape(self, layer: Linear, shapes: torch.Tensor, module: str) -> None:
         for shard in getattr(layer, "shards", None) or [None]:
@@ -198,7 +211,7 @@ class W4LinearMethod:
         zeros = layer.zeros.data if layer.zeros is not None else None
         perm = layer.perm.data if layer.perm is not None else None
         y = w4a16_linear(x.reshape(-1, x.shape[-1]), layer.qweight, layer.scales, zeros, perm, layer.group_size,
-                         layer.bias)
+                         layer.bias, layer.split_counters)
         return y.view(*x.shape[:-1], -1)
 
 

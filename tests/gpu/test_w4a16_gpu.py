@@ -9,6 +9,7 @@ from w4_checkpoints import W4Format, write_w4_checkpoint
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.kernels.w4a16_gemm import w4a16_linear
+from nanoserve.kernels.w4a16_gemv import split_counters
 from nanoserve.kernels.w4a16_reference import w4a16_linear_ref
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -23,7 +24,7 @@ def random_w4(n: int, k: int, group: int, zeros: bool, perm: bool, g: torch.Gene
     return qweight.to(torch.int32), scales, z, p
 
 
-# Llama-3.1-8B's qkv, o, gate_up and down projections (one GEMV launch each at M = 1, K split for o and down).
+# Llama-3.1-8B's qkv, o, gate_up and down projections (at M = 1 one GEMV launch each, K split 8, 8, 4, 16 ways).
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 
 
@@ -44,20 +45,24 @@ def test_kernel_matches_reference_bf16(m, n, k, group, zeros, perm):
 
 
 def test_cuda_graph_replay_equals_eager():
+    """One row, K split 8 ways on counters made before the capture (as a layer's): the replays count from zero."""
     g = torch.Generator(device="cuda").manual_seed(0)
     qweight, scales, z, p = random_w4(4096, 4096, 128, True, True, g)
+    counters = split_counters(4096, "cuda")
     x = torch.randn(1, 4096, generator=g, device="cuda").bfloat16()
-    eager = w4a16_linear(x, qweight, scales, z, p, 128)
+    eager = w4a16_linear(x, qweight, scales, z, p, 128, None, counters)
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        w4a16_linear(x, qweight, scales, z, p, 128)  # compile outside the capture
+        w4a16_linear(x, qweight, scales, z, p, 128, None, counters)  # compile outside the capture
         with torch.cuda.graph(graph, stream=stream):
-            out = w4a16_linear(x, qweight, scales, z, p, 128)
-    x.copy_(torch.randn(1, 4096, generator=g, device="cuda").bfloat16())
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, w4a16_linear(x, qweight, scales, z, p, 128))
+            out = w4a16_linear(x, qweight, scales, z, p, 128, None, counters)
+    for _ in range(2):
+        x.copy_(torch.randn(1, 4096, generator=g, device="cuda").bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, w4a16_linear(x, qweight, scales, z, p, 128, None, counters))
+        assert not counters.any()
     assert not torch.equal(out, eager)
 
 

@@ -30,7 +30,6 @@ from nanoserve.kernels.rotary import apply_rotary
 from nanoserve.kernels.sampling import gumbel_max_sample
 from nanoserve.kernels.silu_mul_gemv import silu_mul_gemv
 from nanoserve.kernels.w4a16_gemm import w4a16_linear
-from nanoserve.kernels.w4a16_gemv import w4a16_gemv
 
 BF16, FP32, I32, I64, FP8 = torch.bfloat16, torch.float32, torch.int32, torch.int64, torch.float8_e4m3fn
 BLOCK_SIZE = 16  # KV cache block size
@@ -198,16 +197,6 @@ def _w4a16(m: int, n: int, k: int, group: int, zeros: bool, perm: bool, bias: bo
     return call
 
 
-def _w4a16_gemv(n: int, k: int, group: int, zeros: bool, perm: bool, bias: bool, **config):
-    """A candidate one-row W4 GEMV (kernels/w4a16_gemv.py, not yet launched by the engine) on _w4a16's operands."""
-    def call() -> None:
-        groups = 1 if group == -1 else k // group
-        w4a16_gemv(_zeros(1, k), _zeros(k // 8, n, dtype=I32), _zeros(groups, n, dtype=torch.float16),
-                   _zeros(groups, n, dtype=torch.uint8) if zeros else None, _zeros(k, dtype=I32) if perm else None,
-                   group, _zeros(n) if bias else None, **config)
-    return call
-
-
 def _sampling() -> None:
     try:
         gumbel_max_sample(_zeros(2, 1000, dtype=FP32), _zeros(2, dtype=FP32), 1234)
@@ -283,17 +272,13 @@ VARIANTS = [
     ("fp8_block_linear M=1 FP8 dot", _fp8_linear(1, (128, 128))),
     ("fp8_block_linear M=200 FP8 dot", _fp8_linear(200, (128, 128))),
     ("fp8_block_linear M=32 upcast (16-wide K blocks)", _fp8_linear(32, (16, 16))),
-    ("w4a16 GEMV M=1 K split (o_proj shape) zeros", _w4a16(1, 4096, 4096, 128, True, False, False)),
-    ("w4a16 GEMV M=1 unsplit act-order bias", _w4a16(1, 28672, 4096, 128, False, True, True)),
+    # One row: kernels/w4a16_gemv.py at its rule's tiles.
+    ("w4a16 GEMV M=1 K split 8 (o_proj shape) zeros", _w4a16(1, 4096, 4096, 128, True, False, False)),
+    ("w4a16 GEMV M=1 K split 4 act-order bias", _w4a16(1, 28672, 4096, 128, False, True, True)),
     ("w4a16 GEMV M=1 one group per row", _w4a16(1, 28672, 1024, -1, False, False, False)),
+    ("w4a16 GEMV M=1 unsplit group 32 ragged N act-order bias", _w4a16(1, 1000, 128, 32, True, True, True)),
     ("w4a16 GEMM M=8 split zeros", _w4a16(8, 4096, 4096, 128, True, False, False)),
-    ("w4a16_gemv hoisted split zeros", _w4a16_gemv(4096, 4096, 128, True, False, False, variant="hoisted")),
-    ("w4a16_gemv magic split zeros", _w4a16_gemv(4096, 4096, 128, True, False, False, variant="magic")),
-    ("w4a16_gemv hoisted narrow tiles act-order bias ragged N",
-     _w4a16_gemv(1000, 4096, 128, False, True, True, variant="hoisted", block_n=512, block_k=32, num_warps=2,
-                 ahead=1)),
-    ("w4a16_gemv hoisted one group unsplit", _w4a16_gemv(28672, 1024, -1, True, False, False, variant="hoisted",
-                                                          block_n=1024, block_k=16, split=1)),
+    ("w4a16 GEMM M=20 ragged N bias", _w4a16(20, 1000, 512, 128, True, False, True)),
     ("w4a16 GEMM M=256 act-order bias group 32", _w4a16(256, 4096, 512, 32, False, True, True)),
     ("fp8 quantize_rows dynamic", lambda: quantize_rows(_zeros(4, 4096))),
     ("fp8 quantize_rows static", lambda: quantize_rows(_zeros(4, 4096), _zeros(1, dtype=FP32))),

@@ -1,12 +1,11 @@
-"""The W4A16 GEMM and GEMV against their PyTorch reference on random 4-bit weights (on the CPU through
-TRITON_INTERPRET=1, fp32 and fp16 activations), with and without zero points, act-order permutations, biases, one
-group per row, partial column tiles and K split over programs; and the reference against a plain dequantized
-matmul written here from the layout's definition."""
+"""w4a16_linear (the tensor-core GEMM, and at one row the GEMV) against its PyTorch reference on random 4-bit
+weights (on the CPU through TRITON_INTERPRET=1, fp32 and fp16 activations), with and without zero points, act-order
+permutations, biases, one group per row, whole and partial column tiles and K split over programs; and the
+reference against a plain dequantized matmul written here from the layout's definition."""
 
 import pytest
 import torch
 
-from nanoserve.kernels import w4a16_gemm
 from nanoserve.kernels.w4a16_gemm import w4a16_linear
 from nanoserve.kernels.w4a16_reference import w4a16_linear_ref
 
@@ -33,11 +32,11 @@ def dense(qweight, scales, zeros, perm, group) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m, n, k, group, zeros, perm, bias", [
-    (1, 40, 128, 16, True, False, True),     # one row, K split in four, partial column tile
-    (1, 520, 64, 32, False, True, False),    # one row, nine column tiles, no split, act-order
-    (1, 72, 96, -1, True, False, False),     # one group per row, K not a multiple of the tile
-    (1, 200, 256, 32, True, True, True),     # one row, K split in four, act-order, a partial column tile
-    (3, 40, 128, 32, True, True, True),      # tensor cores, split
+    (1, 40, 128, 16, True, False, True),     # one row (w4a16_gemv.py): K split in two, partial column tile
+    (1, 520, 64, 32, False, True, False),    # one row, five column tiles, no split, act-order
+    (1, 72, 96, -1, True, False, False),     # one row, one group per row, K not a multiple of 128
+    (1, 200, 256, 32, True, True, True),     # one row, K split in two, act-order, a partial column tile
+    (3, 64, 128, 32, True, True, True),      # tensor cores, split, whole column tiles
     (20, 136, 64, 64, False, False, True),   # tensor cores, two column tiles plus a partial one
 ])
 def test_w4a16_linear(dtype, m, n, k, group, zeros, perm, bias, device, gen):
@@ -63,13 +62,3 @@ def test_strided_weight_is_refused(gen):
     qweight, scales, z, p = random_w4(16, 64, 32, True, False, gen)
     with pytest.raises(ValueError, match="qweight must be contiguous"):
         w4a16_linear(torch.randn(1, 64), qweight.t().contiguous().t(), scales, z, p, 32)
-
-
-def test_splits_and_tiles_by_shape():
-    """One row of Llama-3.1-8B's projections on an H200: 128 columns a program, K split in four (what the probe
-    found fastest at every projection); a K of fewer than eight tiles is not split."""
-    cfg = w4a16_gemm._config(1, 4096, 4096, 128, 132)
-    assert cfg.gemv and cfg.split == 4 and cfg.block_k == 128 and cfg.block_n == 128
-    assert w4a16_gemm._config(1, 28672, 4096, 128, 132).split == 4
-    assert w4a16_gemm._config(1, 4096, 896, 128, 132).split == 1
-    assert not w4a16_gemm._config(64, 4096, 4096, 128, 132).gemv
