@@ -158,11 +158,11 @@ def test_one_row_graphs_fuse_gemmas_prologues(checkpoints, monkeypatch):
     reference = generate()
     calls = []
 
-    def norm_linear(x, residual, norm_w, eps, w, b, late_dependents=False, weight_offset=0.0):
+    def norm_linear(x, residual, norm_w, eps, w, b, late_dependents=False, weight_offset=0.0, weight_scale=None):
         calls.append(("norm", weight_offset))
         return gemv.skinny_norm_linear_ref(x, residual, norm_w, eps, w, b, weight_offset=weight_offset)
 
-    def act_linear(x, w, b, activation="silu"):
+    def act_linear(x, w, b, activation="silu", weight_scale=None):
         calls.append(("act", activation))
         return gemv.skinny_silu_mul_linear_ref(x, w, b, activation=activation)
 
