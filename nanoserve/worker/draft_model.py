@@ -1,8 +1,9 @@
 """DraftModelProposer: a smaller model of the target's vocabulary drafts k tokens a step (speculative_config's
 draft_model method), over its own paged KV pool.
 
-The draft runs through a second ModelRunner (its single-token steps replay decode CUDA graphs where the target uses
-graphs; the rest is eager) whose pool has its own block tables, kept here: a sequence's table holds the KV of the
+The draft runs through a second ModelRunner (where the target uses CUDA graphs, its single-token steps replay decode
+graphs and its catch-up passes of up to k + 1 tokens a sequence prefill graphs; a prompt's catch-up is eager) whose
+pool has its own block tables, kept here: a sequence's table holds the KV of the
 tokens it has seen (`cached`). At each proposal the draft first catches up on the sequence's tokens it has not seen
 (a prompt, the tokens the last verify step emitted: one forward pass, every sequence a chunk), whose last row gives
 the first draft, then runs k - 1 single-token steps. The tokens it cached that the target rejected are found by
@@ -36,7 +37,7 @@ from nanoserve.model.registry import check_architecture
 from nanoserve.spec_decode.proposer import DraftRow
 from nanoserve.spec_decode.rejection import DraftPosition
 from nanoserve.utils import to_device
-from nanoserve.worker.cuda_graphs import CUDAGraphRunner
+from nanoserve.worker.cuda_graphs import CUDAGraphRunner, PrefillGraphRunner
 from nanoserve.worker.kv_cache import allocate_kv_cache, bytes_per_block
 from nanoserve.worker.model_runner import ModelRunner
 from nanoserve.worker.step_inputs import StepInputs
@@ -146,23 +147,27 @@ class DraftModelProposer:
 
     def allocate(self, num_blocks: int, max_model_len: int, cuda_graphs: bool) -> None:
         """The draft's pool, of the target's block count; then, where the target steps in CUDA graphs, the draft's
-        decode graphs (its k - 1 single-token steps, and a catch-up with one new token a sequence, replay them). They
-        capture the pool as bound now, so only after it. Their memory pool is their own (the draft's activations at
-        up to 512 sequences: small for a draft), allocated after the target sized its KV pool."""
+        graphs: decode graphs (its k - 1 single-token steps, and a catch-up with one new token a sequence, replay
+        them) and prefill graphs up to (k + 1) tokens a sequence (a decode-phase catch-up: the tokens of the last
+        verify step; a prompt's catch-up, larger, runs eagerly). They capture the pool as bound now, so only after
+        it. Their memory pool is their own (the draft's activations at up to 512 sequences, or (k + 1) x
+        max_num_seqs tokens: small for a draft), allocated after the target sized its KV pool."""
         self.runner.kv_cache = allocate_kv_cache(self.config, num_blocks)
         self.runner._bind_kv_cache(self.runner.kv_cache)
         self.free = list(range(num_blocks))
         if cuda_graphs and self.config.device.type == "cuda":
+            args, runner = self.config.args, self.runner
             max_blocks = -(-max_model_len // self.block_size)
-            graphs = CUDAGraphRunner(
-                self.runner.model,
-                min(self.config.args.max_num_seqs, 512),
-                max_blocks,
-                self.config.device,
-                self.runner.planner,
-            )
-            graphs.capture()
-            self.runner.graphs = graphs
+            # An eager catch-up of a few tokens cost the host several decode steps (issue #43: ~1,400 Triton
+            # launches from Python and the prefill planner's map per proposal, at batch 1 of the bundled draft).
+            max_tokens = min(args.max_num_batched_tokens, args.max_num_seqs * (self.k + 1))
+            prefill = PrefillGraphRunner(runner.model, max_tokens, args.max_num_seqs, max_blocks, self.config.device,
+                                         runner.planner)
+            pool = prefill.capture()
+            graphs = CUDAGraphRunner(runner.model, min(args.max_num_seqs, 512), max_blocks, self.config.device,
+                                     runner.planner)
+            graphs.capture(pool)
+            runner.prefill_graphs, runner.graphs = prefill, graphs
 
     def draft_probs(self, seq_id: int) -> torch.Tensor | None:
         return self.probs.get(seq_id)

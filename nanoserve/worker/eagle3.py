@@ -2,10 +2,10 @@
 states (speculative_config's eagle3 method).
 
 The head is a one-layer model with its own paged KV pool and block tables, run as draft_model.py runs a draft model
-(its single-token steps replay decode CUDA graphs where the target uses graphs), and its drafts are drawn the same
-way (the request's own parameters, q kept for verification). What differs is its input. The head's position i reads
-the token at i + 1 and the target's hidden states at position i (three layers' worth, projected by fc), so it can
-only run where the target has run:
+(its single-token steps and short catch-ups replay CUDA graphs where the target uses graphs), and its drafts are
+drawn the same way (the request's own parameters, q kept for verification). What differs is its input. The head's
+position i reads the token at i + 1 and the target's hidden states at position i (three layers' worth, projected by
+fc), so it can only run where the target has run:
 - every target step (prefill chunks, decodes, verify steps) hands the proposer its hidden states at the head's three
   layers (ModelRunner.aux_hidden_sink), projected by fc at once and stored by the tokens' KV slots in a pool beside
   the target's KV: a prefix-cache hit finds them with the KV it reuses, a sample forked from an n > 1 prompt in the
