@@ -230,6 +230,7 @@ class DraftModelProposer:
         on the device until all are drawn, then come to the host in one read; so the host queues every pass without
         waiting for the one before, save where a row's penalties read its drafts (then each pass's are read).
         Sets each row's q (self.probs)."""
+        argmax_only = self._argmax_only(rows)
         history = any(row.params.has_penalties for row in rows)
         drafted: list[list[int]] = [[] for _ in rows]  # on the host, kept only for penalties
         passes = []  # per pass: its drawn tokens on the device, and (row, index in them) of each draft it kept
@@ -237,8 +238,11 @@ class DraftModelProposer:
         live = list(range(len(rows)))
         for j in range(max(ks)):
             # Without penalties only the drafts' count is read (min_tokens): their values need not be on the host.
-            positions = [DraftPosition(rows[w], drafted[w] if history else [None] * j) for w in live]
-            tokens, q, failed = self._draw(logits, positions)
+            if argmax_only:
+                tokens, q, failed = self._argmax(logits), None, set()
+            else:
+                positions = [DraftPosition(rows[w], drafted[w] if history else [None] * j) for w in live]
+                tokens, q, failed = self._draw(logits, positions)
             kept = [(w, at) for at, w in enumerate(live) if at not in failed]  # a row whose sampling raised stops
             passes.append((tokens, kept))
             if q is not None:
@@ -265,6 +269,20 @@ class DraftModelProposer:
         for w, row in enumerate(rows):
             self.probs[row.seq_id] = torch.stack(probs[w]) if probs[w] and len(probs[w]) == len(drafts[w]) else None
         return drafts
+
+    @staticmethod
+    def _argmax_only(rows: Sequence[DraftRow]) -> bool:
+        """Whether every row's draft is the argmax of its raw logits: greedy, and nothing in Sampler.processed
+        changes them (no logit_bias, min_tokens or penalties; drafts get no structured masks). Then a pass's drafts
+        skip the sampler (its fp32 copy of the logits, each row's DraftPosition)."""
+        return all(
+            p.temperature == 0 and not p.logit_bias and not p.min_tokens and not p.has_penalties
+            for p in (row.params for row in rows)
+        )
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax (the first on ties, as over the processed fp32 copy, into which bf16 converts exactly)."""
+        return logits.argmax(dim=-1)
 
     def _decode_pass(self, state: _DecodeState, tokens: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         """One single-token pass of the rows `keep` picks (None: all) over `tokens`, the drafts the last pass drew:
