@@ -35,7 +35,7 @@ from nanoserve.config import EngineConfig, read_config_json
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.model.registry import check_architecture
 from nanoserve.spec_decode.proposer import DraftRow
-from nanoserve.spec_decode.rejection import DraftPosition
+from nanoserve.spec_decode.rejection import DraftPosition, takes_raw_argmax
 from nanoserve.utils import to_device
 from nanoserve.worker.cuda_graphs import CUDAGraphRunner, PrefillGraphRunner
 from nanoserve.worker.kv_cache import allocate_kv_cache, bytes_per_block
@@ -214,13 +214,15 @@ class DraftModelProposer:
     def _decode_state(
         self, positions: list[int], tables: list[list[int]], hidden: torch.Tensor | None = None
     ) -> _DecodeState:
-        """The sequences' state after their sampling catch-up pass, on the device (one copy a proposal)."""
+        """The sequences' state after their sampling catch-up pass, on the device (one copy a proposal: positions in
+        the first column, the tables after it)."""
         width = max(len(t) for t in tables)
-        padded = np.zeros((len(tables), width), dtype=np.int32)
-        for row, table in zip(padded, tables, strict=True):
+        packed = np.zeros((len(tables), 1 + width), dtype=np.int32)
+        packed[:, 0] = positions
+        for row, table in zip(packed[:, 1:], tables, strict=True):
             row[: len(table)] = table
-        device = self.config.device
-        return _DecodeState(to_device(positions, torch.int64, device), to_device(padded, torch.int32, device), hidden)
+        state = to_device(packed, torch.int32, self.config.device)
+        return _DecodeState(state[:, 0].to(torch.int64), state[:, 1:].contiguous(), hidden)
 
     def _draft_loop(
         self, logits: torch.Tensor, rows: list[DraftRow], ks: list[int], state: _DecodeState
@@ -272,16 +274,11 @@ class DraftModelProposer:
 
     @staticmethod
     def _argmax_only(rows: Sequence[DraftRow]) -> bool:
-        """Whether every row's draft is the argmax of its raw logits: greedy, and nothing in Sampler.processed
-        changes them (no logit_bias, min_tokens or penalties; drafts get no structured masks). Then a pass's drafts
-        skip the sampler (its fp32 copy of the logits, each row's DraftPosition)."""
-        return all(
-            p.temperature == 0 and not p.logit_bias and not p.min_tokens and not p.has_penalties
-            for p in (row.params for row in rows)
-        )
+        """Whether every row's draft is the argmax of its raw logits (drafts get no structured masks). Then a pass's
+        drafts skip the sampler: its fp32 copy of the logits, each row's DraftPosition."""
+        return all(takes_raw_argmax(row.params) for row in rows)
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        """Each row's argmax (the first on ties, as over the processed fp32 copy, into which bf16 converts exactly)."""
         return logits.argmax(dim=-1)
 
     def _decode_pass(self, state: _DecodeState, tokens: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
