@@ -11,13 +11,13 @@ comparing `cached` with the sequence's tokens, and written over. Simple and exac
 target's prefix cache (a prompt the target found cached is prefilled by the draft all the same).
 
 What runs where (_draft_loop, which EAGLE-3's proposer shares): the host builds the catch-up pass's inputs
-(StepInputs, one copy to the device) and the sequences' block tables, grown beforehand for every draft (one more
-copy). From then on the draft tokens stay on the device: each single-token pass takes the last pass's draws as its
-input ids and makes its positions, slots and lengths from the last pass's on the device (_decode_pass), so the host
-queues all k passes without waiting for any; the drafts come to the host in one read at the end (the engine's
-scheduler and the verify step's inputs take them as lists). A pass's drafts are read at once only where a row's
-penalties read its tokens, drafts included. At one draft pass of ~1 ms, a read per pass left the GPU idle while the
-host read the token and built the next pass's inputs.
+(StepInputs, one copy to the device) and, in one more copy, the single-token passes' positions, slots and lengths
+with the sequences' block tables, grown beforehand for every draft (_decode_state: all follow from the catch-up's
+last positions). From then on the draft tokens stay on the device: each single-token pass takes the last pass's
+draws as its input ids (_decode_pass), so the host queues all k passes without waiting for any; the drafts come to
+the host in one read at the end (the engine's scheduler and the verify step's inputs take them as lists). A pass's
+drafts are read at once only where a row's penalties read its tokens, drafts included. At one draft pass of ~1 ms,
+a read per pass left the GPU idle while the host read the token and built the next pass's inputs.
 
 Each draft is drawn from the draft's distribution q at its position, made with the request's own parameters
 (Sampler.processed and filtered_probs, the drafts before it counted as its tokens, as verification counts them), and
@@ -74,15 +74,22 @@ class _Batch:
 
 @dataclass
 class _DecodeState:
-    """The drafting rows at their last pass, on the device, in the order of that pass's logits: what the next
-    single-token pass is made from."""
+    """The inputs of the drafting rows' single-token passes, on the device, rows in the order of the last pass's
+    logits: pass j (from 0) reads row j of positions, slots and seq_lens. All are known on the host before the first
+    pass (they follow from each row's last position and its table, grown for every draft first), so they reach the
+    device with the tables in one copy, and a pass makes none of its inputs itself."""
 
-    positions: torch.Tensor  # [rows] int64: the position each row's last pass ran
-    block_tables: torch.Tensor  # [rows, width] int32, in the draft's pool (grown for every draft first)
-    hidden: torch.Tensor | None = None  # EAGLE-3: the head's output there, the next pass's hidden-state input
+    positions: torch.Tensor  # [passes, rows] int64
+    slots: torch.Tensor  # [passes, rows] int64: their KV slots in the draft's pool
+    seq_lens: torch.Tensor  # [passes, rows] int32
+    cu_seqlens_q: torch.Tensor  # [rows + 1] int32: 0, 1, .., rows (a row's first n + 1 serve n rows)
+    block_tables: torch.Tensor  # [rows, width] int32, in the draft's pool
+    hidden: torch.Tensor | None = None  # EAGLE-3: the head's output at the last pass, the next pass's hidden input
+    done: int = 0  # passes run
 
     def select(self, keep: torch.Tensor) -> None:
-        self.positions, self.block_tables = self.positions[keep], self.block_tables[keep]
+        self.positions, self.slots = self.positions[:, keep], self.slots[:, keep]
+        self.seq_lens, self.block_tables = self.seq_lens[:, keep], self.block_tables[keep]
         if self.hidden is not None:
             self.hidden = self.hidden[keep]
 
@@ -214,15 +221,34 @@ class DraftModelProposer:
     def _decode_state(
         self, positions: list[int], tables: list[list[int]], hidden: torch.Tensor | None = None
     ) -> _DecodeState:
-        """The sequences' state after their sampling catch-up pass, on the device (one copy a proposal: positions in
-        the first column, the tables after it)."""
-        width = max(len(t) for t in tables)
-        packed = np.zeros((len(tables), 1 + width), dtype=np.int32)
-        packed[:, 0] = positions
-        for row, table in zip(packed[:, 1:], tables, strict=True):
+        """The single-token passes' inputs (k - 1 passes), from each sequence's position at its sampling catch-up
+        pass and its table: one int64 array (positions, slots, then int32 seq_lens, cu_seqlens_q and tables two to a
+        slot), one copy a proposal. Each pass made them on the device before, a dozen small kernels a pass."""
+        rows, width, passes, bs = len(tables), max(len(t) for t in tables), self.k - 1, self.block_size
+        padded = np.zeros((rows, width), dtype=np.int32)
+        for row, table in zip(padded, tables, strict=True):
             row[: len(table)] = table
-        state = to_device(packed, torch.int32, self.config.device)
-        return _DecodeState(state[:, 0].to(torch.int64), state[:, 1:].contiguous(), hidden)
+        pos = np.asarray(positions, dtype=np.int64) + np.arange(1, passes + 1, dtype=np.int64)[:, None]
+        # A row with fewer drafts (its max_tokens) stops before its table ends: its later columns are never run.
+        pages = padded[np.arange(rows), np.minimum(pos // bs, width - 1)]
+        num_longs, num_ints = 2 * passes * rows, passes * rows + rows + 1 + rows * width
+        host = np.zeros(num_longs + (num_ints + 1) // 2, dtype=np.int64)
+        host[: passes * rows] = pos.ravel()
+        host[passes * rows : num_longs] = (pages.astype(np.int64) * bs + pos % bs).ravel()
+        ints = host[num_longs:].view(np.int32)
+        ints[: passes * rows] = (pos + 1).ravel()
+        ints[passes * rows : passes * rows + rows + 1] = np.arange(rows + 1)
+        ints[passes * rows + rows + 1 : num_ints] = padded.ravel()
+        dev = to_device(host, torch.int64, self.config.device)
+        dev_ints = dev[num_longs:].view(torch.int32)
+        return _DecodeState(
+            positions=dev[: passes * rows].view(passes, rows),
+            slots=dev[passes * rows : num_longs].view(passes, rows),
+            seq_lens=dev_ints[: passes * rows].view(passes, rows),
+            cu_seqlens_q=dev_ints[passes * rows : passes * rows + rows + 1],
+            block_tables=dev_ints[passes * rows + rows + 1 : num_ints].view(rows, width),
+            hidden=hidden,
+        )
 
     def _draft_loop(
         self, logits: torch.Tensor, rows: list[DraftRow], ks: list[int], state: _DecodeState
@@ -283,23 +309,22 @@ class DraftModelProposer:
 
     def _decode_pass(self, state: _DecodeState, tokens: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         """One single-token pass of the rows `keep` picks (None: all) over `tokens`, the drafts the last pass drew:
-        its logits, with every input made on the device from the last pass's (state, advanced here), none on the
-        host. Decode graphs replay it where the draft has them."""
+        its logits, its other inputs the state's next row (none made on the host). Decode graphs replay it where the
+        draft has them."""
         if keep is not None:
             tokens = tokens[keep]
             state.select(keep)
-        state.positions = positions = state.positions + 1
-        bs, n = self.block_size, tokens.shape[0]
-        pages = state.block_tables.gather(1, (positions // bs)[:, None])[:, 0]
+        j, n = state.done, tokens.shape[0]
+        state.done += 1
         meta = AttentionMetadata(
-            slot_mapping=pages.to(torch.int64) * bs + positions % bs,
-            cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32, device=tokens.device),
-            seq_lens=(positions + 1).to(torch.int32),
+            slot_mapping=state.slots[j],
+            cu_seqlens_q=state.cu_seqlens_q[: n + 1],
+            seq_lens=state.seq_lens[j],
             block_tables=state.block_tables,
             max_seqlen_q=1,
             num_decodes=n,
         )
-        return self._decode_logits(tokens, positions, meta, state)
+        return self._decode_logits(tokens, state.positions[j], meta, state)
 
     def _decode_logits(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, state: _DecodeState
