@@ -3,12 +3,12 @@ draft_model method), over its own paged KV pool.
 
 The draft runs through a second ModelRunner (where the target uses CUDA graphs, its single-token steps replay decode
 graphs and its catch-up passes of up to k + 1 tokens a sequence prefill graphs; a prompt's catch-up is eager) whose
-pool has its own block tables, kept here: a sequence's table holds the KV of the
-tokens it has seen (`cached`). At each proposal the draft first catches up on the sequence's tokens it has not seen
-(a prompt, the tokens the last verify step emitted: one forward pass, every sequence a chunk), whose last row gives
-the first draft, then runs k - 1 single-token steps. The tokens it cached that the target rejected are found by
-comparing `cached` with the sequence's tokens, and written over. Simple and exact; it pays no attention to the
-target's prefix cache (a prompt the target found cached is prefilled by the draft all the same).
+pool has its own block tables, kept here: a sequence's table holds the KV of the tokens it has seen (`cached`). At
+each proposal the draft first catches up on the sequence's tokens it has not seen (a prompt, the tokens the last
+verify step emitted: one forward pass, every sequence a chunk), whose last row gives the first draft, then runs
+k - 1 single-token steps. The tokens it cached that the target rejected are found by comparing `cached` with the
+sequence's tokens, and written over. Simple and exact; it pays no attention to the target's prefix cache (a prompt
+the target found cached is prefilled by the draft all the same).
 
 What runs where (_draft_loop, which EAGLE-3's proposer shares): the host builds the catch-up pass's inputs
 (StepInputs, one copy to the device) and, in one more copy, the single-token passes' positions, slots and lengths
