@@ -225,20 +225,18 @@ class DraftModelProposer:
         pass and its table: one int64 array (positions, slots, then int32 seq_lens, cu_seqlens_q and tables two to a
         slot), one copy a proposal. Each pass made them on the device before, a dozen small kernels a pass."""
         rows, width, passes, bs = len(tables), max(len(t) for t in tables), self.k - 1, self.block_size
-        padded = np.zeros((rows, width), dtype=np.int32)
-        for row, table in zip(padded, tables, strict=True):
-            row[: len(table)] = table
-        pos = np.asarray(positions, dtype=np.int64) + np.arange(1, passes + 1, dtype=np.int64)[:, None]
-        # A row with fewer drafts (its max_tokens) stops before its table ends: its later columns are never run.
-        pages = padded[np.arange(rows), np.minimum(pos // bs, width - 1)]
+        # Python lists, not numpy: a proposal has few rows, and numpy's fixed cost per call would be most of it.
+        pos = [p + j for j in range(1, passes + 1) for p in positions]  # pass by pass
+        # A row with fewer drafts (its max_tokens) stops before its table ends: its later slots are never run.
+        slots = [t[min(q // bs, len(t) - 1)] * bs + q % bs for q, t in zip(pos, tables * passes, strict=True)]
         num_longs, num_ints = 2 * passes * rows, passes * rows + rows + 1 + rows * width
         host = np.zeros(num_longs + (num_ints + 1) // 2, dtype=np.int64)
-        host[: passes * rows] = pos.ravel()
-        host[passes * rows : num_longs] = (pages.astype(np.int64) * bs + pos % bs).ravel()
+        host[:num_longs] = pos + slots
         ints = host[num_longs:].view(np.int32)
-        ints[: passes * rows] = (pos + 1).ravel()
-        ints[passes * rows : passes * rows + rows + 1] = np.arange(rows + 1)
-        ints[passes * rows + rows + 1 : num_ints] = padded.ravel()
+        ints[: passes * rows + rows + 1] = [q + 1 for q in pos] + list(range(rows + 1))
+        padded = ints[passes * rows + rows + 1 : num_ints].reshape(rows, width)
+        for row, table in zip(padded, tables, strict=True):
+            row[: len(table)] = table
         dev = to_device(host, torch.int64, self.config.device)
         dev_ints = dev[num_longs:].view(torch.int32)
         return _DecodeState(
