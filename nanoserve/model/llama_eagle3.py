@@ -98,6 +98,7 @@ class Eagle3LlamaForCausalLM(nn.Module):
         self.d2t.dummy_fill = lambda param: param.data.zero_()  # random weights: draft id i is target id i
         self.embed_tokens: VocabEmbedding | None = None  # the target's (set_embedding), not a parameter of ours
         self.hidden_in: torch.Tensor | None = None
+        self._target_ids: torch.Tensor | None = None
 
     def set_embedding(self, embed_tokens: VocabEmbedding, max_num_tokens: int) -> None:
         """Share the target's embedding, and size hidden_in for the largest pass (before any CUDA graph capture)."""
@@ -122,13 +123,22 @@ class Eagle3LlamaForCausalLM(nn.Module):
         hidden = self.hidden_in[: input_ids.shape[0]]
         return self.midlayer(positions, self.embed_tokens(input_ids), hidden, meta)
 
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary [T, draft_vocab_size]: draft id i is target id target_ids()[i]."""
+        return self.lm_head(self.norm(hidden))
+
+    def target_ids(self) -> torch.Tensor:
+        """The target id of each draft id (made once: d2t is a loaded constant)."""
+        if self._target_ids is None:
+            self._target_ids = torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
+        return self._target_ids
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the target's vocabulary: the draft vocabulary's at their target ids, -inf elsewhere (so the
         sampler's processing and a sampled draft's q are the target's, over its ids)."""
-        draft = self.lm_head(self.norm(hidden))
+        draft = self.draft_logits(hidden)
         logits = draft.new_full((hidden.shape[0], self.target_vocab_size), float("-inf"))
-        ids = torch.arange(self.draft_vocab_size, device=draft.device) + self.d2t
-        return logits.index_copy_(1, ids, draft)
+        return logits.index_copy_(1, self.target_ids(), draft)
 
 
 def _load_d2t(param: nn.Parameter, loaded, shard: str | None = None) -> None:

@@ -26,6 +26,13 @@ from nanoserve.sampling_params import SamplingParams
 from nanoserve.utils import to_device
 
 
+def takes_raw_argmax(params: SamplingParams) -> bool:
+    """Whether a row's token is the argmax of its raw logits: greedy, and nothing in Sampler.processed changes them
+    (no logit_bias, min_tokens or penalties; a structured mask is the caller's to check). Its fp32 copy of the logits
+    is then skipped (a bf16 value converts to fp32 exactly, so the argmax, first on ties, is the same)."""
+    return params.temperature == 0 and not params.logit_bias and not params.min_tokens and not params.has_penalties
+
+
 @dataclass(eq=False)
 class DraftPosition:
     """A sequence as the sampler sees it at one verified position: with the drafts before that position appended."""
@@ -123,7 +130,10 @@ def verify(
         row_masks = _RowMasks([first_row[i] for i in masks.rows], masks.bits)
         failed.update({first_row[i]: exc for i, exc in masks.failed.items()})
     params = [r.params for r in rows]
-    processed, raw_logprobs = sampler.processed(logits, rows, params, row_masks, failed)
+    if row_masks is None and all(takes_raw_argmax(p) and p.logprobs is None for p in params):
+        processed, raw_logprobs = logits, None
+    else:
+        processed, raw_logprobs = sampler.processed(logits, rows, params, row_masks, failed)
     draft_tokens = to_device(draft_of_row, torch.int64, device)
     tokens = processed.argmax(dim=-1)  # greedy rows keep these
     accepted = (tokens == draft_tokens) & (draft_tokens >= 0)

@@ -1,22 +1,23 @@
 """DraftModelProposer: a smaller model of the target's vocabulary drafts k tokens a step (speculative_config's
 draft_model method), over its own paged KV pool.
 
-The draft runs through a second ModelRunner (its single-token steps replay decode CUDA graphs where the target uses
-graphs; the rest is eager) whose pool has its own block tables, kept here: a sequence's table holds the KV of the
-tokens it has seen (`cached`). At each proposal the draft first catches up on the sequence's tokens it has not seen
-(a prompt, the tokens the last verify step emitted: one forward pass, every sequence a chunk), whose last row gives
-the first draft, then runs k - 1 single-token steps. The tokens it cached that the target rejected are found by
-comparing `cached` with the sequence's tokens, and written over. Simple and exact; it pays no attention to the
-target's prefix cache (a prompt the target found cached is prefilled by the draft all the same).
+The draft runs through a second ModelRunner (where the target uses CUDA graphs, its single-token steps replay decode
+graphs and its catch-up passes of up to k + 1 tokens a sequence prefill graphs; a prompt's catch-up is eager) whose
+pool has its own block tables, kept here: a sequence's table holds the KV of the tokens it has seen (`cached`). At
+each proposal the draft first catches up on the sequence's tokens it has not seen (a prompt, the tokens the last
+verify step emitted: one forward pass, every sequence a chunk), whose last row gives the first draft, then runs
+k - 1 single-token steps. The tokens it cached that the target rejected are found by comparing `cached` with the
+sequence's tokens, and written over. Simple and exact; it pays no attention to the target's prefix cache (a prompt
+the target found cached is prefilled by the draft all the same).
 
 What runs where (_draft_loop, which EAGLE-3's proposer shares): the host builds the catch-up pass's inputs
-(StepInputs, one copy to the device) and the sequences' block tables, grown beforehand for every draft (one more
-copy). From then on the draft tokens stay on the device: each single-token pass takes the last pass's draws as its
-input ids and makes its positions, slots and lengths from the last pass's on the device (_decode_pass), so the host
-queues all k passes without waiting for any; the drafts come to the host in one read at the end (the engine's
-scheduler and the verify step's inputs take them as lists). A pass's drafts are read at once only where a row's
-penalties read its tokens, drafts included. At one draft pass of ~1 ms, a read per pass left the GPU idle while the
-host read the token and built the next pass's inputs.
+(StepInputs, one copy to the device) and, in one more copy, the single-token passes' positions, slots and lengths
+with the sequences' block tables, grown beforehand for every draft (_decode_state: all follow from the catch-up's
+last positions). From then on the draft tokens stay on the device: each single-token pass takes the last pass's
+draws as its input ids (_decode_pass), so the host queues all k passes without waiting for any; the drafts come to
+the host in one read at the end (the engine's scheduler and the verify step's inputs take them as lists). A pass's
+drafts are read at once only where a row's penalties read its tokens, drafts included. At one draft pass of ~1 ms,
+a read per pass left the GPU idle while the host read the token and built the next pass's inputs.
 
 Each draft is drawn from the draft's distribution q at its position, made with the request's own parameters
 (Sampler.processed and filtered_probs, the drafts before it counted as its tokens, as verification counts them), and
@@ -34,9 +35,9 @@ from nanoserve.config import EngineConfig, read_config_json
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.model.registry import check_architecture
 from nanoserve.spec_decode.proposer import DraftRow
-from nanoserve.spec_decode.rejection import DraftPosition
+from nanoserve.spec_decode.rejection import DraftPosition, takes_raw_argmax
 from nanoserve.utils import to_device
-from nanoserve.worker.cuda_graphs import CUDAGraphRunner
+from nanoserve.worker.cuda_graphs import CUDAGraphRunner, PrefillGraphRunner
 from nanoserve.worker.kv_cache import allocate_kv_cache, bytes_per_block
 from nanoserve.worker.model_runner import ModelRunner
 from nanoserve.worker.step_inputs import StepInputs
@@ -73,15 +74,22 @@ class _Batch:
 
 @dataclass
 class _DecodeState:
-    """The drafting rows at their last pass, on the device, in the order of that pass's logits: what the next
-    single-token pass is made from."""
+    """The inputs of the drafting rows' single-token passes, on the device, rows in the order of the last pass's
+    logits: pass j (from 0) reads row j of positions, slots and seq_lens. All are known on the host before the first
+    pass (they follow from each row's last position and its table, grown for every draft first), so they reach the
+    device with the tables in one copy, and a pass makes none of its inputs itself."""
 
-    positions: torch.Tensor  # [rows] int64: the position each row's last pass ran
-    block_tables: torch.Tensor  # [rows, width] int32, in the draft's pool (grown for every draft first)
-    hidden: torch.Tensor | None = None  # EAGLE-3: the head's output there, the next pass's hidden-state input
+    positions: torch.Tensor  # [passes, rows] int64
+    slots: torch.Tensor  # [passes, rows] int64: their KV slots in the draft's pool
+    seq_lens: torch.Tensor  # [passes, rows] int32
+    cu_seqlens_q: torch.Tensor  # [rows + 1] int32: 0, 1, .., rows (a row's first n + 1 serve n rows)
+    block_tables: torch.Tensor  # [rows, width] int32, in the draft's pool
+    hidden: torch.Tensor | None = None  # EAGLE-3: the head's output at the last pass, the next pass's hidden input
+    done: int = 0  # passes run
 
     def select(self, keep: torch.Tensor) -> None:
-        self.positions, self.block_tables = self.positions[keep], self.block_tables[keep]
+        self.positions, self.slots = self.positions[:, keep], self.slots[:, keep]
+        self.seq_lens, self.block_tables = self.seq_lens[:, keep], self.block_tables[keep]
         if self.hidden is not None:
             self.hidden = self.hidden[keep]
 
@@ -146,23 +154,27 @@ class DraftModelProposer:
 
     def allocate(self, num_blocks: int, max_model_len: int, cuda_graphs: bool) -> None:
         """The draft's pool, of the target's block count; then, where the target steps in CUDA graphs, the draft's
-        decode graphs (its k - 1 single-token steps, and a catch-up with one new token a sequence, replay them). They
-        capture the pool as bound now, so only after it. Their memory pool is their own (the draft's activations at
-        up to 512 sequences: small for a draft), allocated after the target sized its KV pool."""
+        graphs: decode graphs (its k - 1 single-token steps, and a catch-up with one new token a sequence, replay
+        them) and prefill graphs up to (k + 1) tokens a sequence (a decode-phase catch-up: the tokens of the last
+        verify step; a prompt's catch-up, larger, runs eagerly). They capture the pool as bound now, so only after
+        it. Their memory pool is their own (the draft's activations at up to 512 sequences, or (k + 1) x
+        max_num_seqs tokens: small for a draft), allocated after the target sized its KV pool."""
         self.runner.kv_cache = allocate_kv_cache(self.config, num_blocks)
         self.runner._bind_kv_cache(self.runner.kv_cache)
         self.free = list(range(num_blocks))
         if cuda_graphs and self.config.device.type == "cuda":
+            args, runner = self.config.args, self.runner
             max_blocks = -(-max_model_len // self.block_size)
-            graphs = CUDAGraphRunner(
-                self.runner.model,
-                min(self.config.args.max_num_seqs, 512),
-                max_blocks,
-                self.config.device,
-                self.runner.planner,
-            )
-            graphs.capture()
-            self.runner.graphs = graphs
+            # An eager catch-up of a few tokens cost the host several decode steps (issue #43: ~1,400 Triton
+            # launches from Python and the prefill planner's map per proposal, at batch 1 of the bundled draft).
+            max_tokens = min(args.max_num_batched_tokens, args.max_num_seqs * (self.k + 1))
+            prefill = PrefillGraphRunner(runner.model, max_tokens, args.max_num_seqs, max_blocks, self.config.device,
+                                         runner.planner)
+            pool = prefill.capture()
+            graphs = CUDAGraphRunner(runner.model, min(args.max_num_seqs, 512), max_blocks, self.config.device,
+                                     runner.planner)
+            graphs.capture(pool)
+            runner.prefill_graphs, runner.graphs = prefill, graphs
 
     def draft_probs(self, seq_id: int) -> torch.Tensor | None:
         return self.probs.get(seq_id)
@@ -209,13 +221,32 @@ class DraftModelProposer:
     def _decode_state(
         self, positions: list[int], tables: list[list[int]], hidden: torch.Tensor | None = None
     ) -> _DecodeState:
-        """The sequences' state after their sampling catch-up pass, on the device (one copy a proposal)."""
-        width = max(len(t) for t in tables)
-        padded = np.zeros((len(tables), width), dtype=np.int32)
+        """The single-token passes' inputs (k - 1 passes), from each sequence's position at its sampling catch-up
+        pass and its table: one int64 array (positions, slots, then int32 seq_lens, cu_seqlens_q and tables two to a
+        slot), one copy a proposal. Each pass made them on the device before, a dozen small kernels a pass."""
+        rows, width, passes, bs = len(tables), max(len(t) for t in tables), self.k - 1, self.block_size
+        # Python lists, not numpy: a proposal has few rows, and numpy's fixed cost per call would be most of it.
+        pos = [p + j for j in range(1, passes + 1) for p in positions]  # pass by pass
+        # A row with fewer drafts (its max_tokens) stops before its table ends: its later slots are never run.
+        slots = [t[min(q // bs, len(t) - 1)] * bs + q % bs for q, t in zip(pos, tables * passes, strict=True)]
+        num_longs, num_ints = 2 * passes * rows, passes * rows + rows + 1 + rows * width
+        host = np.zeros(num_longs + (num_ints + 1) // 2, dtype=np.int64)
+        host[:num_longs] = pos + slots
+        ints = host[num_longs:].view(np.int32)
+        ints[: passes * rows + rows + 1] = [q + 1 for q in pos] + list(range(rows + 1))
+        padded = ints[passes * rows + rows + 1 : num_ints].reshape(rows, width)
         for row, table in zip(padded, tables, strict=True):
             row[: len(table)] = table
-        device = self.config.device
-        return _DecodeState(to_device(positions, torch.int64, device), to_device(padded, torch.int32, device), hidden)
+        dev = to_device(host, torch.int64, self.config.device)
+        dev_ints = dev[num_longs:].view(torch.int32)
+        return _DecodeState(
+            positions=dev[: passes * rows].view(passes, rows),
+            slots=dev[passes * rows : num_longs].view(passes, rows),
+            seq_lens=dev_ints[: passes * rows].view(passes, rows),
+            cu_seqlens_q=dev_ints[passes * rows : passes * rows + rows + 1],
+            block_tables=dev_ints[passes * rows + rows + 1 : num_ints].view(rows, width),
+            hidden=hidden,
+        )
 
     def _draft_loop(
         self, logits: torch.Tensor, rows: list[DraftRow], ks: list[int], state: _DecodeState
@@ -225,6 +256,7 @@ class DraftModelProposer:
         on the device until all are drawn, then come to the host in one read; so the host queues every pass without
         waiting for the one before, save where a row's penalties read its drafts (then each pass's are read).
         Sets each row's q (self.probs)."""
+        argmax_only = self._argmax_only(rows)
         history = any(row.params.has_penalties for row in rows)
         drafted: list[list[int]] = [[] for _ in rows]  # on the host, kept only for penalties
         passes = []  # per pass: its drawn tokens on the device, and (row, index in them) of each draft it kept
@@ -232,8 +264,11 @@ class DraftModelProposer:
         live = list(range(len(rows)))
         for j in range(max(ks)):
             # Without penalties only the drafts' count is read (min_tokens): their values need not be on the host.
-            positions = [DraftPosition(rows[w], drafted[w] if history else [None] * j) for w in live]
-            tokens, q, failed = self._draw(logits, positions)
+            if argmax_only:
+                tokens, q, failed = self._argmax(logits), None, set()
+            else:
+                positions = [DraftPosition(rows[w], drafted[w] if history else [None] * j) for w in live]
+                tokens, q, failed = self._draw(logits, positions)
             kept = [(w, at) for at, w in enumerate(live) if at not in failed]  # a row whose sampling raised stops
             passes.append((tokens, kept))
             if q is not None:
@@ -261,25 +296,33 @@ class DraftModelProposer:
             self.probs[row.seq_id] = torch.stack(probs[w]) if probs[w] and len(probs[w]) == len(drafts[w]) else None
         return drafts
 
+    @staticmethod
+    def _argmax_only(rows: Sequence[DraftRow]) -> bool:
+        """Whether every row's draft is the argmax of its raw logits (drafts get no structured masks). Then a pass's
+        drafts skip the sampler: its fp32 copy of the logits, each row's DraftPosition."""
+        return all(takes_raw_argmax(row.params) for row in rows)
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.argmax(dim=-1)
+
     def _decode_pass(self, state: _DecodeState, tokens: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         """One single-token pass of the rows `keep` picks (None: all) over `tokens`, the drafts the last pass drew:
-        its logits, with every input made on the device from the last pass's (state, advanced here), none on the
-        host. Decode graphs replay it where the draft has them."""
+        its logits, its other inputs the state's next row (none made on the host). Decode graphs replay it where the
+        draft has them."""
         if keep is not None:
             tokens = tokens[keep]
             state.select(keep)
-        state.positions = positions = state.positions + 1
-        bs, n = self.block_size, tokens.shape[0]
-        pages = state.block_tables.gather(1, (positions // bs)[:, None])[:, 0]
+        j, n = state.done, tokens.shape[0]
+        state.done += 1
         meta = AttentionMetadata(
-            slot_mapping=pages.to(torch.int64) * bs + positions % bs,
-            cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32, device=tokens.device),
-            seq_lens=(positions + 1).to(torch.int32),
+            slot_mapping=state.slots[j],
+            cu_seqlens_q=state.cu_seqlens_q[: n + 1],
+            seq_lens=state.seq_lens[j],
             block_tables=state.block_tables,
             max_seqlen_q=1,
             num_decodes=n,
         )
-        return self._decode_logits(tokens, positions, meta, state)
+        return self._decode_logits(tokens, state.positions[j], meta, state)
 
     def _decode_logits(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, state: _DecodeState

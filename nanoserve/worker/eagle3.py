@@ -2,10 +2,10 @@
 states (speculative_config's eagle3 method).
 
 The head is a one-layer model with its own paged KV pool and block tables, run as draft_model.py runs a draft model
-(its single-token steps replay decode CUDA graphs where the target uses graphs), and its drafts are drawn the same
-way (the request's own parameters, q kept for verification). What differs is its input. The head's position i reads
-the token at i + 1 and the target's hidden states at position i (three layers' worth, projected by fc), so it can
-only run where the target has run:
+(its single-token steps and short catch-ups replay CUDA graphs where the target uses graphs), and its drafts are
+drawn the same way (the request's own parameters, q kept for verification). What differs is its input. The head's
+position i reads the token at i + 1 and the target's hidden states at position i (three layers' worth, projected by
+fc), so it can only run where the target has run:
 - every target step (prefill chunks, decodes, verify steps) hands the proposer its hidden states at the head's three
   layers (ModelRunner.aux_hidden_sink), projected by fc at once and stored by the tokens' KV slots in a pool beside
   the target's KV: a prefix-cache hit finds them with the KV it reuses, a sample forked from an n > 1 prompt in the
@@ -100,6 +100,11 @@ class Eagle3Proposer(DraftModelProposer):
         # fc(the target's hidden states) of every token in the target's KV pool, by its KV slot: a prefix-cache hit
         # finds them with the KV, a forked sample in the blocks it shares.
         self.hidden_pool: torch.Tensor | None = None
+        # Whether this proposal's passes make logits over the draft vocabulary only (_argmax maps their argmax to
+        # target ids): where every row takes the argmax, a target-vocabulary row (-inf outside the draft's ids) cost
+        # a full-vocabulary write a pass, and the sampler's fp32 copy of it.
+        self.draft_vocab = False
+        self.ids_increasing: bool | None = None  # target_ids() in increasing order: argmax ties map to the same id
 
     @staticmethod
     def engine_config(config: EngineConfig) -> EngineConfig:
@@ -160,6 +165,10 @@ class Eagle3Proposer(DraftModelProposer):
             self.done[row.seq_id] = n - 1
         if not work:
             return drafts
+        if self.ids_increasing is None:  # one read of the head's constant d2t
+            ids = self.head.target_ids()
+            self.ids_increasing = bool((ids[1:] > ids[:-1]).all())
+        self.draft_vocab = self.ids_increasing and self._argmax_only([w[1] for w in work])
         # The target's hidden states at the positions each sequence's head catches up on, in one gather.
         hidden = self.hidden_pool[to_device(slots, torch.int64, self.config.device)]
         at = 0
@@ -206,7 +215,17 @@ class Eagle3Proposer(DraftModelProposer):
         self.head.hidden_in[: input_ids.shape[0]].copy_(state.hidden)
         # Not cloned: the next pass copies it into hidden_in before its replay writes over a graph's output buffer.
         state.hidden = self.runner.run_model(input_ids, positions, meta)
-        return self.head.compute_logits(state.hidden)
+        return self._logits(state.hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head.draft_logits(hidden) if self.draft_vocab else self.head.compute_logits(hidden)
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """The target id of each row's argmax. Over the draft vocabulary, ties go to the lowest draft id, which with
+        target ids in increasing order is the lowest target id: the argmax of the target-vocabulary row."""
+        if not self.draft_vocab:
+            return super()._argmax(logits)
+        return self.head.target_ids()[logits.argmax(dim=-1)]
 
     def _forward_head(self, entries: list[_HeadEntry]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One pass of the head: the logits (over the target's vocabulary) and the output (the next step's hidden
@@ -224,4 +243,4 @@ class Eagle3Proposer(DraftModelProposer):
         out = hidden.clone() if logit_rows is None else hidden[logit_rows]
         back = sorted(range(len(order)), key=order.__getitem__)  # batch row of each entry
         out = out[back]
-        return self.head.compute_logits(out), out
+        return self._logits(out), out

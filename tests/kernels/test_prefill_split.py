@@ -12,6 +12,8 @@ from nanoserve.kernels.prefill.tile_map import (
     KV_SPLIT_GRANULE,
     PADDING_ROW,
     SPLIT_MAP_COLUMNS,
+    _few_tiles_map,
+    _split_map,
     kv_split_keys,
     max_kv_partials,
     max_prefill_tiles,
@@ -137,6 +139,30 @@ def test_split_map_bounds_random_batches():
                                       pack)  # fmt: skip
         split_seen += _check_split_map(split_map, cu, seq_lens, block_m, num_tiles, max_partials, pack) > 1
     assert split_seen > 50
+
+
+def test_few_tiles_map_equals_the_general_one():
+    """A batch of few tiles (a verify step, a draft's catch-up) gets its map from a plain-Python path: the same map,
+    splits included, as the numpy one."""
+    rng = np.random.default_rng(2)
+    taken = split_seen = 0
+    for _ in range(400):
+        pack = int(rng.choice([1, 2, 7]))
+        batch = int(rng.integers(1, 9))
+        q_lens = rng.integers(0, 6, batch) if rng.random() < 0.7 else rng.integers(0, 40, batch)
+        cu = _cu(q_lens.tolist())
+        seq_lens = (q_lens + rng.integers(0, 3000, batch)).tolist()
+        block_m = prefill_block_m(max(cu[-1], 1), pack) if rng.random() < 0.5 else 16
+        num_rows = max_prefill_tiles(max(cu[-1], 1) + int(rng.integers(0, 16)), batch, block_m, pack)
+        num_heads, concurrency = int(rng.choice([1, 2, 8])), int(rng.integers(1, 600))
+        max_partials = int(rng.integers(0, 40))
+        args = (cu, seq_lens, block_m, num_rows, num_heads, concurrency, max_partials, 128, pack)
+        few = _few_tiles_map(*args)
+        if few is not None:
+            taken += 1
+            split_seen += int((few[:, 6] > 1).any())
+            np.testing.assert_array_equal(few, _split_map(*args))
+    assert taken > 200 and split_seen > 30, (taken, split_seen)
 
 
 def test_split_map_rejects_overfull_batch():

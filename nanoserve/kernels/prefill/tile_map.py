@@ -168,13 +168,15 @@ def kv_split_keys(
     cut into pieces of `chunk` keys, about share + chunk. Tiles are split only when that is shorter.
     """
     assert min_keys >= KV_SPLIT_GRANULE, "pieces must span whole granules"
-    tile_keys = np.asarray(tile_keys)
     if len(tile_keys) == 0:
         return None
-    share = int(tile_keys.sum()) * num_heads / concurrency
+    if isinstance(tile_keys, np.ndarray):
+        total, longest = int(tile_keys.sum()), int(tile_keys.max())
+    else:  # a few tiles' list (_few_tiles_map): numpy's fixed cost would be most of the call
+        total, longest = sum(tile_keys), max(tile_keys)
+    share = total * num_heads / concurrency
     granules = -(-int(share / _SPLIT_WAVES) // KV_SPLIT_GRANULE)
     chunk = max(min_keys, granules * KV_SPLIT_GRANULE)
-    longest = int(tile_keys.max())
     return chunk if longest > share + chunk and longest >= 2 * chunk else None
 
 
@@ -197,6 +199,64 @@ def prefill_split_map(
     max_prefill_tiles) launches no more programs for it. Raises ValueError if the batch has more than num_rows
     query tiles.
     """
+    few = _few_tiles_map(cu_seqlens_q, seq_lens, block_m, num_rows, num_heads, concurrency, max_partials, min_keys,
+                         pack)  # fmt: skip
+    if few is not None:
+        return few
+    return _split_map(cu_seqlens_q, seq_lens, block_m, num_rows, num_heads, concurrency, max_partials, min_keys,
+                      pack)  # fmt: skip
+
+
+# Tiles up to which _few_tiles_map's Python loops cost less than numpy's fixed cost per call.
+_FEW_TILES = 16
+
+
+def _few_tiles_map(cu_seqlens_q: list[int], seq_lens: list[int], block_m: int, num_rows: int, num_heads: int,
+                   concurrency: int, max_partials: int, min_keys: int, pack: int) -> np.ndarray | None:
+    """_split_map's map in plain Python, for a batch of at most _FEW_TILES query tiles (a speculative verify step,
+    a draft's catch-up: a few tokens a sequence); None for a larger one.
+
+    Every such step builds a map, and numpy's fixed cost per call made _split_map's ~40 array operations ~110 us of
+    host time (a 2-core CPU) for one sequence of 4 tokens, where a decode step of the bundled model takes ~0.6 ms in
+    all (issue #43). The same arithmetic as _tiles, prefill_split_map's choice of pieces and _layout, tile by tile."""
+    tiles = []  # (seq, start_r, kv_end, q_start, q_rows, pos0)
+    for seq, (q_start, q_end, seq_len) in enumerate(zip(cu_seqlens_q, cu_seqlens_q[1:], seq_lens, strict=False)):
+        q_rows = (q_end - q_start) * pack
+        pos0 = seq_len - (q_end - q_start)
+        tiles += [(seq, r, pos0 + (min(r + block_m, q_rows) - 1) // pack + 1, q_start, q_rows, pos0)
+                  for r in range(0, q_rows, block_m)]  # fmt: skip
+        if len(tiles) > _FEW_TILES:
+            return None
+    _check_fits(len(tiles), num_rows, block_m)
+    kv_end = [tile[2] for tile in tiles]
+    n = [1] * len(tiles)
+    chunk = kv_split_keys(kv_end, num_heads, concurrency, min_keys)
+    if chunk is not None:
+        while True:
+            n = [max(end // chunk, 1) for end in kv_end]
+            extra = sum(n) - len(tiles)
+            if extra + sum(p > 1 for p in n) <= max_partials and extra <= num_rows - len(tiles):
+                break
+            chunk *= 2
+    rows, slot = [], 0
+    for (seq, start_r, end, q_start, q_rows, pos0), pieces in zip(tiles, n, strict=True):
+        first_slot = -1 if pieces == 1 else slot
+        slot += pieces if pieces > 1 else 0
+        for piece in range(pieces):
+            lo = piece * end // pieces // KV_SPLIT_GRANULE * KV_SPLIT_GRANULE
+            hi = end if piece + 1 == pieces else (piece + 1) * end // pieces // KV_SPLIT_GRANULE * KV_SPLIT_GRANULE
+            rows.append((seq, start_r, lo, hi, first_slot, piece, pieces, q_start, q_rows, pos0))
+    rows.sort(key=lambda row: row[2] - row[3])  # longest first, ties in tile order (as _layout's stable argsort)
+    tile_map = np.empty((num_rows, SPLIT_MAP_COLUMNS), dtype=np.int32)
+    if rows:
+        tile_map[: len(rows)] = rows
+    tile_map[len(rows):] = _PADDING
+    return tile_map
+
+
+def _split_map(cu_seqlens_q: list[int], seq_lens: list[int], block_m: int, num_rows: int, num_heads: int,
+               concurrency: int, max_partials: int, min_keys: int, pack: int) -> np.ndarray:
+    """prefill_split_map's map, for any batch (numpy)."""
     tiles = _tiles(cu_seqlens_q, seq_lens, block_m, pack)
     kv_end = tiles["kv_end"]
     num_tiles = len(kv_end)
