@@ -192,8 +192,8 @@ MIN_TILES_PER_SPLIT = 4
 
 
 def gemv_config(n: int, k: int, group_size: int) -> GemvConfig:
-    """The tiles by shape, from scripts/probe_w4_gemv.py (H200, 2026-11-28; Llama-3.1-8B's projections at one row,
-    bf16 x, group 128 with zero points, CUDA graphs, weights rotated past L2), microseconds:
+    """The tiles by shape, from a probe at cf1ec25, deleted since (H200, 2026-11-28; Llama-3.1-8B's projections at
+    one row, bf16 x, group 128 with zero points, CUDA graphs, weights rotated past L2), microseconds:
 
         shape (K, N)           old one-row kernel   "magic"   this kernel (split)   bf16 skinny GEMV
         qkv (4096, 6144)            18.67             11.54      9.62 (8)              16.68
