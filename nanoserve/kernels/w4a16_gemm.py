@@ -19,13 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.w4a16_gemv import w4a16_gemv
+# MAGIC_BITS, the fp32 2^23: OR-ing a 4-bit value q into its low mantissa bits gives the float 2^23 + q, so that
+# q - z is one subtraction of 2^23 + z (MAGIC + z), with no integer-to-float conversion (a quarter-rate instruction,
+# eight a packed int32).
+from nanoserve.kernels.w4a16_gemv import MAGIC, MAGIC_BITS, w4a16_gemv
 from nanoserve.kernels.w4a16_reference import PACK
-
-# 2^23 as fp32: OR-ing a 4-bit value q into its low mantissa bits gives the float 2^23 + q, so that q - z is one
-# subtraction of 2^23 + z, with no integer-to-float conversion (a quarter-rate instruction, eight a packed int32).
-MAGIC_BITS = tl.constexpr(0x4B000000)
-MAGIC = tl.constexpr(8388608.0)
 
 
 @triton.jit

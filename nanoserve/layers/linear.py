@@ -55,11 +55,11 @@ class Linear(nn.Linear):
 
     A quantized layer (quant_method set) whose method offers an fp8 weight with per-row scales (skinny_operands:
     FP8 per-tensor or per-channel weights, whatever the activations' scheme) takes the skinny GEMM and its fused
-    prologues by the same rules, applied to the fp8 weight's bytes, dequantizing the weight in registers: so a W8A8
-    checkpoint's steps of up to 32 rows in graphs run weight-only (16-bit activations, not quantized), where the
-    weight's bytes and not the math bound the step. Elsewhere (larger or eager steps, weights past the byte limit, block
-    scales, 4-bit weights) it runs its method's GEMM, with the ops before it as their own modules; never
-    kernels/silu_mul_gemv.py, which reads unquantized weights.
+    prologues by the same rules, applied to the fp8 weight's bytes (but for the byte limit, which an fp8 weight does
+    not have: layers/step_plan.py), dequantizing the weight in registers: so a W8A8 checkpoint's steps of up to 32
+    rows in graphs run weight-only (16-bit activations, not quantized), where the weight's bytes and not the math
+    bound the step. Elsewhere (larger or eager steps, block scales, 4-bit weights) it runs its method's GEMM, with
+    the ops before it as their own modules; never kernels/silu_mul_gemv.py, which reads unquantized weights.
     """
 
     quant_method: LinearMethod | None = None

@@ -16,8 +16,8 @@ sizes, while block groups lie within a rank's columns (config.py's _check_quanti
 size.
 
 The forward, by where it runs:
-- steps the plan gives the skinny GEMM (layers/step_plan.py: in CUDA graphs, up to 32 rows, weights of up to 64 MB
-  counted in fp8 bytes), with per-tensor or per-channel weights: Linear.forward, forward_norm and forward_silu_mul
+- steps the plan gives the skinny GEMM (layers/step_plan.py: in CUDA graphs, up to 32 rows; an fp8 weight of any
+  size), with per-tensor or per-channel weights: Linear.forward, forward_norm and forward_silu_mul
   run kernels/gemv.py on the fp8 weight and `weight_scale` (skinny_weight), the residual add + RMSNorm or
   SiLU-and-mul fused in where the plan says. That GEMV dequantizes the weight in registers and keeps the activations
   in bf16, whatever the activation scheme: a W8A8 checkpoint (static or dynamic per-token) runs weight-only there.

@@ -349,7 +349,9 @@ class ModelRunner:
         num_seqs = meta.seq_lens.shape[0]
         if meta.long_context is None and self.graphs is not None and self.graphs.can_run(num_seqs, meta.num_decodes):
             hidden = self.graphs.run(input_ids, positions, meta)
-        elif meta.long_context is None and self.prefill_graphs is not None and \
+        # A prefill graph's split map is made from the host's lengths: a draft's passes built on the device have
+        # none (decodes only, past the decode graphs' 512 sequences), and run eagerly.
+        elif meta.long_context is None and self.prefill_graphs is not None and meta.seq_lens_cpu is not None and \
                 self.prefill_graphs.can_run(input_ids.shape[0], num_seqs):
             hidden = self.prefill_graphs.run(input_ids, positions, meta)
         else:
