@@ -22,8 +22,7 @@ import triton.language as tl
 # MAGIC_BITS, the fp32 2^23: OR-ing a 4-bit value q into its low mantissa bits gives the float 2^23 + q, so that
 # q - z is one subtraction of 2^23 + z (MAGIC + z), with no integer-to-float conversion (a quarter-rate instruction,
 # eight a packed int32).
-from nanoserve.kernels.w4a16_gemv import MAGIC, MAGIC_BITS, w4a16_gemv
-from nanoserve.kernels.w4a16_reference import PACK
+from nanoserve.kernels.w4a16_gemv import MAGIC, MAGIC_BITS, check_operands, w4a16_gemv
 
 
 @triton.jit
@@ -141,17 +140,10 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     """x [M, K] (contiguous last dim) @ the W4 weight (+ bias [N]) -> [M, N] in x's dtype; group_size -1: one group
     per output column. counters: the layer's w4a16_gemv.split_counters, for one row (None: a fresh one a call)."""
     m, k = x.shape
-    k8, n = qweight.shape
+    n = qweight.shape[1]
     if m == 1:
         return w4a16_gemv(x, qweight, scales, zeros, perm, group_size, bias, counters)
-    if k8 * PACK != k or x.stride(-1) != 1:
-        raise ValueError(f"x must be [M, {k8 * PACK}] with a contiguous last dim, got {tuple(x.shape)}")
-    # The kernels index the weight's tensors as row-major.
-    for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros), ("perm", perm), ("bias", bias)):
-        if t is not None and not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-    if group_size != -1 and k % group_size:
-        raise ValueError(f"group_size {group_size} does not divide K = {k}")
+    check_operands(x, qweight, scales, zeros, perm, group_size, bias)
     group = 0 if group_size == -1 else group_size
     cfg = _config(m, n, k, group, _sm_count(x))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)

@@ -217,6 +217,21 @@ def gemv_config(n: int, k: int, group_size: int) -> GemvConfig:
     return GemvConfig(block_k=block_k, split=split)
 
 
+def check_operands(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                   perm: torch.Tensor | None, group_size: int, bias: torch.Tensor | None) -> None:
+    """ValueError unless x [M, K] (contiguous last dim) and the W4 weight's tensors fit together, as the kernels here
+    and in w4a16_gemm.py index them (row-major)."""
+    k = x.shape[1]
+    k8 = qweight.shape[0]
+    if k8 * PACK != k or x.stride(-1) != 1:
+        raise ValueError(f"x must be [M, {k8 * PACK}] with a contiguous last dim, got {tuple(x.shape)}")
+    for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros), ("perm", perm), ("bias", bias)):
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if group_size != -1 and k % group_size:
+        raise ValueError(f"group_size {group_size} does not divide K = {k}")
+
+
 def split_counters(n: int, device: torch.device | str, rows: int = 1) -> torch.Tensor:
     """The zeroed int32 arrival counters a split launch of `rows` rows of an N-column weight counts on at the rule's
     tiles, which each launch leaves zero again: a layer allocates its own once, before any CUDA graph capture, and
@@ -230,16 +245,9 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     """x [M, K] (contiguous last dim) @ the W4 weight (+ bias [N]) -> [M, N] in x's dtype; group_size -1: one group
     per column. config: gemv_config's by default. counters: split_counters' (a zeroed int32 per row and column tile,
     left zero), used where K is split; None: a fresh one each call (a memset launch more)."""
+    check_operands(x, qweight, scales, zeros, perm, group_size, bias)
     m, k = x.shape
-    k8, n = qweight.shape
-    if k8 * PACK != k or x.stride(-1) != 1:
-        raise ValueError(f"x must be [M, {k8 * PACK}] with a contiguous last dim, got {tuple(x.shape)}")
-    # The kernel indexes the weight's tensors as row-major.
-    for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros), ("perm", perm), ("bias", bias)):
-        if t is not None and not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-    if group_size != -1 and k % group_size:
-        raise ValueError(f"group_size {group_size} does not divide K = {k}")
+    n = qweight.shape[1]
     cfg = config or gemv_config(n, k, group_size)
     if cfg.ahead not in (1, 2):
         raise ValueError(f"ahead must be 1 or 2, got {cfg.ahead}")

@@ -5,18 +5,10 @@ reference against a plain dequantized matmul written here from the layout's defi
 
 import pytest
 import torch
+from w4_layout import random_w4
 
 from nanoserve.kernels.w4a16_gemm import w4a16_linear
 from nanoserve.kernels.w4a16_reference import w4a16_linear_ref
-
-
-def random_w4(n: int, k: int, group: int, zeros: bool, perm: bool, gen: torch.Generator):
-    groups = 1 if group == -1 else k // group
-    qweight = torch.randint(-1 << 31, 1 << 31, (k // 8, n), generator=gen, dtype=torch.int64).to(torch.int32)
-    scales = (torch.rand(groups, n, generator=gen) * 0.02 + 0.005).half()
-    z = torch.randint(0, 17, (groups, n), generator=gen).to(torch.uint8) if zeros else None
-    p = torch.randperm(k, generator=gen).to(torch.int32) if perm else None
-    return qweight, scales, z, p
 
 
 def dense(qweight, scales, zeros, perm, group) -> torch.Tensor:

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
+from window_blocks import watch_window_blocks
 
 from nanoserve import LLM, EngineArgs, SamplingParams
-from nanoserve.engine.scheduler import Scheduler
 
 W, BS, CHUNK = 32, 16, 40  # chunks start at 0, 40, 80, ...: inside and past each window
 NEW_TOKENS = 4
@@ -43,19 +43,7 @@ def test_all_windowed_model_frees_out_of_window_blocks(mistral, monkeypatch):
     assert all(k.shape[0] == v.shape[0] == runner.num_local_blocks for k, v in runner.kv_cache)
     assert runner.num_kv_blocks == 4 * (256 // BS) + 2 * -(-CHUNK // BS)
 
-    most = {"local": 0, "global": 0}
-    schedule = Scheduler.schedule
-
-    def watched(self):
-        out = schedule(self)
-        for entry in out.scheduled:
-            seq = entry.seq
-            assert bm.local.blocks_in_use(seq) <= -(-(W - 1 + entry.num_new_tokens) // BS) + 1
-            most["local"] = max(most["local"], bm.local.blocks_in_use(seq))
-            most["global"] = max(most["global"], len(seq.block_table))
-        return out
-
-    monkeypatch.setattr(Scheduler, "schedule", watched)
+    most = watch_window_blocks(monkeypatch, bm, W, BS)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     first = llm.generate(prompts[:1], params, use_tqdm=False)[0]
     assert first.outputs[0].token_ids == expected[0]

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
+from window_blocks import watch_window_blocks
 
 from nanoserve import LLM, EngineArgs, SamplingParams
-from nanoserve.engine.scheduler import Scheduler
 
 W, BS, CHUNK = 32, 16, 40  # chunks start at 0, 40, 80, ...: inside and past each window
 NEW_TOKENS = 4
@@ -48,20 +48,7 @@ def test_freeing_out_of_window_blocks_keeps_transformers_tokens(window_model, mo
     local_layers = [a for a in runner.attn_layers if a.local]
     assert local_layers and all(a.k_cache.shape[0] == runner.num_local_blocks for a in local_layers)
 
-    most = {"local": 0, "global": 0}
-    schedule = Scheduler.schedule
-
-    def watched(self):
-        out = schedule(self)
-        for entry in out.scheduled:
-            seq = entry.seq
-            # The window's blocks, those of the chunk, and one each where the window and the chunk cut a block.
-            assert bm.local.blocks_in_use(seq) <= -(-(W - 1 + entry.num_new_tokens) // BS) + 1
-            most["local"] = max(most["local"], bm.local.blocks_in_use(seq))
-            most["global"] = max(most["global"], len(seq.block_table))
-        return out
-
-    monkeypatch.setattr(Scheduler, "schedule", watched)
+    most = watch_window_blocks(monkeypatch, bm, W, BS)
     first = llm.generate(
         prompts[:1], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False
     )[0]
