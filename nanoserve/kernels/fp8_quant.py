@@ -29,6 +29,22 @@ def round_to_fp8_grid(x):
 
 
 @triton.jit
+def row_scale(amax):
+    """A row's dynamic scale from its max|x| (fp32)."""
+    return tl.maximum(amax, 1e-10) / 448.0
+
+
+@triton.jit
+def to_fp8(x, s, ROUND_FIRST: tl.constexpr):
+    """x (fp32) / s, clamped and cast to float8_e4m3fn. The fused producers (kernels/rms_norm.py, activation.py)
+    quantize their rows with it, so that their bytes are this kernel's."""
+    q = tl.clamp(tl.math.div_rn(x, s), -448.0, 448.0)
+    if ROUND_FIRST:
+        q = round_to_fp8_grid(q)
+    return q.to(tl.float8e4nv)
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, scale_ptr, K, stride_x, STATIC: tl.constexpr,
                           ROUND_FIRST: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -41,15 +57,18 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, scale_ptr, K, stride_x, STATIC: t
             offs = k + tl.arange(0, BLOCK)
             x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        s = tl.maximum(tl.max(amax, axis=0), 1e-10) / 448.0
+        s = row_scale(tl.max(amax, axis=0))
     for k in range(0, K, BLOCK):
         offs = k + tl.arange(0, BLOCK)
         x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.math.div_rn(x, s), -448.0, 448.0)
-        if ROUND_FIRST:
-            q = round_to_fp8_grid(q)
-        tl.store(q_ptr + row * K + offs, q.to(tl.float8e4nv), mask=offs < K)
+        tl.store(q_ptr + row * K + offs, to_fp8(x, s, ROUND_FIRST), mask=offs < K)
     tl.store(s_ptr + row, s)
+
+
+def empty_quantized(m: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The outputs of a quantizing kernel: q [M, K] float8_e4m3fn and the row scales [M, 1] fp32."""
+    return (torch.empty((m, k), dtype=torch.float8_e4m3fn, device=device),
+            torch.empty((m, 1), dtype=torch.float32, device=device))
 
 
 def quantize_rows(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,8 +76,7 @@ def quantize_rows(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[t
     for every row."""
     m, k = x.shape
     assert x.stride(1) == 1
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    q, scales = empty_quantized(m, k, x.device)
     if m:
         _quantize_rows_kernel[(m,)](x, q, scales, scale if scale is not None else scales, k, x.stride(0),
                                     STATIC=scale is not None, ROUND_FIRST=not x.is_cuda,

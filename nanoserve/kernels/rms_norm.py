@@ -6,19 +6,28 @@ the strided views of the fused qkv output without a copy.
 weight_offset: Gemma's norms scale by (offset + weight), offset 1.0, and as transformers' Gemma RMSNorm they multiply
 in fp32 and round once, where Llama's rounds the normalized row before the weight. A constexpr: 0.0 compiles the
 Llama kernel unchanged.
+
+rms_norm_fp8: the normalized row quantized to float8_e4m3fn for an FP8 projection after it
+(quantization/fp8_linear.py), instead of written in the activation dtype: the bytes and scale kernels/fp8_quant.py's
+quantize_rows gives on rms_norm's output (the row rounded to the activation dtype first, as that output is), with
+one launch and one read of the row fewer. The residual is written as rms_norm writes it.
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from nanoserve.kernels.fp8_quant import empty_quantized, row_scale, to_fp8
 from nanoserve.kernels.pdl import use_pdl, wait_for_prior_grids
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_xn, stride_xm, stride_rn, stride_on, stride_om,
-                     eps, D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     WEIGHT_OFFSET: tl.constexpr, USE_PDL: tl.constexpr):
+                     eps, s_ptr, scale_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     WEIGHT_OFFSET: tl.constexpr, USE_PDL: tl.constexpr, QUANTIZE: tl.constexpr = False,
+                     STATIC: tl.constexpr = False, ROUND_FIRST: tl.constexpr = False):
+    """QUANTIZE: out is float8_e4m3fn [N, D] and s_ptr the row scales [N] (M is 1); STATIC: every row's scale is
+    scale_ptr's one number, else the row's max|y| / 448."""
     wait_for_prior_grids(USE_PDL)
     n, m = tl.program_id(0), tl.program_id(1)
     offs = tl.arange(0, BLOCK_D)
@@ -37,8 +46,17 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_xn, stride_xm, strid
         y = xf * rstd * (w + WEIGHT_OFFSET)
     else:
         y = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * w
-    tl.store(out_ptr + n.to(tl.int64) * stride_on + m * stride_om + offs, y.to(out_ptr.dtype.element_ty),
-             mask=mask)
+    if QUANTIZE:
+        y = y.to(x_ptr.dtype.element_ty).to(tl.float32)  # the row quantize_rows reads from rms_norm's output
+        if STATIC:
+            s = tl.load(scale_ptr).to(tl.float32)
+        else:
+            s = row_scale(tl.max(tl.abs(y), axis=0))
+        tl.store(out_ptr + n.to(tl.int64) * stride_on + offs, to_fp8(y, s, ROUND_FIRST), mask=mask)
+        tl.store(s_ptr + n, s)
+    else:
+        tl.store(out_ptr + n.to(tl.int64) * stride_on + m * stride_om + offs, y.to(out_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
@@ -52,14 +70,38 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
     if residual is not None:
         assert residual.is_contiguous() and residual.shape == x.shape and x.dim() == 2
+    _launch(x3, weight, eps, residual, weight_offset, out, out.stride(0), out.stride(1))
+    return out.view(x.shape)
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                 weight_offset: float = 0.0, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows(rms_norm(x, weight, eps, residual, weight_offset), scale) in one launch: x [T, D] (last dim
+    contiguous) -> (q [T, D] float8_e4m3fn, row scales [T, 1] fp32); residual as rms_norm's."""
+    assert x.dim() == 2 and x.stride(-1) == 1 and weight.is_contiguous()
+    if residual is not None:
+        assert residual.is_contiguous() and residual.shape == x.shape
+    q, scales = empty_quantized(x.shape[0], x.shape[1], x.device)
+    _launch(x.view(x.shape[0], 1, x.shape[1]), weight, eps, residual, weight_offset, q, q.stride(0), 0,
+            s_ptr=scales, scale_ptr=scale if scale is not None else scales, QUANTIZE=True, STATIC=scale is not None,
+            ROUND_FIRST=not x.is_cuda)
+    return q, scales
+
+
+def _launch(x3: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, weight_offset: float,
+            out: torch.Tensor, stride_on: int, stride_om: int, s_ptr: torch.Tensor | None = None,
+            scale_ptr: torch.Tensor | None = None, **quantize) -> None:
+    """One program a row of x3 [N, M, D]; the reduction's layout (BLOCK_D, num_warps) is the same with QUANTIZE or
+    without, so that rms_norm_fp8's row is rms_norm's, bit for bit."""
+    n, m, d = x3.shape
     block = triton.next_power_of_2(d)
-    pdl = use_pdl(x)
+    pdl = use_pdl(x3)
     _rms_norm_kernel[(n, m)](x3, residual if residual is not None else x3, weight, out, x3.stride(0), x3.stride(1),
-                             residual.stride(0) if residual is not None else 0, out.stride(0), out.stride(1), eps,
+                             residual.stride(0) if residual is not None else 0, stride_on, stride_om, eps,
+                             s_ptr if s_ptr is not None else out, scale_ptr if scale_ptr is not None else out,
                              D=d, BLOCK_D=block, HAS_RESIDUAL=residual is not None,
                              WEIGHT_OFFSET=float(weight_offset), USE_PDL=pdl, launch_pdl=pdl,
-                             num_warps=min(max(block // 256, 1), 8))  # one warp per 256 elements
-    return out.view(x.shape)
+                             num_warps=min(max(block // 256, 1), 8), **quantize)  # one warp per 256 elements
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
