@@ -8,7 +8,7 @@ checkpoint tensor `loaded` (a safetensors slice: only what is indexed is read fr
 never builds the unfused module nor the whole tensor.
 """
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -25,11 +25,24 @@ class LinearMethod(Protocol):
 
     A method may also define `skinny_weight(layer) -> (weight, weight_scale) | None`: an fp8 weight [N, K] and its
     fp32 scale per output row [N] that the skinny GEMM (kernels/gemv.py) can run, dequantizing in registers, or None
-    where it cannot (skinny_operands)."""
+    where it cannot (skinny_operands).
+
+    And `fp8_input(layer, x) -> Fp8Input | None` with `apply_fp8(layer, q, x_scale)`: whether the method's GEMM
+    would quantize an input of x's dtype and device to fp8 per row, and how (Fp8Input); where it says so,
+    forward_norm and forward_silu_mul have the kernel that makes the input quantize it (kernels/rms_norm.py's
+    rms_norm_fp8, kernels/activation.py's act_and_mul_fp8) and hand q [M, K] float8_e4m3fn and x_scale [M, 1] fp32
+    to apply_fp8, which returns [M, out_features] with the bias added."""
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] -> [..., out_features] with the layer's bias added."""
         ...
+
+
+class Fp8Input(NamedTuple):
+    """A method's request for its input quantized to float8_e4m3fn per row: by `scale` (one fp32 number, static
+    activations) or by each row's max|x| / 448 (None, dynamic per token)."""
+
+    scale: torch.Tensor | None
 
 
 def skinny_operands(layer: "Linear") -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -59,7 +72,9 @@ class Linear(nn.Linear):
     not have: layers/step_plan.py), dequantizing the weight in registers: so a W8A8 checkpoint's steps of up to 32
     rows in graphs run weight-only (16-bit activations, not quantized), where the weight's bytes and not the math
     bound the step. Elsewhere (larger or eager steps, block scales, 4-bit weights) it runs its method's GEMM, with
-    the ops before it as their own modules; never kernels/silu_mul_gemv.py, which reads unquantized weights.
+    the ops before it as their own modules, but where the method takes an fp8 input (LinearMethod's fp8_input: FP8
+    W8A8 on CUDA), which the op before it then quantizes in its own kernel; never kernels/silu_mul_gemv.py, which
+    reads unquantized weights.
     """
 
     quant_method: LinearMethod | None = None
@@ -91,10 +106,25 @@ class Linear(nn.Linear):
             return skinny_norm_linear(x, residual, norm.weight, norm.eps, weight, self.bias,
                                       late_dependents=self.starts_next_late(plan), weight_offset=norm.offset,
                                       weight_scale=weight_scale)
+        fp8 = self.fp8_input(x, plan)
+        if fp8 is not None:
+            from nanoserve.kernels.rms_norm import rms_norm_fp8
+
+            q, x_scale = rms_norm_fp8(x, norm.weight, norm.eps, residual, norm.offset, fp8.scale)
+            return self.quant_method.apply_fp8(self, q, x_scale), x if residual is None else residual
         if residual is None:
             return self(norm(x), plan), x
         x, residual = norm(x, residual)
         return self(x, plan), residual
+
+    def fp8_input(self, x: torch.Tensor, plan: KernelPlan) -> Fp8Input | None:
+        """What the method asks of the kernel that makes this layer's input from x [T, *] (LinearMethod), where the
+        method's own GEMM runs (not the skinny GEMM); None: an unquantized input."""
+        offer = getattr(self.quant_method, "fp8_input", None)
+        operands = skinny_operands(self)
+        if offer is None or x.dim() != 2 or (operands is not None and plan.takes_skinny_gemm(operands[0])):
+            return None
+        return offer(self, x)
 
     def forward_silu_mul(self, x: torch.Tensor, act: SiluAndMul | GeluTanhAndMul, plan: KernelPlan) -> torch.Tensor:
         """self(act(x)) for x = [gate | up]: silu(gate) * up projected (Gemma's GELU in SiLU's place for
@@ -109,6 +139,11 @@ class Linear(nn.Linear):
             from nanoserve.kernels.silu_mul_gemv import silu_mul_gemv
 
             return silu_mul_gemv(x, self.weight, act.activation)
+        fp8 = self.fp8_input(x, plan)
+        if fp8 is not None:  # unreduced, as below
+            from nanoserve.kernels.activation import act_and_mul_fp8
+
+            return self.quant_method.apply_fp8(self, *act_and_mul_fp8(x, act.activation, fp8.scale))
         # Linear's forward, not self's: a row-parallel layer reduces what this returns (forward_silu_mul), once.
         return Linear.forward(self, act(x), plan)
 

@@ -27,9 +27,14 @@ The forward, by where it runs:
   them);
 - block weights (weight_block_size, e.g. [128, 128]) keep kernels/fp8_block_gemm.py at every size, which quantizes
   the activations' groups itself (no per-row scale for the GEMV to apply);
-- otherwise, on CUDA in bfloat16: per-token or static activations through kernels/fp8_quant.py and torch._scaled_mm
-  with rowwise scales; weight-only, and shapes or dtypes that _scaled_mm does not take (it needs dimensions that
-  divide by 16 and bf16 output with rowwise scales), dequantize and run PyTorch's GEMM;
+- otherwise, on CUDA in bfloat16: per-token or static activations quantized to fp8 per row, then torch._scaled_mm
+  with rowwise scales (apply_fp8). Before qkv_proj and gate_up_proj (Linear.forward_norm) the residual add + RMSNorm
+  kernel quantizes its own output (kernels/rms_norm.py's rms_norm_fp8), before down_proj (forward_silu_mul) the
+  SiLU- or GELU-and-mul kernel (kernels/activation.py's act_and_mul_fp8), as fp8_input asks: the bytes and scales of
+  that kernel's bf16 output through kernels/fp8_quant.py's quantize_rows, which quantizes the input of every other
+  layer (o_proj, and any layer called as Linear.forward) in apply. Weight-only, and shapes or dtypes that _scaled_mm
+  does not take (it needs dimensions that divide by 16 and bf16 output with rowwise scales), dequantize and run
+  PyTorch's GEMM (weight-only) or the reference;
 - on the CPU, fp8_math.fp8_linear_reference (fp32).
 """
 
@@ -38,7 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanoserve.layers.linear import Linear, load_whole
+from nanoserve.layers.linear import Fp8Input, Linear, load_whole
 from nanoserve.quantization import fp8_math
 from nanoserve.quantization.fp8_math import FP8
 from nanoserve.quantization.scheme import FP8Scheme
@@ -170,6 +175,26 @@ class Fp8LinearMethod:
             return None
         return layer.weight, layer.weight_scale
 
+    def fp8_input(self, layer: Linear, x: torch.Tensor) -> Fp8Input | None:
+        """Where _apply_cuda would quantize an input of x's dtype and device with quantize_rows: that quantization,
+        for the kernel making the input to do (layers.linear's LinearMethod)."""
+        if not self._quantizes_input(layer, x):
+            return None
+        return Fp8Input(layer.input_scale if self.scheme.activations == "tensor" else None)
+
+    def _quantizes_input(self, layer: Linear, x: torch.Tensor) -> bool:
+        """Whether _apply_cuda runs quantize_rows and torch._scaled_mm on x: per-token or static activations,
+        bf16, and dimensions that divide by 16 (_scaled_mm's)."""
+        n, k = layer.weight.shape
+        return (x.is_cuda and self.scheme.activations in ("token", "tensor") and x.dtype == torch.bfloat16
+                and not n % 16 and not k % 16)
+
+    def apply_fp8(self, layer: Linear, q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+        """The output [M, N] for the input quantized as fp8_input asked: q [M, K] float8_e4m3fn, x_scale [M, 1]."""
+        y = torch._scaled_mm(q, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale.view(1, -1),
+                             out_dtype=torch.bfloat16)
+        return y if layer.bias is None else y + layer.bias
+
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         s = self.scheme
         input_scale = layer.input_scale if s.activations == "tensor" else None
@@ -187,18 +212,14 @@ class Fp8LinearMethod:
             from nanoserve.kernels.fp8_block_gemm import fp8_block_linear
 
             return fp8_block_linear(x, layer.weight, layer.weight_scale, s.block, layer.bias)
-        n, k = layer.weight.shape
-        if s.activations is None or x.dtype != torch.bfloat16 or n % 16 or k % 16:
-            if s.activations is not None:
-                return None
+        if s.activations is None:
             w = fp8_math.dequantize_weight(layer.weight, layer.weight_scale, s.block).to(x.dtype)
             return F.linear(x, w, layer.bias)
+        if not self._quantizes_input(layer, x):
+            return None
         from nanoserve.kernels.fp8_quant import quantize_rows
 
-        q, x_scale = quantize_rows(x, input_scale)
-        y = torch._scaled_mm(q, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale.view(1, -1),
-                             out_dtype=torch.bfloat16)
-        return y if layer.bias is None else y + layer.bias
+        return self.apply_fp8(layer, *quantize_rows(x, input_scale))
 
 
 def _load_one(param: nn.Parameter, loaded, shard: str | None = None) -> None:

@@ -53,3 +53,43 @@ def test_act_and_mul_fp8(dtype, activation, static, device, gen, monkeypatch):
     # Chunks of 128 rather than the whole row (next_power_of_2(300)), so that the loop runs more than once.
     monkeypatch.setattr(triton, "next_power_of_2", lambda n: 128)
     _assert_same(act_and_mul_fp8(x, activation, scale), want)
+
+
+class _QuantizingMethod:
+    """A LinearMethod that takes fp8 input on the CPU (Fp8LinearMethod asks for it on CUDA only): apply_fp8 returns
+    what it was handed, so that the test sees the layer's fused quantization."""
+
+    def __init__(self, scale: torch.Tensor | None) -> None:
+        self.scale = scale
+
+    def fp8_input(self, layer, x):
+        from nanoserve.layers.linear import Fp8Input
+
+        return Fp8Input(self.scale)
+
+    def apply_fp8(self, layer, q, x_scale):
+        return q, x_scale
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_linear_hands_fused_fp8_input(static, device, gen):
+    """forward_norm and forward_silu_mul give the method the unfused composition's fp8 input, and the residual."""
+    from nanoserve.layers.activation import GeluTanhAndMul
+    from nanoserve.layers.linear import Linear
+    from nanoserve.layers.norm import RMSNorm
+    from nanoserve.layers.step_plan import EAGER
+
+    scale = torch.tensor([0.02], device=device) if static else None
+    layer = Linear(96, 32, bias=False)
+    layer.quant_method = _QuantizingMethod(scale)
+    norm = RMSNorm(96, offset=1.0)
+    norm.weight.data = torch.randn(96, generator=gen) * 0.3
+    x, res = _rows(4, 96, torch.float32, gen, device), _rows(4, 96, torch.float32, gen, device)
+    want_res = res.clone()
+    want = quantize_rows(rms_norm(x, norm.weight, norm.eps, want_res, 1.0), scale)
+    got, got_res = layer.forward_norm(x, res, norm, EAGER)
+    _assert_same(got, want)
+    assert got_res is res and torch.equal(res, want_res)
+    gate_up = _rows(4, 192, torch.float32, gen, device, top=1)
+    _assert_same(layer.forward_silu_mul(gate_up, GeluTanhAndMul(), EAGER),
+                 quantize_rows(act_and_mul(gate_up, "gelu_tanh"), scale))
