@@ -8,7 +8,7 @@ variants come first (the compile pool starts them first).
 
 import torch
 
-from nanoserve.kernels.activation import act_and_mul, silu_and_mul
+from nanoserve.kernels.activation import act_and_mul, act_and_mul_fp8, silu_and_mul
 from nanoserve.kernels.chunk_attention import chunk_attention
 from nanoserve.kernels.decode_attention import decode_attention
 from nanoserve.kernels.decode_order import longest_first_order
@@ -25,7 +25,7 @@ from nanoserve.kernels.prefill.attention import prefill_attention
 from nanoserve.kernels.prefill.split_scratch import SplitScratch
 from nanoserve.kernels.prefill.tile_map import SPLIT_MAP_COLUMNS
 from nanoserve.kernels.qkv_rope_store import qkv_rope_store
-from nanoserve.kernels.rms_norm import rms_norm
+from nanoserve.kernels.rms_norm import rms_norm, rms_norm_fp8
 from nanoserve.kernels.rotary import apply_rotary
 from nanoserve.kernels.sampling import gumbel_max_sample
 from nanoserve.kernels.silu_mul_gemv import silu_mul_gemv
@@ -300,6 +300,10 @@ VARIANTS = [
     ("rms_norm bf16 per-head strided", lambda: rms_norm(_zeros(4, 24, 128)[:, :16], _zeros(128), 1e-6)),
     ("rms_norm bf16 residual gemma offset",
      lambda: rms_norm(_zeros(4, 4096), _zeros(4096), 1e-6, _zeros(4, 4096), weight_offset=1.0)),
+    # Quantizing their output for an FP8 projection: the dynamic scales' reduction (rms_norm_fp8's static branch, and
+    # the GELU and static act_and_mul_fp8, left out for time).
+    ("rms_norm_fp8 bf16 residual dynamic", lambda: rms_norm_fp8(_zeros(4, 4096), _zeros(4096), 1e-6, _zeros(4, 4096))),
+    ("silu_and_mul_fp8 bf16 dynamic", lambda: act_and_mul_fp8(_zeros(4, 2 * 3000))),
     ("silu_and_mul bf16", lambda: silu_and_mul(_zeros(4, 2 * 3000))),
     ("gelu_tanh_and_mul bf16", lambda: act_and_mul(_zeros(4, 2 * 3000), "gelu_tanh")),
     ("router_topk bf16 residual renormalize", lambda: router_topk(_zeros(1, 2048), _zeros(1, 2048), _zeros(2048), 1e-6,
