@@ -14,20 +14,13 @@ from nanoserve.layers.attention import TorchBackend
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+# head_dim 64: the kernels take 64, 128 and 256.
+QWEN3 = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=3)
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    # head_dim 64: the kernels take 64, 128 and 256.
-    return write_checkpoint(
-        tmp_path_factory.mktemp("gpu") / "qwen3",
-        "qwen3",
-        hidden_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        num_hidden_layers=3,
-    )
+    return write_checkpoint(tmp_path_factory.mktemp("gpu") / "qwen3", "qwen3", **QWEN3)
 
 
 def _tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
@@ -141,16 +134,7 @@ def test_long_context_streams_fp8_blocks(tmp_path, monkeypatch):
     from nanoserve.worker import kv_ring
 
     monkeypatch.setattr(kv_ring, "RING_SLOT_TOKENS", 256)
-    ckpt = write_checkpoint(
-        tmp_path / "qwen3",
-        "qwen3",
-        hidden_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        num_hidden_layers=3,
-        max_position_embeddings=2048,
-    )
+    ckpt = write_checkpoint(tmp_path / "qwen3", "qwen3", **QWEN3, max_position_embeddings=2048)
     prompt = torch.randint(2, 384, (1500,), generator=torch.Generator().manual_seed(2)).tolist()
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     common = dict(device="cuda", dtype="float32", max_model_len=2048, kv_cache_dtype="fp8")
