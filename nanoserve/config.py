@@ -449,6 +449,11 @@ class EngineConfig:
         weights = "random weights" if self.args.load_format == "dummy" else "weights"
         dtype = str(self.dtype).removeprefix("torch.")
         quantized = f"; {self.quantization.describe()}" if self.quantization else ""
+        if self.model.moe is not None and self.quantization is not None and \
+                not isinstance(self.quantization, MXFP4Scheme):
+            # quantization/moe_experts.py
+            done = "dequantized while loading" if self.quantization.serialized else "left unquantized"
+            quantized += f" (routed experts {done}: {dtype})"
         kv_dtype = str(self.kv_dtype).removeprefix("torch.")
         return (f"loaded {self.model.architecture} {weights} from {self.model_dir} as {dtype} on {self.device}"
                 f"{quantized}; {_kv_pool_text(num_kv_blocks, local_pool, self.args.block_size, kv_dtype)}; "
@@ -522,9 +527,9 @@ def _check_quantization(scheme: FP8Scheme | W4Scheme | MXFP4Scheme, model: Model
             raise ValueError(f"quantization_config.quant_method: 'mxfp4' is supported for gpt-oss's experts "
                              f"(GptOssForCausalLM), not {model.architecture}")
         return
-    if model.moe is not None:
-        raise ValueError(f"quantization: {model.architecture} is a mixture-of-experts model; quantized "
-                         "experts are not supported yet")
+    if model.architecture == "GptOssForCausalLM":
+        raise ValueError(f"quantization: {scheme.method!r} for gpt-oss: its experts run as OpenAI ships them, in "
+                         "mxfp4 (quant_method 'mxfp4')")
     if isinstance(scheme, W4Scheme):
         _check_w4(scheme, model, tp_size)
         return
@@ -569,6 +574,8 @@ def _check_w4(scheme: W4Scheme, model: ModelConfig, tp_size: int) -> None:
     if scheme.group_size == -1:
         return
     columns = [("hidden_size", model.hidden_size), ("o_proj columns", heads), ("down_proj columns", ffn)]
+    if model.moe is not None and model.moe.shared_expert_intermediate_size:  # a linear layer too (Qwen2-MoE)
+        columns.append(("shared_expert down_proj columns", model.moe.shared_expert_intermediate_size // tp_size))
     uneven = [f"{what} {n}" for what, n in columns if n % scheme.group_size]
     if uneven:
         raise ValueError(f"{scheme.group_field}: {scheme.group_size} does not divide the model's "

@@ -77,6 +77,9 @@ class FusedMoE(nn.Module):
         return [(f"down:{e}", (h, i)) for e in self.local_experts]
 
     def load_expert(self, param: nn.Parameter, loaded, shard: str) -> None:
+        if "#" in shard:  # quantization/moe_experts.py loads those, when the quantization_config says so
+            raise ValueError("is a quantized expert tensor, but config.json's quantization_config (or its absence) "
+                             "quantizes no experts")
         proj, expert = shard.split(":")
         e = int(expert) - self.expert_start
         if not 0 <= e < param.shape[0]:
@@ -130,11 +133,16 @@ class SparseMoeBlock(nn.Module):
         hidden_size, self.top_k, self.renormalize, self.tp = experts.hidden_size, experts.top_k, renormalize, experts.tp
         # The router, replicated on every rank.
         self.gate = Linear(hidden_size, experts.num_experts, bias=router_bias)
+        self.gate.never_quantized = True  # published quantized checkpoints keep their routers in 16 bits
         self.experts = experts
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert is not None else None
         # kernels/moe_routing.py's router_topk: zero between launches (each launch leaves it so).
         self.register_buffer("router_counter", torch.zeros(1, dtype=torch.int32), persistent=False)
+
+    def reset_buffers(self, device: torch.device) -> None:
+        """The buffers of a block built on the meta device (a 4-bit checkpoint: model/loader.py), on `device`."""
+        self.router_counter = torch.zeros(1, dtype=torch.int32, device=device)
 
     def forward(self, x: torch.Tensor, plan: KernelPlan) -> torch.Tensor:
         topk_weights, topk_ids = route(self.gate(x, plan), self.top_k, self.renormalize)

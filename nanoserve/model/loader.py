@@ -165,7 +165,9 @@ def _load_weights(model: nn.Module, files: list[Path], fp8_kv: bool = False) -> 
                     getattr(param, "weight_loader", load_whole)(param, tensor, shard)
                 except ValueError as e:
                     raise ValueError(f"model: {ckpt_name!r} {e}") from None
-                # A packed tensor ("q+k+v") fills several shards.
+                # A packed tensor ("q+k+v") fills several shards; a quantized expert's tensor ("gate:3#qweight") is
+                # one part of its shard (quantization/moe_experts.py reports a shard whose parts did not all come).
+                shard = shard and shard.partition("#")[0]
                 loaded.update([name] if shard is None else [f"{name}:{part}" for part in shard.split("+")])
     missing, fused = [], set()
     for name, module in model.named_modules():

@@ -12,7 +12,8 @@ from nanoserve.distributed.group import TensorParallelGroup
 from nanoserve.layers.moe import FusedMoE, SparseMoeBlock
 from nanoserve.model.llama import LlamaForCausalLM, LlamaMLP
 
-_EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+# An expert projection's weight, or one of its quantized tensors (qweight, ...: quantization/moe_experts.py)
+_EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.(\w+)$")
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
@@ -45,7 +46,8 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         if expert is None or expert[3] not in self.expert_projections:
             return super().map_checkpoint_name(ckpt_name)
         prefix, index, shard = expert[1], expert[2], self.expert_projections[expert[3]]
-        return f"{prefix}.{'w2' if shard == 'down' else 'w13'}", f"{shard}:{index}"
+        part = "" if expert[4] == "weight" else f"#{expert[4]}"
+        return f"{prefix}.{'w2' if shard == 'down' else 'w13'}", f"{shard}:{index}{part}"
 
 
 class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):

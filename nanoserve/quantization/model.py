@@ -17,8 +17,10 @@ import torch
 from torch import nn
 
 from nanoserve.layers.linear import Linear
+from nanoserve.layers.moe import FusedMoE
 from nanoserve.quantization.fp8_linear import Fp8LinearMethod
 from nanoserve.quantization.fp8_math import FP8
+from nanoserve.quantization.moe_experts import ExpertDequantizer
 from nanoserve.quantization.mxfp4 import MXFP4Scheme
 from nanoserve.quantization.scheme import FP8Scheme
 from nanoserve.quantization.w4_linear import W4LinearMethod
@@ -35,7 +37,7 @@ def checkpoint_modules(model: nn.Module, name: str) -> list[str]:
 
 def quantized_layers(model: nn.Module, scheme: FP8Scheme | W4Scheme) -> Iterator[tuple[str, Linear]]:
     for name, module in model.named_modules():
-        if not isinstance(module, Linear):
+        if not isinstance(module, Linear) or getattr(module, "never_quantized", False):
             continue
         ignored = [scheme.ignores(part) for part in checkpoint_modules(model, name)]
         if all(ignored):
@@ -45,6 +47,24 @@ def quantized_layers(model: nn.Module, scheme: FP8Scheme | W4Scheme) -> Iterator
                              f"{checkpoint_modules(model, name)}, which nanoserve runs as one layer; ignore all "
                              "of them or none")
         yield name, module
+
+
+def quantized_experts(model: nn.Module, scheme: FP8Scheme | W4Scheme) -> Iterator[tuple[str, FusedMoE]]:
+    """The routed experts that the scheme quantizes (quantization/moe_experts.py dequantizes them while loading)."""
+    projections = getattr(model, "expert_projections", {})
+    for name, module in model.named_modules():
+        if not isinstance(module, FusedMoE):
+            continue
+        # The checkpoint's module names (Mixtral's block_sparse_moe is our mlp).
+        ckpt = name
+        for theirs, ours in getattr(model, "renamed_modules", {}).items():
+            ckpt = ckpt.replace(f".{ours}.", f".{theirs}.")
+        ignored = {scheme.ignores(f"{ckpt}.{e}.{p}") for e in range(module.num_experts) for p in projections}
+        if ignored == {False}:
+            yield name, module
+        elif ignored == {True, False}:
+            raise ValueError(f"quantization_config: the ignore list {list(scheme.ignore)} names some of the experts "
+                             f"of {ckpt}, which nanoserve runs as one layer; ignore all of them or none")
 
 
 def replaces_weights(scheme: FP8Scheme | W4Scheme | MXFP4Scheme) -> bool:
@@ -66,6 +86,9 @@ def prepare_model(model: nn.Module, scheme: FP8Scheme | W4Scheme | MXFP4Scheme, 
         return
     if not (scheme.serialized or dummy):
         return
+    if not dummy:  # (random experts are drawn in the model dtype they run in)
+        for name, experts in quantized_experts(model, scheme):
+            experts.w13.weight_loader = experts.w2.weight_loader = ExpertDequantizer(experts, scheme, name)
     if isinstance(scheme, W4Scheme):
         method = W4LinearMethod(scheme)
         for _, layer in quantized_layers(model, scheme):
@@ -81,6 +104,10 @@ def finish_model(model: nn.Module, scheme: FP8Scheme | W4Scheme | MXFP4Scheme) -
     parameters in their runtime form and its quant_method set."""
     if isinstance(scheme, MXFP4Scheme):
         return
+    for _, experts in quantized_experts(model, scheme):
+        if isinstance(loader := experts.w13.weight_loader, ExpertDequantizer):
+            loader.check_complete()
+            experts.w13.weight_loader = experts.w2.weight_loader = experts.load_expert
     if isinstance(scheme, W4Scheme):
         w4 = W4LinearMethod(scheme)
         for name, layer in quantized_layers(model, scheme):

@@ -83,9 +83,9 @@ def test_block_that_does_not_divide_the_shards_is_refused(tmp_path, checkpoints)
         EngineArgs(model=write_config(tmp_path / "b", checkpoints, "llama", qc), load_format="dummy").create_config()
 
 
-def test_moe_model_is_refused(tmp_path, checkpoints):
-    with pytest.raises(ValueError, match="quantization: Qwen3MoeForCausalLM is a mixture-of-experts model"):
-        EngineArgs(model=str(checkpoints["qwen3_moe"]), quantization="fp8").create_config()
+def test_gpt_oss_takes_only_mxfp4(tmp_path, checkpoints):
+    with pytest.raises(ValueError, match="quantization: 'fp8' for gpt-oss: its experts run as OpenAI ships them"):
+        EngineArgs(model=str(checkpoints["gpt_oss"]), quantization="fp8").create_config()
 
 
 def test_ignore_list_must_name_all_of_a_fused_layer(tmp_path, checkpoints):
