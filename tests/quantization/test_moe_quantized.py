@@ -138,3 +138,18 @@ def test_shared_expert_columns_must_be_whole_groups(checkpoints, tmp_path):
     with pytest.raises(ValueError, match="group_size: 32 does not divide the model's shared_expert down_proj columns "
                                          "48"):
         LLM(str(ckpt), load_format="dummy", num_kv_blocks=16)
+
+
+@pytest.mark.usefixtures("one_thread_per_rank")
+def test_two_ranks_equal_one(checkpoints, tmp_path):
+    """Each rank takes its share of every dequantized expert (half of each expert's intermediate rows): TP=2 on gloo
+    generates TP=1's tokens."""
+    ckpt, _, _ = write_w4_checkpoint(checkpoints["qwen3_moe"], tmp_path, W4Format("gptq", 16, symmetric=False))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(str(ckpt), num_kv_blocks=32).generate(prompts(), params,
+                                                                                        use_tqdm=False)]
+    llm = LLM(str(ckpt), tensor_parallel_size=2, num_kv_blocks=32)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)] == want
+    finally:
+        llm.shutdown()
