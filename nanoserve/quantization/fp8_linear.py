@@ -36,6 +36,11 @@ The forward, by where it runs:
   does not take (it needs dimensions that divide by 16 and bf16 output with rowwise scales), dequantize and run
   PyTorch's GEMM (weight-only) or the reference;
 - on the CPU, fp8_math.fp8_linear_reference (fp32).
+
+ONE_ROW_FP8_DOT (off until measured on a GPU): W8A8 layers (per-token or static activations) would offer no weight to
+the skinny GEMM, so that every step takes the path above, the inputs quantized by the kernel before, and up to
+kernels/fp8_gemv.py's MAX_M rows apply_fp8 would run that fp8 x fp8 tensor-core GEMV instead of torch._scaled_mm:
+batch 1 as the format defines it, and no per-element conversions, which held the weight-only GEMV to 1.5-1.85 TB/s.
 """
 
 import torch
@@ -47,6 +52,8 @@ from nanoserve.layers.linear import Fp8Input, Linear, load_whole
 from nanoserve.quantization import fp8_math
 from nanoserve.quantization.fp8_math import FP8
 from nanoserve.quantization.scheme import FP8Scheme
+
+ONE_ROW_FP8_DOT = False  # the module docstring; to be measured against the weight-only skinny GEMM
 
 # --load-format dummy: every scale is 1, so the random fp8 weights are the weights (uniform in +-0.02, as an
 # unquantized dummy model's).
@@ -169,7 +176,7 @@ class Fp8LinearMethod:
         """The fp8 weight [N, K] and its fp32 scale per output row [N] for the skinny GEMM (layers.linear's
         skinny_operands): per-tensor and per-channel weights, whatever the activations' scheme. None for block
         scales, and on GPUs before compute capability 8.9, which have no e4m3 conversions for Triton to load with."""
-        if self.scheme.weights == "block":
+        if self.scheme.weights == "block" or (ONE_ROW_FP8_DOT and self.scheme.activations is not None):
             return None
         if layer.weight.is_cuda and torch.cuda.get_device_capability(layer.weight.device) < (8, 9):
             return None
@@ -191,6 +198,11 @@ class Fp8LinearMethod:
 
     def apply_fp8(self, layer: Linear, q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
         """The output [M, N] for the input quantized as fp8_input asked: q [M, K] float8_e4m3fn, x_scale [M, 1]."""
+        if ONE_ROW_FP8_DOT:
+            from nanoserve.kernels.fp8_gemv import MAX_M, fp8_gemv
+
+            if q.shape[0] <= MAX_M:
+                return fp8_gemv(q, x_scale, layer.weight, layer.weight_scale, layer.bias)
         y = torch._scaled_mm(q, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale.view(1, -1),
                              out_dtype=torch.bfloat16)
         return y if layer.bias is None else y + layer.bias

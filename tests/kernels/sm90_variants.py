@@ -14,6 +14,7 @@ from nanoserve.kernels.decode_attention import decode_attention
 from nanoserve.kernels.decode_order import longest_first_order
 from nanoserve.kernels.decode_rope_attention import decode_rope_attention
 from nanoserve.kernels.fp8_block_gemm import fp8_block_linear
+from nanoserve.kernels.fp8_gemv import fp8_gemv
 from nanoserve.kernels.fp8_quant import quantize_rows
 from nanoserve.kernels.fused_moe import CONFIG_DIR, MoeConfig, fused_moe, fused_moe_with_config
 from nanoserve.kernels.gemv import skinny_linear, skinny_norm_linear, skinny_silu_mul_linear
@@ -281,6 +282,11 @@ VARIANTS = [
     ("w4a16 GEMM M=20 ragged N bias", _w4a16(20, 1000, 512, 128, True, False, True)),
     ("w4a16 GEMM M=256 act-order bias group 32", _w4a16(256, 4096, 512, 32, False, True, True)),
     ("fp8 quantize_rows dynamic", lambda: quantize_rows(_zeros(4, 4096))),
+    ("fp8 gemv one row", lambda: fp8_gemv(_zeros(1, 4096, dtype=FP8), _zeros(1, 1, dtype=FP32),
+                                          _zeros(6144, 4096, dtype=FP8), _zeros(6144, dtype=FP32))),
+    ("fp8 gemv bias ragged K", lambda: fp8_gemv(_zeros(3, 3000, dtype=FP8), _zeros(3, 1, dtype=FP32),
+                                                _zeros(512, 3000, dtype=FP8), _zeros(512, dtype=FP32),
+                                                _zeros(512))),
     ("fp8 quantize_rows static", lambda: quantize_rows(_zeros(4, 4096), _zeros(1, dtype=FP32))),
     ("qkv_rope_store bf16 norm", lambda: qkv_rope_store(*_rope_args(4, 16, 8, 128, True))),
     ("qkv_rope_store bf16 D=64", lambda: qkv_rope_store(*_rope_args(4, 4, 1, 64, False))),
