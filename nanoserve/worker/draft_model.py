@@ -112,6 +112,12 @@ def draft_engine_config(config: EngineConfig) -> EngineConfig:
             quantization=None,
             max_model_len=config.max_model_len,
             async_scheduling=False,
+            # Whole on the engine's device (rank 0's under tensor parallelism): a small draft split over ranks would
+            # add a collective to each of its passes.
+            tensor_parallel_size=1,
+            nnodes=1,
+            node_rank=0,
+            data_parallel_size=1,
         )
         draft = args.create_config()
     except (ValueError, OSError, KeyError) as exc:

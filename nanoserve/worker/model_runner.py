@@ -27,7 +27,7 @@ from nanoserve.worker.kv_cache import (
 )
 from nanoserve.worker.kv_offload import KVOffloader
 from nanoserve.worker.kv_ring import KVRing, LongContextAttention
-from nanoserve.worker.step_inputs import StepInputs, prompt_logprob_rows
+from nanoserve.worker.step_inputs import NO_SAMPLES, StepInputs, prompt_logprob_rows
 
 logger = logging.getLogger(__name__)
 
@@ -267,7 +267,9 @@ class ModelRunner:
         # draw them themselves where the batch allows (Sampler.replicable), with no collective; else rank 0
         # broadcasts them. Not the tokens in the next step's message: rank 0 sends that before this step's samples
         # reach its host (async scheduling), and waiting for them would put the host back on the device's path.
-        if self.workers is not None and self.sampler.replicable(seqs, masks):
+        if self.workers is not None and drafts is not None:
+            step.replica_call = NO_SAMPLES
+        elif self.workers is not None and self.sampler.replicable(seqs, masks):
             step.replica_call = self.sampler.num_calls + 1 if self.sampler.fused else 0
             step.temperatures = [s.params.temperature for s in seqs] if self.sampler.fused else []
         if self.workers is None:

@@ -21,6 +21,9 @@ _HEADER = ("num_tokens", "num_seqs", "width", "num_pending", "num_logit_rows", "
            "num_decodes", "sample", "num_copies", "num_swap_out", "num_swap_in", "num_prompt_logprobs",
            "num_long_context_ints", "replica_call", "num_temperatures", "local", "num_local_copies")
 _STOP = -1
+# replica_call of a step whose samples no rank but 0 needs: a speculative step's (verify), whose count per sequence
+# varies; speculative steps are synchronous, so no later step takes pending tokens from them on the device.
+NO_SAMPLES = -2
 
 
 @dataclass
@@ -87,7 +90,7 @@ class StepInputs:
     seq_lens_cpu: list[int] | None = None
     # How the other ranks get this step's samples (tensor parallelism): -1, rank 0 broadcasts them; otherwise each
     # rank draws them itself from the same logits (Sampler.sample_replica), as the sampler's call number `replica_call`
-    # with these temperatures.
+    # with these temperatures; NO_SAMPLES: the other ranks need none.
     replica_call: int = -1
     temperatures: list[float] = field(default_factory=list)
 

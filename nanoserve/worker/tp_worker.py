@@ -32,7 +32,7 @@ from nanoserve.distributed import symm_all_reduce
 from nanoserve.distributed.group import TensorParallelGroup
 from nanoserve.distributed.shm_broadcast import ShmBroadcast, ShmHandle
 from nanoserve.worker.model_runner import ModelRunner
-from nanoserve.worker.step_inputs import StepInputs
+from nanoserve.worker.step_inputs import NO_SAMPLES, StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,8 @@ def run_worker(config: EngineConfig, rank: int, init_method: str, ring_handle: S
     with torch.inference_mode():
         while (step := StepInputs.recv(tp)) is not None:
             _, logits = runner.execute(step, prev_tokens)
-            if logits is None:
+            if logits is None or step.replica_call == NO_SAMPLES:
+                prev_tokens = None
                 continue
             # Rank 0's samples, for the next step's pending tokens: drawn here as rank 0 draws them, or its broadcast.
             if step.replica_call >= 0:
