@@ -27,6 +27,7 @@ import logging
 import pickle
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -102,10 +103,16 @@ class ChannelEngineClient:
         """Close this client's channel: the engine aborts what this client still had running."""
         self._stopping = True
         self._outbox.put(Stop())
-        self._reader.join(self.stop_timeout)  # it ends at the channel's end of file, failing what was in flight
+        deadline = time.monotonic() + self.stop_timeout
+        self._writer.join(self.stop_timeout)  # it ends once the Stop is sent, or at once if the engine is gone
+        # The reader ends at the channel's end of file, failing what was in flight.
+        self._reader.join(max(0.0, deadline - time.monotonic()))
         self._close()
 
     def _close(self) -> None:
+        """Close the connection once neither thread uses it; one stuck in the pipe (a hung engine) leaves it to
+        the garbage collector. Nobody else may close it while they can: a thread that has read the fd number can
+        lose the CPU before its write(2), then write into whatever took the number since."""
         if not self._reader.is_alive() and not self._writer.is_alive():
             self._conn.close()
 
@@ -227,6 +234,7 @@ class ProcessEngineClient(ChannelEngineClient):
         if self.process.is_alive():
             logger.warning("the engine process did not stop in %.0f s: killing it", self.stop_timeout)
             self.core_process.kill()
+        self._writer.join(timeout=5)  # the engine is gone: a send still to come fails at once
         self._reader.join(timeout=5)  # it fails whatever was still in flight
         self._close()
         self.core_process.control.close()
