@@ -26,6 +26,7 @@ ThreadEngineClient.
 import logging
 import pickle
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -157,9 +158,19 @@ class ChannelEngineClient:
             self._fail_all(f"the engine connection failed: {type(exc).__name__}: {exc}")
             self._on_broken()
             # Nothing reads this channel any more. Left open, it would fill, and the engine, which sends every
-            # channel each step's stats, would block on it: every other API server's requests would stop. Closed,
+            # channel each step's stats, would block on it: every other API server's requests would stop. Hung up,
             # it is a channel whose client left: the engine aborts its requests and serves the others.
-            self._conn.close()
+            self._hang_up()
+
+    def _hang_up(self) -> None:
+        """End the channel for both sides, as closing it would (the engine sees end of file; its sends and the
+        writer's fail), but leave its fd number taken until _close: the writer may hold the number."""
+        try:
+            # A duplex Pipe is a socket pair; fromfd shuts it down through a copy of the fd.
+            with socket.fromfd(self._conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # closed already
 
     def _gone(self) -> str:
         """Why the engine's end of the pipe closed, as far as this process can tell."""

@@ -1,5 +1,6 @@
-"""ChannelEngineClient.shutdown (runtime/process_client.py) leaves no thread that can still write to the channel's
-fd, so the holder of the engine's channels (EngineCoreProcess.close) may close them right after it.
+"""A ChannelEngineClient's channel fd (runtime/process_client.py) is closed only once no thread of the client can
+write to it: shutdown waits for its writer, so the holder of the engine's channels (EngineCoreProcess.close) may
+close them right after it, and a broken reader hangs the channel up without freeing the fd's number.
 
 The race it closes, seen once in CI: a writer woke to send the Stop of shutdown(), read the fd number and lost the
 CPU before its write(2); the test's teardown closed the channel, the next test's engine channel took the freed
@@ -11,7 +12,9 @@ import socket
 import time
 from multiprocessing.connection import Connection
 
-from nanoserve.runtime.channels import Ready
+import pytest
+
+from nanoserve.runtime.channels import Ready, Step
 from nanoserve.runtime.engine_core import EngineStats
 from nanoserve.runtime.process_client import ChannelEngineClient
 
@@ -45,3 +48,26 @@ def test_no_send_lands_on_the_fd_number_after_shutdown():
     finally:
         reused.close()
         peer.close()
+
+
+def _reader_bug(msg) -> None:
+    raise TypeError("a bug in the reader")
+
+
+def test_a_broken_reader_hangs_up_but_keeps_the_fd_number():
+    ours, theirs = multiprocessing.Pipe()
+    fd, inode = ours.fileno(), os.fstat(ours.fileno()).st_ino
+    client = ChannelEngineClient(ours, Ready(config=None, stats=EngineStats()), tokenizer=None)
+    client._on_step = _reader_bug
+    theirs.send(Step([], [], EngineStats()))
+    client._reader.join()
+    # The engine sees its client leave, and its sends fail rather than fill a channel nobody reads ...
+    with pytest.raises(EOFError):
+        theirs.recv()
+    with pytest.raises(BrokenPipeError):
+        theirs.send(Step([], [], EngineStats()))
+    # ... while the number stays this channel's: the writer may hold it (as in the test above).
+    assert os.fstat(fd).st_ino == inode
+    client.shutdown()
+    assert ours.closed
+    theirs.close()
