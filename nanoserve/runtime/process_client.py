@@ -26,7 +26,9 @@ ThreadEngineClient.
 import logging
 import pickle
 import queue
+import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -102,10 +104,16 @@ class ChannelEngineClient:
         """Close this client's channel: the engine aborts what this client still had running."""
         self._stopping = True
         self._outbox.put(Stop())
-        self._reader.join(self.stop_timeout)  # it ends at the channel's end of file, failing what was in flight
+        deadline = time.monotonic() + self.stop_timeout
+        self._writer.join(self.stop_timeout)  # it ends once the Stop is sent, or at once if the engine is gone
+        # The reader ends at the channel's end of file, failing what was in flight.
+        self._reader.join(max(0.0, deadline - time.monotonic()))
         self._close()
 
     def _close(self) -> None:
+        """Close the connection once neither thread uses it; one stuck in the pipe (a hung engine) leaves it to
+        the garbage collector. Nobody else may close it while they can: a thread that has read the fd number can
+        lose the CPU before its write(2), then write into whatever took the number since."""
         if not self._reader.is_alive() and not self._writer.is_alive():
             self._conn.close()
 
@@ -150,9 +158,19 @@ class ChannelEngineClient:
             self._fail_all(f"the engine connection failed: {type(exc).__name__}: {exc}")
             self._on_broken()
             # Nothing reads this channel any more. Left open, it would fill, and the engine, which sends every
-            # channel each step's stats, would block on it: every other API server's requests would stop. Closed,
+            # channel each step's stats, would block on it: every other API server's requests would stop. Hung up,
             # it is a channel whose client left: the engine aborts its requests and serves the others.
-            self._conn.close()
+            self._hang_up()
+
+    def _hang_up(self) -> None:
+        """End the channel for both sides, as closing it would (the engine sees end of file; its sends and the
+        writer's fail), but leave its fd number taken until _close: the writer may hold the number."""
+        try:
+            # A duplex Pipe is a socket pair; fromfd shuts it down through a copy of the fd.
+            with socket.fromfd(self._conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # closed already
 
     def _gone(self) -> str:
         """Why the engine's end of the pipe closed, as far as this process can tell."""
@@ -227,6 +245,7 @@ class ProcessEngineClient(ChannelEngineClient):
         if self.process.is_alive():
             logger.warning("the engine process did not stop in %.0f s: killing it", self.stop_timeout)
             self.core_process.kill()
+        self._writer.join(timeout=5)  # the engine is gone: a send still to come fails at once
         self._reader.join(timeout=5)  # it fails whatever was still in flight
         self._close()
         self.core_process.control.close()
