@@ -308,10 +308,6 @@ def two_clients(model_dir):
     ready = engine.wait_ready()
     clients = [AsyncEngine(ChannelEngineClient(conn, ready, tokenizer=None)) for conn in engine.channels]
     yield engine, clients
-    # Shown only when the test failed: how the engine process had ended by then (a CI run once saw it die, with
-    # no traceback, between Ready and the test's first request).
-    print(f"engine process at teardown: alive={engine.process.is_alive()} exitcode={engine.process.exitcode}",
-          file=sys.stderr)
     for client in clients:
         client.shutdown()
     engine.stop(timeout=10)
