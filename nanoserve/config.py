@@ -231,11 +231,6 @@ def _check_speculative(args: "EngineArgs") -> SpeculativeConfig | None:
     if args.speculative_config is None:
         return None
     spec = SpeculativeConfig.from_dict(args.speculative_config)
-    # Under tensor parallelism the n-gram lookup and a draft model run on rank 0 (the draft whole, at its own TP of 1).
-    # An EAGLE-3 head reads the target's embedding, which the ranks hold a share each of.
-    if args.tensor_parallel_size > 1 and spec.method == "eagle3":
-        raise ValueError("speculative_config: method 'eagle3' is not supported with tensor_parallel_size > 1 yet "
-                         "(the head reads the target's embedding, split over the ranks)")
     # Long-context mode streams the KV through a ring per chunk, and the CPU tier's swaps were not tried with
     # lookahead slots.
     if args.kv_offload_gb:

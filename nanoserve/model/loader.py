@@ -60,6 +60,20 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup | None = None) -> n
     return model.eval()
 
 
+def load_whole_parameter(config: EngineConfig, model: nn.Module, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """The whole of the model's parameter `name` (shape: its checkpoint tensor's), which tensor parallelism splits,
+    for one rank that needs it whole (an EAGLE-3 head's embedding): read from the checkpoint, or with random weights
+    drawn as _init_dummy draws every rank's share from it."""
+    if config.args.load_format == "dummy":
+        return _DummyTensor(shape, f"{name}:None", config.args.seed, config.device, config.dtype).tensor
+    for path in checkpoint_files(config.model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for ckpt_name in f.keys():
+                if model.map_checkpoint_name(ckpt_name) == (name, None):
+                    return f.get_tensor(ckpt_name).to(config.device, config.dtype)
+    raise ValueError(f"model: the checkpoint holds no tensor for {name}")
+
+
 def _materialize(model: nn.Module, device: torch.device) -> None:
     """The parameters a model built on the meta device holds there, allocated on `device` with their attributes
     (loaders) and left uninitialized: the checkpoint, or the dummy initialization, writes every one. A tied

@@ -94,6 +94,11 @@ class _DecodeState:
             self.hidden = self.hidden[keep]
 
 
+# A draft or head runs whole on the engine's device (rank 0's under tensor parallelism): split over the ranks, a small
+# model would add a collective to each of its passes.
+WHOLE_ON_ONE_DEVICE = {"tensor_parallel_size": 1, "nnodes": 1, "node_rank": 0, "data_parallel_size": 1}
+
+
 def draft_engine_config(config: EngineConfig) -> EngineConfig:
     """The draft's config: its own checkpoint, with the target's dtype, device, block size and max_model_len; eager,
     no prefix caching, no speculation of its own. Refuses a vocabulary that differs from the target's."""
@@ -112,12 +117,7 @@ def draft_engine_config(config: EngineConfig) -> EngineConfig:
             quantization=None,
             max_model_len=config.max_model_len,
             async_scheduling=False,
-            # Whole on the engine's device (rank 0's under tensor parallelism): a small draft split over ranks would
-            # add a collective to each of its passes.
-            tensor_parallel_size=1,
-            nnodes=1,
-            node_rank=0,
-            data_parallel_size=1,
+            **WHOLE_ON_ONE_DEVICE,
         )
         draft = args.create_config()
     except (ValueError, OSError, KeyError) as exc:

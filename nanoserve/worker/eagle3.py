@@ -28,11 +28,20 @@ import torch
 
 from nanoserve.config import EngineConfig, read_config_json
 from nanoserve.layers.attention import AttentionMetadata
+from nanoserve.layers.embedding import VocabEmbedding
 from nanoserve.model.llama_eagle3 import aux_hidden_state_layers
+from nanoserve.model.loader import load_whole_parameter
 from nanoserve.model.registry import DRAFT_HEADS
 from nanoserve.spec_decode.proposer import DraftRow
 from nanoserve.utils import to_device
-from nanoserve.worker.draft_model import DraftModelProposer, _Batch, _DecodeState, _DraftSeq, _Entry
+from nanoserve.worker.draft_model import (
+    WHOLE_ON_ONE_DEVICE,
+    DraftModelProposer,
+    _Batch,
+    _DecodeState,
+    _DraftSeq,
+    _Entry,
+)
 from nanoserve.worker.model_runner import ModelRunner
 from nanoserve.worker.step_inputs import StepInputs, chunk_slots
 
@@ -57,6 +66,7 @@ def eagle3_engine_config(config: EngineConfig) -> EngineConfig:
             quantization=None,
             max_model_len=None,
             async_scheduling=False,
+            **WHOLE_ON_ONE_DEVICE,
         )
         head = args.create_config()
     except (ValueError, OSError, KeyError) as exc:
@@ -117,7 +127,15 @@ class Eagle3Proposer(DraftModelProposer):
         return super().kv_bytes_per_block + hidden
 
     def attach(self, target: ModelRunner) -> None:
-        self.head.set_embedding(target.model.model.embed_tokens, self.max_num_tokens)
+        embed = target.model.model.embed_tokens
+        if target.tp.size > 1:
+            # The ranks hold a share of the table each, and its lookup is a collective that the head's passes (on
+            # rank 0 alone) cannot join: the head gets the whole table on rank 0.
+            whole = VocabEmbedding(embed.vocab_size, embed.weight.shape[1])
+            whole.weight.data = load_whole_parameter(target.config, target.model, "model.embed_tokens.weight",
+                                                     (embed.vocab_size, embed.weight.shape[1]))
+            embed = whole
+        self.head.set_embedding(embed, self.max_num_tokens)
         target.aux_hidden_sink = self.take_hidden
 
     def allocate(self, num_blocks: int, max_model_len: int, cuda_graphs: bool) -> None:

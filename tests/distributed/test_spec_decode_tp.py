@@ -1,13 +1,13 @@
-"""Speculative decoding under tensor parallelism on the CPU (gloo): the n-gram lookup and a draft model run on rank 0
-(the draft whole), the verify steps on every rank, which take no samples from rank 0 for them (NO_SAMPLES in
-worker/step_inputs.py). Greedy tokens equal TP=1's without speculation, with drafts accepted."""
+"""Speculative decoding under tensor parallelism on the CPU (gloo): the n-gram lookup, a draft model and an EAGLE-3
+head run on rank 0 (the draft or head whole, the head with the target's whole embedding), the verify steps on every
+rank, which take no samples from rank 0 for them (NO_SAMPLES in worker/step_inputs.py). Greedy tokens equal TP=1's
+without speculation, with drafts accepted; a head drafts what it drafts at TP=1."""
 
 import pytest
 import torch
-from checkpoints import write_checkpoint
+from checkpoints import write_checkpoint, write_eagle3_head
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.config import EngineArgs
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -22,8 +22,10 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    # initializer_range 0.06: greedy outputs fall into loops now and then (tests/engine/test_spec_decode.py).
-    path = write_checkpoint(tmp_path_factory.mktemp("spec_tp") / "llama", "llama", initializer_range=0.06)
+    # initializer_range 0.06: greedy outputs fall into loops now and then (tests/engine/test_spec_decode.py). Four
+    # layers: an EAGLE-3 head reads the hidden states entering layers 2, 2 and 1 (2, L // 2, L - 3).
+    path = write_checkpoint(tmp_path_factory.mktemp("spec_tp") / "llama", "llama", num_hidden_layers=4,
+                            initializer_range=0.06)
     plain = LLM(str(path), num_kv_blocks=64)
     return path, [o.outputs[0].token_ids for o in plain.generate(prompts(), GREEDY, use_tqdm=False)]
 
@@ -43,9 +45,34 @@ def test_two_ranks_give_plain_tokens(target, method):
         llm.shutdown()
 
 
-def test_eagle3_with_tensor_parallelism_is_refused(target):
-    path, _ = target
-    with pytest.raises(ValueError, match="method 'eagle3' is not supported with tensor_parallel_size > 1"):
-        EngineArgs(model=str(path), tensor_parallel_size=2,
-                   speculative_config={"method": "eagle3", "model": str(path), "num_speculative_tokens": 2}
-                   ).create_config()
+def _recording_drafts(llm: LLM) -> list:
+    drafts, propose = [], llm.engine.proposer.propose
+
+    def recording(rows, caps):
+        out = propose(rows, caps)
+        drafts.append([list(d) for d in out])
+        return out
+    llm.engine.proposer.propose = recording
+    return drafts
+
+
+@pytest.mark.parametrize("load_format", ["auto", "dummy"])
+def test_eagle3_head_drafts_as_at_one_rank(target, tmp_path, load_format):
+    """The head's passes read the target's embedding, which each rank holds a share of: under TP rank 0 gives the head
+    the whole table (read from the checkpoint, or drawn as the random weights are), so its drafts are TP=1's."""
+    path, want = target
+    head = write_eagle3_head(tmp_path / "head", seed=1)
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    runs = []
+    for tp in (1, 2):
+        llm = LLM(str(path), tensor_parallel_size=tp, num_kv_blocks=64, speculative_config=spec,
+                  load_format=load_format)
+        try:
+            drafts = _recording_drafts(llm)
+            tokens = [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
+            runs.append((tokens, drafts))
+        finally:
+            llm.shutdown()
+    assert runs[0] == runs[1] and any(any(d) for d in runs[0][1])
+    if load_format == "auto":
+        assert runs[0][0] == want

@@ -191,8 +191,6 @@ def test_config_defaults_follow_vllm():
 
 @pytest.mark.parametrize("extra, message", [
     ({"kv_offload_gb": 1}, "not supported with kv_offload_gb > 0"),
-    ({"speculative_config": {"method": "eagle3", "model": "d", "num_speculative_tokens": 2}, "tensor_parallel_size": 2},
-     "method 'eagle3' is not supported with tensor_parallel_size > 1"),
     ({"speculative_config": {"model": "d", "num_speculative_tokens": 2}, "kv_offload_gb": 1},
      "not supported with kv_offload_gb > 0"),
 ])
