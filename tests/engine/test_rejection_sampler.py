@@ -189,20 +189,6 @@ def test_config_defaults_follow_vllm():
     assert (one.prompt_lookup_max, one.prompt_lookup_min) == (4, 4)
 
 
-@pytest.mark.parametrize("extra, message", [
-    ({"kv_offload_gb": 1}, "not supported with kv_offload_gb > 0"),
-    ({"speculative_config": {"model": "d", "num_speculative_tokens": 2}, "kv_offload_gb": 1},
-     "not supported with kv_offload_gb > 0"),
-])
-def test_engine_refuses_what_speculation_cannot_run_with(extra, message):
-    from nanoserve.config import EngineArgs
-
-    args = EngineArgs(**({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}} | extra))
-    with pytest.raises(ValueError, match="speculative_config") as info:
-        args.create_config()
-    assert message in str(info.value)
-
-
 def test_command_line_flag_takes_json():
     import argparse
 

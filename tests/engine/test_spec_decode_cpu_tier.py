@@ -1,0 +1,48 @@
+"""Speculative decoding beside the CPU KV tier (kv_offload_gb): sequences preempted to the CPU tier and brought back,
+prefixes evicted there and hit, and a long-context sequence (whose older blocks live in CPU memory, and which takes
+no drafts) beside drafted ones give plain decoding's greedy tokens, with drafts accepted."""
+
+import pytest
+import torch
+
+from nanoserve import LLM, SamplingParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def repeating(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    body = torch.randint(2, 384, (n,), generator=g).tolist()
+    return body + body[-12:] + body[-12:-5]
+
+
+def tokens(llm: LLM, prompts) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    from checkpoints import write_checkpoint
+
+    # initializer_range 0.06: greedy outputs fall into loops, which the n-gram drafts catch (test_spec_decode.py).
+    return str(write_checkpoint(tmp_path_factory.mktemp("spec_cpu") / "llama", "llama", initializer_range=0.06))
+
+
+@pytest.mark.parametrize("spec", ["ngram", "draft_model"])
+def test_preemption_through_the_cpu_tier(path, spec):
+    prompts = [repeating(n, i) for i, n in enumerate((25, 26, 27, 28))]
+    want = tokens(LLM(path, num_kv_blocks=64), prompts)
+    config = NGRAM if spec == "ngram" else {"model": path, "num_speculative_tokens": 3}
+    llm = LLM(path, num_kv_blocks=7, kv_offload_gb=0.01, speculative_config=config)
+    assert tokens(llm, prompts) == want
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.block_manager.cpu.loaded > 0
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_long_context_beside_drafted_sequences(path):
+    prompts = [repeating(20, 7), repeating(260, 8), repeating(30, 9)]
+    want = tokens(LLM(path, num_kv_blocks=64), prompts)
+    llm = LLM(path, num_kv_blocks=12, kv_offload_gb=0.01, speculative_config=NGRAM)
+    assert tokens(llm, prompts) == want
+    assert llm.engine.block_manager.cpu.allocated > 0 and llm.engine.spec_stats.num_accepted_tokens > 0
