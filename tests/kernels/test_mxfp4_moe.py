@@ -1,0 +1,87 @@
+"""The MoE kernels' MXFP4 weights (kernels/mxfp4_unpack.py's layout, unpacked in registers) against
+kernels/moe_reference.py on the weights dequantize_mxfp4 gives: fused_moe's grouped GEMMs and moe_gemv's GEMVs, with
+gpt-oss's biases and activation and under expert parallelism."""
+
+import pytest
+import torch
+from mxfp4_layout import random_mxfp4
+
+from nanoserve.kernels.fused_moe import GemmConfig, MoeConfig, fused_moe, fused_moe_with_config
+from nanoserve.kernels.moe_reference import fused_moe_ref
+
+# Multiples of the 32-value block that the default tiles do not all divide (gate/up's 64- and 128-column tiles over
+# 96 are masked, down's over 64 are not).
+HIDDEN, INTER = 96, 64
+MOE_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2)}
+
+
+def _routing(num_tokens, top_k, num_experts, gen, device):
+    """Distinct experts per token, as a router's top-k picks them, and positive weights."""
+    ids = torch.rand(num_tokens, num_experts, generator=gen).topk(top_k, dim=-1).indices
+    weights = torch.rand(num_tokens, top_k, generator=gen) + 0.1
+    return ids.to(device), weights.to(device)
+
+
+def _experts(num_experts, dtype, device, gen, bias):
+    """MXFP4 w13 and w2 with their scales (kernel arguments), the values they hold (fp32), and biases in dtype."""
+    w13, s13, v13 = random_mxfp4(num_experts, 2 * INTER, HIDDEN, gen)
+    w2, s2, v2 = random_mxfp4(num_experts, HIDDEN, INTER, gen)
+    biases = [torch.randn(num_experts, 2 * INTER, generator=gen), torch.randn(num_experts, HIDDEN, generator=gen)]
+    b13, b2 = [b.to(device, dtype) for b in biases] if bias else (None, None)
+    packed = dict(w13_scale=s13.to(device), w2_scale=s2.to(device), w13_bias=b13, w2_bias=b2)
+    return w13.to(device), w2.to(device), packed, (v13.to(device), v2.to(device))
+
+
+def _input(num_tokens, dtype, device, gen):
+    # Scaled so that gate and up (weights up to 6 * 2^3) stay within a few units: swigluoai's clamps cut some.
+    return (torch.randn(num_tokens, HIDDEN, generator=gen) * 0.05).to(device, dtype)
+
+
+def _check(out, x, values, weights, ids, kw):
+    """Against fused_moe_ref in fp32 on the dequantized weights and the same (rounded) activations and biases,
+    relative to the largest output: the scales' range (2^-7..2^3) spreads the outputs over magnitudes."""
+    upcast = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in kw.items() if not k.endswith("_scale")}
+    ref = fused_moe_ref(x.float(), *values, weights, ids, **upcast)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    top = ref.abs().max()
+    torch.testing.assert_close(out.float() / top, ref / top, **MOE_TOL[x.dtype])
+
+
+# 16-row blocks (T * k <= 16 E) and 64-row ones; fp32 and fp16; gpt-oss's activation with biases and SiLU without;
+# the middle rank of three under expert parallelism (experts 4..7 of 12).
+@pytest.mark.parametrize("num_tokens,top_k,dtype,activation,bias,expert_start",
+                         [(3, 2, torch.float32, "swigluoai", True, 0), (40, 2, torch.float16, "silu", False, 0),
+                          (5, 2, torch.float16, "swigluoai", True, 4), (40, 4, torch.float32, "swigluoai", True, 4)])
+def test_fused_moe_mxfp4(device, gen, num_tokens, top_k, dtype, activation, bias, expert_start):
+    w13, w2, kw, values = _experts(4, dtype, device, gen, bias)
+    kw.update(expert_start=expert_start, activation=activation)
+    x = _input(num_tokens, dtype, device, gen)
+    ids, weights = _routing(num_tokens, top_k, 4 + 2 * expert_start, gen, device)
+    if expert_start:
+        ids[0] = torch.tensor([0, 11, 1, 10][:top_k])  # routed only to other ranks' experts: zeros
+    out = fused_moe(x, w13, w2, weights, ids, **kw)
+    _check(out, x, values, weights, ids, kw)
+    assert out.abs().sum() > 0
+    if expert_start:
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+
+
+def test_fused_moe_mxfp4_given_config(device, gen):
+    """The tuner's narrow tiles: a 16-column K tile is widened to one 32-value block."""
+    w13, w2, kw, values = _experts(4, torch.float32, device, gen, bias=True)
+    x = _input(20, torch.float32, device, gen)
+    ids, weights = _routing(20, 2, 4, gen, device)
+    config = MoeConfig(32, GemmConfig(16, 16, 4, 4, 2), GemmConfig(32, 32, 2, 4, 2))
+    _check(fused_moe_with_config(x, w13, w2, weights, ids, config, **kw), x, values, weights, ids, kw)
+
+
+def test_mxfp4_bad_arguments_are_named(device, gen):
+    w13, w2, kw, _ = _experts(4, torch.float32, device, gen, bias=False)
+    x = _input(3, torch.float32, device, gen)
+    ids, weights = _routing(3, 2, 4, gen, device)
+    with pytest.raises(ValueError, match="w13_scale and w2_scale"):
+        fused_moe(x, w13, w2, weights, ids, w13_scale=kw["w13_scale"])
+    with pytest.raises(ValueError, match="w2_scale must be MXFP4"):
+        fused_moe(x, w13, w2, weights, ids, w13_scale=kw["w13_scale"], w2_scale=kw["w2_scale"][:, :, :1])
+    with pytest.raises(ValueError, match="multiples of the 32-value block"):
+        fused_moe(x, w13[:, :16], w2, weights, ids, w13_scale=kw["w13_scale"][:, :16], w2_scale=kw["w2_scale"])
