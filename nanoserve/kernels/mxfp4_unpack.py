@@ -45,15 +45,19 @@ def unpack_mxfp4(packed, scale):
 
 
 @triton.jit
+def load_bytes(ptrs, mask, MASKED: tl.constexpr):
+    """The bytes at ptrs; MASKED: those off the mask read as zeros."""
+    if MASKED:
+        loaded = tl.load(ptrs, mask=mask, other=0)
+    else:
+        loaded = tl.load(ptrs)
+    return loaded
+
+
+@triton.jit
 def load_mxfp4(w_ptrs, s_ptrs, mask, MASKED: tl.constexpr):
     """unpack_mxfp4 of the bytes at w_ptrs and their scales at s_ptrs; MASKED: bytes off the mask read as zeros."""
-    if MASKED:
-        packed = tl.load(w_ptrs, mask=mask, other=0)
-        scale = tl.load(s_ptrs, mask=mask, other=0)
-    else:
-        packed = tl.load(w_ptrs)
-        scale = tl.load(s_ptrs)
-    return unpack_mxfp4(packed, scale)
+    return unpack_mxfp4(load_bytes(w_ptrs, mask, MASKED), load_bytes(s_ptrs, mask, MASKED))
 
 
 def mxfp4_shapes(num_experts: int, n: int, k: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:

@@ -7,7 +7,9 @@ import torch
 from mxfp4_layout import random_mxfp4
 
 from nanoserve.kernels.fused_moe import GemmConfig, MoeConfig, fused_moe, fused_moe_with_config
+from nanoserve.kernels.moe_gemv import moe_gemv, moe_gemv_down, moe_gemv_gate_up
 from nanoserve.kernels.moe_reference import fused_moe_ref
+from nanoserve.kernels.rms_norm import rms_norm_ref
 
 # Multiples of the 32-value block that the default tiles do not all divide (gate/up's 64- and 128-column tiles over
 # 96 are masked, down's over 64 are not).
@@ -22,26 +24,27 @@ def _routing(num_tokens, top_k, num_experts, gen, device):
     return ids.to(device), weights.to(device)
 
 
-def _experts(num_experts, dtype, device, gen, bias):
+def _experts(num_experts, dtype, device, gen, bias, hidden=HIDDEN, inter=INTER):
     """MXFP4 w13 and w2 with their scales (kernel arguments), the values they hold (fp32), and biases in dtype."""
-    w13, s13, v13 = random_mxfp4(num_experts, 2 * INTER, HIDDEN, gen)
-    w2, s2, v2 = random_mxfp4(num_experts, HIDDEN, INTER, gen)
-    biases = [torch.randn(num_experts, 2 * INTER, generator=gen), torch.randn(num_experts, HIDDEN, generator=gen)]
+    w13, s13, v13 = random_mxfp4(num_experts, 2 * inter, hidden, gen)
+    w2, s2, v2 = random_mxfp4(num_experts, hidden, inter, gen)
+    biases = [torch.randn(num_experts, 2 * inter, generator=gen), torch.randn(num_experts, hidden, generator=gen)]
     b13, b2 = [b.to(device, dtype) for b in biases] if bias else (None, None)
     packed = dict(w13_scale=s13.to(device), w2_scale=s2.to(device), w13_bias=b13, w2_bias=b2)
     return w13.to(device), w2.to(device), packed, (v13.to(device), v2.to(device))
 
 
-def _input(num_tokens, dtype, device, gen):
+def _input(num_tokens, dtype, device, gen, hidden=HIDDEN):
     # Scaled so that gate and up (weights up to 6 * 2^3) stay within a few units: swigluoai's clamps cut some.
-    return (torch.randn(num_tokens, HIDDEN, generator=gen) * 0.05).to(device, dtype)
+    return (torch.randn(num_tokens, hidden, generator=gen) * 0.5 / hidden**0.5).to(device, dtype)
 
 
-def _check(out, x, values, weights, ids, kw):
+def _check(out, x, values, weights, ids, kw, x_ref=None):
     """Against fused_moe_ref in fp32 on the dequantized weights and the same (rounded) activations and biases,
-    relative to the largest output: the scales' range (2^-7..2^3) spreads the outputs over magnitudes."""
+    relative to the largest output: the scales' range (2^-7..2^3) spreads the outputs over magnitudes. x_ref: the
+    reference's input where the kernel normalizes x itself."""
     upcast = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in kw.items() if not k.endswith("_scale")}
-    ref = fused_moe_ref(x.float(), *values, weights, ids, **upcast)
+    ref = fused_moe_ref((x if x_ref is None else x_ref).float(), *values, weights, ids, **upcast)
     assert out.dtype == x.dtype and out.shape == x.shape
     top = ref.abs().max()
     torch.testing.assert_close(out.float() / top, ref / top, **MOE_TOL[x.dtype])
@@ -85,3 +88,42 @@ def test_mxfp4_bad_arguments_are_named(device, gen):
         fused_moe(x, w13, w2, weights, ids, w13_scale=kw["w13_scale"], w2_scale=kw["w2_scale"][:, :, :1])
     with pytest.raises(ValueError, match="multiples of the 32-value block"):
         fused_moe(x, w13[:, :16], w2, weights, ids, w13_scale=kw["w13_scale"][:, :16], w2_scale=kw["w2_scale"])
+
+
+# One token and two; top-k 4 of 8 and (expert parallel) 2 of 12 with experts 4..7 here; a masked tail of the walk
+# (96: one 128-column tile) and a gate/up walk of three tiles (384: the tiles loaded ahead roll over).
+@pytest.mark.parametrize("num_tokens,top_k,dtype,activation,bias,expert_start,dims",
+                         [(1, 4, torch.float32, "swigluoai", True, 0, (HIDDEN, INTER)),
+                          (2, 4, torch.float16, "silu", False, 0, (HIDDEN, INTER)),
+                          (4, 2, torch.float32, "swigluoai", True, 4, (HIDDEN, INTER)),
+                          (1, 2, torch.float16, "swigluoai", True, 0, (384, INTER))])
+def test_moe_gemv_mxfp4(device, gen, num_tokens, top_k, dtype, activation, bias, expert_start, dims):
+    hidden, inter = dims
+    w13, w2, kw, values = _experts(4 if expert_start else 8, dtype, device, gen, bias, hidden, inter)
+    kw.update(expert_start=expert_start, activation=activation)
+    x = _input(num_tokens, dtype, device, gen, hidden)
+    ids, weights = _routing(num_tokens, top_k, 12 if expert_start else 8, gen, device)
+    if expert_start:
+        ids[0] = torch.tensor([0, 11])  # routed only to other ranks' experts: zeros
+        ids[1] = torch.tensor([4, 9])  # one local pair and one remote
+    out = moe_gemv(x, w13, w2, weights, ids, **kw)
+    _check(out, x, values, weights, ids, kw)
+    assert out.abs().sum() > 0
+    if expert_start:
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+        # down never reads the rows of h that gate/up left unwritten for other ranks' pairs (NaN here).
+        h = moe_gemv_gate_up(x, w13, kw["w13_bias"], ids, expert_start, activation, w13_scale=kw["w13_scale"])
+        h[~((ids >= 4) & (ids < 8)).reshape(-1)] = float("nan")
+        down = moe_gemv_down(h, w2, kw["w2_bias"], weights, ids, expert_start, w2_scale=kw["w2_scale"])
+        torch.testing.assert_close(down, out, atol=0, rtol=0)
+
+
+def test_moe_gemv_mxfp4_norm_prologue(device, gen):
+    """norm=(weight, eps) with MXFP4 weights: RMSNorm(x) read as even and odd columns, rounded as the norm rounds."""
+    x = (torch.randn(1, HIDDEN, generator=gen) * 3).to(device, torch.float16)
+    norm_w = ((torch.rand(HIDDEN, generator=gen) + 0.5) * 0.5 / HIDDEN**0.5).to(device, torch.float16)
+    w13, w2, kw, values = _experts(8, torch.float16, device, gen, bias=True)
+    ids, weights = _routing(1, 4, 8, gen, device)
+    out = moe_gemv(x, w13, w2, weights, ids, norm=(norm_w, 1e-6), activation="swigluoai", **kw)
+    normed = rms_norm_ref(x, norm_w, 1e-6).to(torch.float16)
+    _check(out, x, values, weights, ids, dict(kw, activation="swigluoai"), x_ref=normed)
