@@ -127,3 +127,27 @@ def test_moe_gemv_mxfp4_norm_prologue(device, gen):
     out = moe_gemv(x, w13, w2, weights, ids, norm=(norm_w, 1e-6), activation="swigluoai", **kw)
     normed = rms_norm_ref(x, norm_w, 1e-6).to(torch.float16)
     _check(out, x, values, weights, ids, dict(kw, activation="swigluoai"), x_ref=normed)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU tests/gpu/test_moe_gpu.py runs the engine's path")
+def test_packed_gpt_oss_experts_hand_their_scales_to_the_kernels(gen, monkeypatch):
+    """GptOssExperts kept packed (as on CUDA): its forward at one token runs moe_gemv on the bytes and scales, and
+    gives what its reference path (the weights dequantized) gives."""
+    from nanoserve.distributed.group import TensorParallelGroup
+    from nanoserve.layers import moe
+    from nanoserve.model.gpt_oss import GptOssExperts
+
+    experts = GptOssExperts(8, HIDDEN, INTER, TensorParallelGroup(), False, top_k=4)
+    experts.expect_mxfp4(True, torch.device("cpu"))
+    w13, w2, kw, _ = _experts(8, torch.float32, "cpu", gen, bias=True)
+    for name, value in dict(kw, w13=w13, w2=w2).items():
+        getattr(experts, name).data.copy_(value)
+    x = _input(1, torch.float32, "cpu", gen)
+    ids, weights = _routing(1, 4, 8, gen, "cpu")
+    want = experts(x, weights, ids)
+    calls = []
+    monkeypatch.setattr(moe.FusedMoE, "takes_gemv", lambda self, x: calls.append(1) or True)
+    got = experts(x, weights, ids)
+    assert calls and experts.w13.dtype == torch.uint8
+    top = want.abs().max()
+    torch.testing.assert_close(got / top, want / top, **MOE_TOL[torch.float32])
