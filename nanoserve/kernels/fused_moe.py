@@ -107,13 +107,13 @@ def nearest_config(table: tuple[tuple[int, MoeConfig], ...], num_tokens: int) ->
     return min(table, key=lambda mc: (abs(mc[0] - num_tokens), mc[0]))[1]
 
 
-def get_config(num_tokens: int, w13: torch.Tensor, top_k: int) -> MoeConfig:
+def get_config(num_tokens: int, w13: torch.Tensor, top_k: int, act_size: int = 2) -> MoeConfig:
     """The measured config for the tuned M nearest num_tokens, where a table matches the shape and device (2-byte
     dtypes on CUDA; fp32 tiles would need twice the shared memory they were tuned with); else default_config. An
-    MXFP4 w13 (uint8, two values a byte) takes default_config's rule for 16-bit activations."""
+    MXFP4 w13 (uint8, two values a byte) takes default_config's rule for activations of act_size bytes."""
     num_experts, two_inter, hidden = w13.shape
     if w13.dtype == torch.uint8:
-        return default_config(num_tokens, num_experts, 2 * hidden, two_inter // 2, top_k)
+        return default_config(num_tokens, num_experts, 2 * hidden, two_inter // 2, top_k, act_size)
     if w13.is_cuda and w13.element_size() == 2:
         index = w13.device.index if w13.device.index is not None else torch.cuda.current_device()
         table = _tuned_table(config_file(num_experts, hidden, two_inter // 2, _device_name(index)))
@@ -435,7 +435,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     for this shape and GPU at the tuned token count nearest T, for 16-bit dtypes; otherwise default_config's rule.
     Kernels launch with PDL where the device supports it (kernels/pdl.py).
     """
-    config = get_config(x.shape[0], w13, topk_ids.shape[-1])
+    config = get_config(x.shape[0], w13, topk_ids.shape[-1], x.element_size())
     return fused_moe_with_config(x, w13, w2, topk_weights, topk_ids, config, expert_start=expert_start,
                                  w13_bias=w13_bias, w2_bias=w2_bias, activation=activation, w13_scale=w13_scale,
                                  w2_scale=w2_scale)

@@ -148,14 +148,17 @@ def _experts(e: int, h: int, i: int, mxfp4: bool) -> tuple[tuple[torch.Tensor, t
             dict(w13_scale=_zeros(e, 2 * i, h // 32, dtype=u8), w2_scale=_zeros(e, h, i // 32, dtype=u8)))
 
 
-def _moe(tokens: int, activation: str, bias: bool, config: MoeConfig | None = None, mxfp4: bool = False):
+def _moe(tokens: int, activation: str, bias: bool, config: MoeConfig | None = None, mxfp4: bool = False,
+         dtype: torch.dtype = BF16):
     """fused_moe (its align, gate/up, down and sum launches): by default_config's rule, or with a given config;
-    mxfp4: MXFP4 weights."""
+    mxfp4: MXFP4 weights (dtype: the activations')."""
     def call() -> None:
         e, h, i, top_k = 8, 256, 256, 2
         weights, scales = _experts(e, h, i, mxfp4)
-        args = (_zeros(tokens, h), *weights, _zeros(tokens, top_k, dtype=FP32), _zeros(tokens, top_k, dtype=I32))
-        biases = dict(w13_bias=_zeros(e, 2 * i), w2_bias=_zeros(e, h), **scales) if bias else scales
+        args = (_zeros(tokens, h, dtype=dtype), *weights, _zeros(tokens, top_k, dtype=FP32),
+                _zeros(tokens, top_k, dtype=I32))
+        biases = dict(w13_bias=_zeros(e, 2 * i, dtype=dtype), w2_bias=_zeros(e, h, dtype=dtype)) if bias else {}
+        biases |= scales
         if config is None:
             fused_moe(*args, activation=activation, **biases)
         else:
@@ -268,6 +271,8 @@ VARIANTS = [
     # a masked tail).
     ("fused_moe bf16 MXFP4 decode rule swigluoai+bias", _moe(4, "swigluoai", True, mxfp4=True)),
     ("fused_moe bf16 MXFP4 prefill rule swigluoai+bias", _moe(512, "swigluoai", True, mxfp4=True)),
+    # fp32 activations (the GPU engine tests' dtype): the 4-byte tiles must fit in shared memory.
+    ("fused_moe fp32 MXFP4 prefill rule swigluoai+bias", _moe(512, "swigluoai", True, mxfp4=True, dtype=FP32)),
     ("moe_gemv bf16 MXFP4 top-4 swigluoai+bias norm", _moe_gemv(1, 4, 2880, 2880, "swigluoai", True, norm=True,
                                                                 mxfp4=True)),
     ("moe_gemv bf16 MXFP4 top-4 swigluoai+bias", _moe_gemv(4, 4, 512, 256, "swigluoai", True, mxfp4=True)),

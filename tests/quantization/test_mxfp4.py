@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from checkpoints import write_checkpoint
-from safetensors.torch import load_file, save_file
+from mxfp4_layout import write_mxfp4_checkpoint
 from transformers import AutoModelForCausalLM, Mxfp4Config
 
 from nanoserve import LLM, EngineArgs, SamplingParams
@@ -52,21 +52,7 @@ def test_dequantize_refuses_unpaired_shapes():
 
 @pytest.fixture(scope="module")
 def mxfp4_checkpoint(tmp_path_factory):
-    """tests/checkpoints.py's gpt-oss with every expert projection replaced by random MXFP4 blocks and scales."""
-    path = write_checkpoint(tmp_path_factory.mktemp("mxfp4") / "gpt_oss", "gpt_oss", intermediate_size=64)
-    (file,) = path.glob("*.safetensors")
-    tensors, g = load_file(file), torch.Generator().manual_seed(1)
-    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        e, k, n = tensors.pop(name).shape  # the bf16 form is [E, in, out]; MXFP4 rows are out, blocks along in
-        tensors[f"{name}_blocks"] = torch.randint(0, 256, (e, n, k // 32, 16), dtype=torch.uint8, generator=g)
-        # Scales near 2^-3 keep activations in range through the layers.
-        tensors[f"{name}_scales"] = torch.randint(120, 126, (e, n, k // 32), dtype=torch.uint8, generator=g)
-    save_file(tensors, file, metadata={"format": "pt"})
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-    (path / "config.json").write_text(json.dumps(config))
-    return path
+    return write_mxfp4_checkpoint(tmp_path_factory.mktemp("mxfp4") / "gpt_oss", intermediate_size=64)
 
 
 def prompts() -> list[list[int]]:
