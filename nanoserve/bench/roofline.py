@@ -2,7 +2,9 @@
 
 Every decode step reads all weights once plus the KV of every live sequence, so a step can be no
 faster than those bytes over the measured bandwidth; prompt tokens cost 2 FLOPs per parameter. A mixture-of-experts
-step reads only the experts its tokens chose, and a token runs through its top-k experts only (WeightBytes).
+step reads only the experts its tokens chose, and a token runs through its top-k experts only (WeightBytes). Bytes are
+the tensors' as they are held: MXFP4 experts kept packed (gpt-oss on the GPU) count 4.25 bits a weight, while their
+parameters count as weights (two a byte).
 """
 
 from dataclasses import dataclass
@@ -46,8 +48,8 @@ class WeightBytes:
     mixture-of-experts model's routed experts only those the step's tokens chose."""
 
     dense: int
-    experts: int = 0  # all routed experts' bytes on this rank
-    expert_params: int = 0
+    experts: int = 0  # all routed experts' bytes on this rank, as held (packed MXFP4: half a byte a weight + scales)
+    expert_params: int = 0  # their weights (FusedMoE.num_weights)
     num_experts: int = 1  # the model's, per layer
     top_k: int = 1
 
@@ -63,26 +65,29 @@ class WeightBytes:
         return dense_params + self.expert_params * self.top_k / self.num_experts
 
 
-def weight_bytes(model: torch.nn.Module) -> WeightBytes:
-    experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
-    expert_ptrs = {p.data_ptr() for m in experts for p in m.parameters()}
-    seen, dense = set(), 0
+def _dense_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters outside the routed experts, each once (a tied embedding counted once)."""
+    expert_ptrs = {p.data_ptr() for m in model.modules() if isinstance(m, FusedMoE) for p in m.parameters()}
+    seen, dense = set(), []
     for p in model.parameters():
         if p.data_ptr() not in seen and p.data_ptr() not in expert_ptrs:
             seen.add(p.data_ptr())
-            dense += p.numel() * p.element_size()
+            dense.append(p)
+    return dense
+
+
+def weight_bytes(model: torch.nn.Module) -> WeightBytes:
+    experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    dense = sum(p.numel() * p.element_size() for p in _dense_parameters(model))
     if not experts:
         return WeightBytes(dense)
     return WeightBytes(dense, sum(p.numel() * p.element_size() for m in experts for p in m.parameters()),
-                       sum(p.numel() for m in experts for p in m.parameters()), experts[0].num_experts,
-                       experts[0].top_k)
+                       sum(m.num_weights() for m in experts), experts[0].num_experts, experts[0].top_k)
 
 
 def model_params(model: torch.nn.Module) -> float:
     """Parameters one token runs through (a mixture of experts: its top_k experts, not all)."""
-    weights = weight_bytes(model)
-    dense = sum(p.numel() for p in model.parameters()) - weights.expert_params
-    return weights.active_params(dense)
+    return weight_bytes(model).active_params(sum(p.numel() for p in _dense_parameters(model)))
 
 
 def kv_bytes_per_token(config) -> int:

@@ -10,6 +10,10 @@ captured in a CUDA graph replays for any routing):
 Only blocks of experts that some token chose exist, so a decode step reads only those experts' weights. The grids are
 sized for the most blocks any routing can need; programs past the rows used return at once.
 
+The weights are in x's dtype, or MXFP4 (w13_scale and w2_scale given; kernels/mxfp4_unpack.py's layout): each weight
+tile is then loaded as bytes, unpacked to x's dtype in registers, and multiplied on the tensor cores in two halves
+(the low nibbles by x's even columns, the high by its odd ones).
+
 Tile sizes come from a table measured by scripts/tune_fused_moe.py (fused_moe_configs/, one file per shape and
 device), else from the default rule in default_config.
 """
@@ -25,6 +29,7 @@ import triton.language as tl
 
 from nanoserve.kernels.moe_align import MoeAlignment, moe_align_block_size
 from nanoserve.kernels.moe_reference import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+from nanoserve.kernels.mxfp4_unpack import load_mxfp4
 from nanoserve.kernels.pdl import use_pdl, wait_for_prior_grids
 
 CONFIG_DIR = Path(__file__).with_name("fused_moe_configs")
@@ -102,10 +107,13 @@ def nearest_config(table: tuple[tuple[int, MoeConfig], ...], num_tokens: int) ->
     return min(table, key=lambda mc: (abs(mc[0] - num_tokens), mc[0]))[1]
 
 
-def get_config(num_tokens: int, w13: torch.Tensor, top_k: int) -> MoeConfig:
+def get_config(num_tokens: int, w13: torch.Tensor, top_k: int, act_size: int = 2) -> MoeConfig:
     """The measured config for the tuned M nearest num_tokens, where a table matches the shape and device (2-byte
-    dtypes on CUDA; fp32 tiles would need twice the shared memory they were tuned with); else default_config."""
+    dtypes on CUDA; fp32 tiles would need twice the shared memory they were tuned with); else default_config. An
+    MXFP4 w13 (uint8, two values a byte) takes default_config's rule for activations of act_size bytes."""
     num_experts, two_inter, hidden = w13.shape
+    if w13.dtype == torch.uint8:
+        return default_config(num_tokens, num_experts, 2 * hidden, two_inter // 2, top_k, act_size)
     if w13.is_cuda and w13.element_size() == 2:
         index = w13.device.index if w13.device.index is not None else torch.cuda.current_device()
         table = _tuned_table(config_file(num_experts, hidden, two_inter // 2, _device_name(index)))
@@ -138,12 +146,13 @@ def _block_pairs(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
-def _gate_up_kernel(x_ptr, w_ptr, b_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, rows_used_ptr, num_pairs,
-                    num_blocks, top_k, N, K, stride_xt, stride_we, stride_wn, stride_be, stride_op,
-                    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr,
+def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, rows_used_ptr, num_pairs,
+                    num_blocks, top_k, N, K, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_be,
+                    stride_op, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr,
+                    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """out[pair, n] = act(x[token] @ w[e, n].T + b[e, n], x[token] @ w[e, N + n].T + b[e, N + n]) for N = I."""
+    """out[pair, n] = act(x[token] @ w[e, n].T + b[e, n], x[token] @ w[e, N + n].T + b[e, N + n]) for N = I.
+    MXFP4: w holds the bytes and s_ptr the scales (mxfp4_unpack.py's layout), strides in bytes of each."""
     wait_for_prior_grids(USE_PDL)
     pid_m, pid_n = _block_tile(num_blocks, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(rows_used_ptr):
@@ -151,29 +160,47 @@ def _gate_up_kernel(x_ptr, w_ptr, b_ptr, out_ptr, sorted_ids_ptr, block_expert_p
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     pair, real, row_pair = _block_pairs(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + (row_pair // top_k).to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
+    # MXFP4: a tile of BLOCK_K columns is BLOCK_K / 2 bytes a row, and x's columns are read as even and odd halves.
+    offs_k = tl.arange(0, BLOCK_K // 2 if MXFP4 else BLOCK_K)
+    x_ptrs = x_ptr + (row_pair // top_k).to(tl.int64)[:, None] * stride_xt + offs_k[None, :] * (2 if MXFP4 else 1)
     # Tail columns read the last weight row again rather than being masked; the store drops them.
     w_rows = tl.minimum(offs_n, N - 1)
     gate_ptrs = w_ptr + expert * stride_we + w_rows[None, :] * stride_wn + offs_k[:, None]
     up_ptrs = gate_ptrs + N * stride_wn
+    gate_s_ptrs = s_ptr + expert * stride_se + w_rows[None, :] * stride_sn + offs_k[:, None] // 16
+    up_s_ptrs = gate_s_ptrs + N * stride_sn
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptrs)
-            w_gate = tl.load(gate_ptrs)
-            w_up = tl.load(up_ptrs)
+        if MXFP4:
+            j_ok = k0 // 2 + offs_k < K // 2
+            x_even = tl.load(x_ptrs, mask=j_ok[None, :], other=0.0)
+            x_odd = tl.load(x_ptrs + 1, mask=j_ok[None, :], other=0.0)
+            gate_lo, gate_hi = load_mxfp4(gate_ptrs, gate_s_ptrs, j_ok[:, None], not EVEN_K)
+            up_lo, up_hi = load_mxfp4(up_ptrs, up_s_ptrs, j_ok[:, None], not EVEN_K)
+            gate = tl.dot(x_even, gate_lo.to(x_even.dtype), gate, input_precision=DOT_PRECISION)
+            gate = tl.dot(x_odd, gate_hi.to(x_even.dtype), gate, input_precision=DOT_PRECISION)
+            up = tl.dot(x_even, up_lo.to(x_even.dtype), up, input_precision=DOT_PRECISION)
+            up = tl.dot(x_odd, up_hi.to(x_even.dtype), up, input_precision=DOT_PRECISION)
+            gate_ptrs += BLOCK_K // 2
+            up_ptrs += BLOCK_K // 2
+            gate_s_ptrs += BLOCK_K // 32
+            up_s_ptrs += BLOCK_K // 32
         else:
-            k_ok = k0 + offs_k < K
-            x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
-            w_gate = tl.load(gate_ptrs, mask=k_ok[:, None], other=0.0)
-            w_up = tl.load(up_ptrs, mask=k_ok[:, None], other=0.0)
-        gate = tl.dot(x, w_gate, gate, input_precision=DOT_PRECISION)
-        up = tl.dot(x, w_up, up, input_precision=DOT_PRECISION)
+            if EVEN_K:
+                x = tl.load(x_ptrs)
+                w_gate = tl.load(gate_ptrs)
+                w_up = tl.load(up_ptrs)
+            else:
+                k_ok = k0 + offs_k < K
+                x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+                w_gate = tl.load(gate_ptrs, mask=k_ok[:, None], other=0.0)
+                w_up = tl.load(up_ptrs, mask=k_ok[:, None], other=0.0)
+            gate = tl.dot(x, w_gate, gate, input_precision=DOT_PRECISION)
+            up = tl.dot(x, w_up, up, input_precision=DOT_PRECISION)
+            gate_ptrs += BLOCK_K
+            up_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
     if HAS_BIAS:
         b_ptrs = b_ptr + expert * stride_be + w_rows
         gate += tl.load(b_ptrs).to(tl.float32)[None, :]
@@ -189,11 +216,13 @@ def _gate_up_kernel(x_ptr, w_ptr, b_ptr, out_ptr, sorted_ids_ptr, block_expert_p
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
-def _down_kernel(h_ptr, w_ptr, b_ptr, topk_w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, rows_used_ptr,
-                 num_pairs, num_blocks, N, K, stride_hp, stride_we, stride_wn, stride_be, stride_op,
-                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """out[pair, n] = (h[pair] @ w[e, n].T + b[e, n]) * topk_weight[pair], for N = H and K = I."""
+def _down_kernel(h_ptr, w_ptr, s_ptr, b_ptr, topk_w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, rows_used_ptr,
+                 num_pairs, num_blocks, N, K, stride_hp, stride_we, stride_wn, stride_se, stride_sn, stride_be,
+                 stride_op, HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr, EVEN_K: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """out[pair, n] = (h[pair] @ w[e, n].T + b[e, n]) * topk_weight[pair], for N = H and K = I; MXFP4 as in
+    _gate_up_kernel."""
     wait_for_prior_grids(USE_PDL)
     pid_m, pid_n = _block_tile(num_blocks, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(rows_used_ptr):
@@ -201,22 +230,33 @@ def _down_kernel(h_ptr, w_ptr, b_ptr, topk_w_ptr, out_ptr, sorted_ids_ptr, block
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     pair, real, row_pair = _block_pairs(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    h_ptrs = h_ptr + row_pair.to(tl.int64)[:, None] * stride_hp + offs_k[None, :]
+    offs_k = tl.arange(0, BLOCK_K // 2 if MXFP4 else BLOCK_K)
+    h_ptrs = h_ptr + row_pair.to(tl.int64)[:, None] * stride_hp + offs_k[None, :] * (2 if MXFP4 else 1)
     w_rows = tl.minimum(offs_n, N - 1)
     w_ptrs = w_ptr + expert * stride_we + w_rows[None, :] * stride_wn + offs_k[:, None]
+    s_ptrs = s_ptr + expert * stride_se + w_rows[None, :] * stride_sn + offs_k[:, None] // 16
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            h = tl.load(h_ptrs)
-            w = tl.load(w_ptrs)
+        if MXFP4:
+            j_ok = k0 // 2 + offs_k < K // 2
+            h_even = tl.load(h_ptrs, mask=j_ok[None, :], other=0.0)
+            h_odd = tl.load(h_ptrs + 1, mask=j_ok[None, :], other=0.0)
+            w_lo, w_hi = load_mxfp4(w_ptrs, s_ptrs, j_ok[:, None], not EVEN_K)
+            acc = tl.dot(h_even, w_lo.to(h_even.dtype), acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(h_odd, w_hi.to(h_even.dtype), acc, input_precision=DOT_PRECISION)
+            w_ptrs += BLOCK_K // 2
+            s_ptrs += BLOCK_K // 32
         else:
-            k_ok = k0 + offs_k < K
-            h = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-        acc = tl.dot(h, w, acc, input_precision=DOT_PRECISION)
+            if EVEN_K:
+                h = tl.load(h_ptrs)
+                w = tl.load(w_ptrs)
+            else:
+                k_ok = k0 + offs_k < K
+                h = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+            acc = tl.dot(h, w, acc, input_precision=DOT_PRECISION)
+            w_ptrs += BLOCK_K
         h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(b_ptr + expert * stride_be + w_rows).to(tl.float32)[None, :]
     acc *= tl.load(topk_w_ptr + row_pair).to(tl.float32)[:, None]
@@ -247,39 +287,53 @@ def _dot_precision(t: torch.Tensor) -> str:
     return "ieee" if t.dtype == torch.float32 else "tf32"  # tf32 would lose fp32's bits; unused for 16-bit
 
 
+def _block_k(cfg: GemmConfig, mxfp4: bool) -> int:
+    """An MXFP4 tile is at least one block of 32 columns (two tl.dot halves of at least 16)."""
+    return max(32, cfg.block_k) if mxfp4 else cfg.block_k
+
+
 def moe_gate_up(x: torch.Tensor, w13: torch.Tensor, w13_bias: torch.Tensor | None, align: MoeAlignment, top_k: int,
-                activation: str, cfg: GemmConfig) -> torch.Tensor:
-    """Step 2: act(gate, up) of every pair, [T * top_k, I] indexed by pair (rows of other ranks' pairs unwritten)."""
-    inter, hidden = w13.shape[1] // 2, w13.shape[2]
+                activation: str, cfg: GemmConfig, w13_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Step 2: act(gate, up) of every pair, [T * top_k, I] indexed by pair (rows of other ranks' pairs unwritten).
+    w13_scale: w13 is MXFP4 (mxfp4_unpack.py's layout)."""
+    inter, hidden = w13.shape[1] // 2, x.shape[1]
     out = torch.empty(align.num_pairs, inter, dtype=x.dtype, device=x.device)
     num_blocks = align.block_expert.numel()
     pdl = use_pdl(x)
+    mxfp4 = w13_scale is not None
+    block_k = _block_k(cfg, mxfp4)
+    scale = w13_scale if mxfp4 else w13
     grid = (num_blocks * triton.cdiv(inter, cfg.block_n),)
     _gate_up_kernel[grid](
-        x, w13, w13_bias if w13_bias is not None else w13, out, align.sorted_ids, align.block_expert,
+        x, w13, scale, w13_bias if w13_bias is not None else w13, out, align.sorted_ids, align.block_expert,
         align.rows_used, align.num_pairs, num_blocks, top_k, inter, hidden, x.stride(0), w13.stride(0),
-        w13.stride(1), w13_bias.stride(0) if w13_bias is not None else 0, out.stride(0), ACTIVATION=activation,
-        HAS_BIAS=w13_bias is not None, EVEN_K=hidden % cfg.block_k == 0, DOT_PRECISION=_dot_precision(x),
-        USE_PDL=pdl, BLOCK_M=align.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
+        w13.stride(1), scale.stride(0), scale.stride(1), w13_bias.stride(0) if w13_bias is not None else 0,
+        out.stride(0), ACTIVATION=activation, HAS_BIAS=w13_bias is not None, MXFP4=mxfp4,
+        EVEN_K=hidden % block_k == 0, DOT_PRECISION=_dot_precision(x), USE_PDL=pdl, BLOCK_M=align.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, launch_pdl=pdl)
     return out
 
 
 def moe_down(h: torch.Tensor, w2: torch.Tensor, w2_bias: torch.Tensor | None, topk_weights: torch.Tensor,
-             align: MoeAlignment, cfg: GemmConfig) -> torch.Tensor:
-    """Step 3: each pair's expert output times its routing weight, [T * top_k, H] indexed by pair."""
-    hidden, inter = w2.shape[1], w2.shape[2]
+             align: MoeAlignment, cfg: GemmConfig, w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Step 3: each pair's expert output times its routing weight, [T * top_k, H] indexed by pair. w2_scale: w2 is
+    MXFP4."""
+    hidden, inter = w2.shape[1], h.shape[1]
     out = torch.empty(align.num_pairs, hidden, dtype=h.dtype, device=h.device)
     num_blocks = align.block_expert.numel()
     pdl = use_pdl(h)
+    mxfp4 = w2_scale is not None
+    block_k = _block_k(cfg, mxfp4)
+    scale = w2_scale if mxfp4 else w2
     grid = (num_blocks * triton.cdiv(hidden, cfg.block_n),)
     _down_kernel[grid](
-        h, w2, w2_bias if w2_bias is not None else w2, topk_weights.reshape(-1), out, align.sorted_ids,
+        h, w2, scale, w2_bias if w2_bias is not None else w2, topk_weights.reshape(-1), out, align.sorted_ids,
         align.block_expert, align.rows_used, align.num_pairs, num_blocks, hidden, inter, h.stride(0), w2.stride(0),
-        w2.stride(1), w2_bias.stride(0) if w2_bias is not None else 0, out.stride(0), HAS_BIAS=w2_bias is not None,
-        EVEN_K=inter % cfg.block_k == 0, DOT_PRECISION=_dot_precision(h), USE_PDL=pdl, BLOCK_M=align.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, launch_pdl=pdl)
+        w2.stride(1), scale.stride(0), scale.stride(1), w2_bias.stride(0) if w2_bias is not None else 0,
+        out.stride(0), HAS_BIAS=w2_bias is not None, MXFP4=mxfp4, EVEN_K=inter % block_k == 0,
+        DOT_PRECISION=_dot_precision(h), USE_PDL=pdl, BLOCK_M=align.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+        GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
     return out
 
 
@@ -298,21 +352,29 @@ def moe_sum(y: torch.Tensor, topk_ids: torch.Tensor, expert_start: int, num_expe
 
 def check_moe_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None,
-                   activation: str) -> None:
-    """fused_moe's and moe_gemv's arguments, each wrong one named in a ValueError."""
+                   activation: str, w13_scale: torch.Tensor | None = None,
+                   w2_scale: torch.Tensor | None = None) -> None:
+    """fused_moe's and moe_gemv's arguments, each wrong one named in a ValueError. With w13_scale and w2_scale, w13
+    and w2 are MXFP4 (mxfp4_unpack.py's layout), else in x's dtype."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation: {activation!r} is not supported")
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [T, H] with a contiguous last dim, got shape {tuple(x.shape)}")
+    if (w13_scale is None) != (w2_scale is None):
+        raise ValueError("w13_scale and w2_scale: MXFP4 weights need both (or neither)")
     num_tokens, hidden = x.shape
-    if w13.dim() != 3 or w13.shape[2] != hidden or w13.shape[1] % 2 or w13.stride(2) != 1:
-        raise ValueError(f"w13 must be [E, 2I, {hidden}] with a contiguous last dim, got {tuple(w13.shape)}")
-    num_experts, inter = w13.shape[0], w13.shape[1] // 2
-    if w2.shape != (num_experts, hidden, inter) or w2.stride(2) != 1:
-        raise ValueError(f"w2 must be [{num_experts}, {hidden}, {inter}] with a contiguous last dim, "
-                         f"got {tuple(w2.shape)}")
-    if w13.dtype != x.dtype or w2.dtype != x.dtype:
-        raise ValueError(f"w13 ({w13.dtype}) and w2 ({w2.dtype}) must have x's dtype {x.dtype}")
+    if w13_scale is not None:
+        _check_mxfp4_args(hidden, w13, w2, w13_scale, w2_scale)
+        num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    else:
+        if w13.dim() != 3 or w13.shape[2] != hidden or w13.shape[1] % 2 or w13.stride(2) != 1:
+            raise ValueError(f"w13 must be [E, 2I, {hidden}] with a contiguous last dim, got {tuple(w13.shape)}")
+        num_experts, inter = w13.shape[0], w13.shape[1] // 2
+        if w2.shape != (num_experts, hidden, inter) or w2.stride(2) != 1:
+            raise ValueError(f"w2 must be [{num_experts}, {hidden}, {inter}] with a contiguous last dim, "
+                             f"got {tuple(w2.shape)}")
+        if w13.dtype != x.dtype or w2.dtype != x.dtype:
+            raise ValueError(f"w13 ({w13.dtype}) and w2 ({w2.dtype}) must have x's dtype {x.dtype}")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens or topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids must be int32 or int64 [{num_tokens}, top_k], got {topk_ids.dtype} "
                          f"{tuple(topk_ids.shape)}")
@@ -324,31 +386,56 @@ def check_moe_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
             raise ValueError(f"{name} must be {shape} with a contiguous last dim, got {tuple(bias.shape)}")
 
 
+def _check_mxfp4_args(hidden: int, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
+                      w2_scale: torch.Tensor) -> None:
+    """MXFP4 w13 [E, 2I, H / 2] and w2 [E, H, I / 2] (uint8, two values a byte) with their scales [E, 2I, H / 32]
+    and [E, H, I / 32] (uint8 E8M0); H and I whole blocks of 32."""
+    if w13.dim() != 3 or w13.shape[1] % 2:
+        raise ValueError(f"w13 must be MXFP4 [E, 2I, {hidden // 2}], got {tuple(w13.shape)}")
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    if hidden % 32 or inter % 32:
+        raise ValueError(f"MXFP4 weights: the hidden size {hidden} and intermediate size {inter} must be multiples "
+                         "of the 32-value block")
+    for name, t, shape in (("w13", w13, (num_experts, 2 * inter, hidden // 2)),
+                           ("w13_scale", w13_scale, (num_experts, 2 * inter, hidden // 32)),
+                           ("w2", w2, (num_experts, hidden, inter // 2)),
+                           ("w2_scale", w2_scale, (num_experts, hidden, inter // 32))):
+        if t.dtype != torch.uint8 or tuple(t.shape) != shape or t.stride(2) != 1:
+            raise ValueError(f"{name} must be MXFP4 uint8 {shape} with a contiguous last dim, got {t.dtype} "
+                             f"{tuple(t.shape)}")
+
+
 def fused_moe_with_config(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                           topk_ids: torch.Tensor, config: MoeConfig, *, expert_start: int = 0,
                           w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-                          activation: str = "silu") -> torch.Tensor:
+                          activation: str = "silu", w13_scale: torch.Tensor | None = None,
+                          w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """fused_moe with the tile sizes given (scripts/tune_fused_moe.py times candidates through it)."""
-    check_moe_args(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation)
+    check_moe_args(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation, w13_scale, w2_scale)
     if x.shape[0] == 0:
         return torch.empty_like(x)
     num_experts = w13.shape[0]
     align = moe_align_block_size(topk_ids, num_experts, config.block_m, expert_start)
-    h = moe_gate_up(x, w13, w13_bias, align, topk_ids.shape[1], activation, config.gate_up)
-    y = moe_down(h, w2, w2_bias, topk_weights, align, config.down)
+    h = moe_gate_up(x, w13, w13_bias, align, topk_ids.shape[1], activation, config.gate_up, w13_scale)
+    y = moe_down(h, w2, w2_bias, topk_weights, align, config.down, w2_scale)
     return moe_sum(y, topk_ids, expert_start, num_experts)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, expert_start: int = 0, w13_bias: torch.Tensor | None = None,
-              w2_bias: torch.Tensor | None = None, activation: str = "silu") -> torch.Tensor:
+              w2_bias: torch.Tensor | None = None, activation: str = "silu", w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """sum over j of topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for each token t: x [T, H] -> [T, H], as
     moe_reference.fused_moe_ref, in Triton (fp32 accumulation; the intermediate rounded to x's dtype).
+
+    w13_scale, w2_scale: the weights are MXFP4, w13 and w2 their packed bytes (kernels/mxfp4_unpack.py's layout),
+    computing what fused_moe_ref computes on quantization/mxfp4.py's dequantize_mxfp4 of them in x's dtype.
 
     Tile sizes: the measured table fused_moe_configs/E=..,H=..,I=..,device=<name>.json (scripts/tune_fused_moe.py)
     for this shape and GPU at the tuned token count nearest T, for 16-bit dtypes; otherwise default_config's rule.
     Kernels launch with PDL where the device supports it (kernels/pdl.py).
     """
-    config = get_config(x.shape[0], w13, topk_ids.shape[-1])
+    config = get_config(x.shape[0], w13, topk_ids.shape[-1], x.element_size())
     return fused_moe_with_config(x, w13, w2, topk_weights, topk_ids, config, expert_start=expert_start,
-                                 w13_bias=w13_bias, w2_bias=w2_bias, activation=activation)
+                                 w13_bias=w13_bias, w2_bias=w2_bias, activation=activation, w13_scale=w13_scale,
+                                 w2_scale=w2_scale)

@@ -23,6 +23,10 @@ start only once every gate/up program has passed its own wait, that is once the 
 are visible GPU-wide, so the ids are final; they are read through L2, the point of coherence. The activations (gate/
 up's output) are read after the wait as the rule says. DOWN_WEIGHTS_BEFORE_WAIT = False puts every load after it.
 
+MXFP4 weights (w13_scale and w2_scale given; kernels/mxfp4_unpack.py's layout) are walked as bytes: each tile of
+BLOCK_K columns is BLOCK_K / 2 bytes a row, unpacked in registers, its low nibbles multiplied by the activations' even
+columns and its high nibbles by the odd ones.
+
 Which path a step takes is decided by its size alone (takes_gemv): up to MAX_PAIRS pairs. The GEMVs read one expert
 slab per pair where the grouped GEMMs read one per distinct expert, so tokens that share an expert read it twice;
 programs of the same rows of different pairs are adjacent in the grid, so such a second read is mostly an L2 hit.
@@ -35,6 +39,7 @@ import triton.language as tl
 
 from nanoserve.kernels.fused_moe import check_moe_args
 from nanoserve.kernels.moe_reference import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+from nanoserve.kernels.mxfp4_unpack import load_bytes, unpack_mxfp4
 from nanoserve.kernels.pdl import use_pdl, wait_for_prior_grids
 
 MAX_PAIRS = 16
@@ -72,10 +77,22 @@ def _load(ptrs, k, K, offs_k, row_mask, ROW_MASK: tl.constexpr, BLOCK_K: tl.cons
     return tile
 
 
+@triton.jit
+def _x_cols(x_row, norm_w_ptr, cols, in_k, rstd, NORM: tl.constexpr):
+    """x's columns cols (zeros off in_k), in fp32; NORM: of RMSNorm(x), rounded where the standalone RMSNorm
+    (kernels/rms_norm.py) rounds: the normalized row, then its output."""
+    x = tl.load(x_row + cols, mask=in_k, other=0.0)
+    if NORM:
+        norm_w = tl.load(norm_w_ptr + cols, mask=in_k, other=0.0).to(tl.float32)
+        x = ((x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32) * norm_w).to(x.dtype)
+    return x.to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["expert_start"])
 def _gate_up_kernel(
     x_ptr,
     w_ptr,
+    s_ptr,
     b_ptr,
     norm_w_ptr,
     ids_ptr,
@@ -89,12 +106,15 @@ def _gate_up_kernel(
     stride_xt,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
     stride_be,
     stride_op,
     eps,
     NORM: tl.constexpr,
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    MXFP4: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -102,7 +122,8 @@ def _gate_up_kernel(
 ):
     """out[pair, n] = act(x[t] @ w[e, n] + b[e, n], x[t] @ w[e, N + n] + b[e, N + n]) for N = I, e = pair's expert.
     Program pid: pair pid % num_pairs, rows (pid // num_pairs) * BLOCK_N on (pairs vary fastest, so the programs
-    of two tokens that share an expert read its rows together). NORM: x[t] is RMSNorm(x[t]) with weight norm_w."""
+    of two tokens that share an expert read its rows together). NORM: x[t] is RMSNorm(x[t]) with weight norm_w.
+    MXFP4: w holds the bytes and s_ptr the scales, strides in bytes of each."""
     pid = tl.program_id(0)
     pair = pid % num_pairs
     wait_for_prior_grids(USE_PDL)  # the expert ids are the router's output
@@ -110,42 +131,54 @@ def _gate_up_kernel(
     if (expert < 0) | (expert >= num_experts):
         return  # another rank's expert: its row of out stays unwritten, and down skips it
     offs_n = (pid // num_pairs) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
+    # The walk is over weight elements: K values, or (MXFP4) their K / 2 bytes, BLOCK_W a tile.
+    BLOCK_W: tl.constexpr = BLOCK_K // 2 if MXFP4 else BLOCK_K
+    KW = K // 2 if MXFP4 else K
+    offs_k = tl.arange(0, BLOCK_W)
     # Rows past N read the last row again instead of being masked; the store drops them.
     rows = tl.minimum(offs_n, N - 1)
     gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + rows[:, None] * stride_wn + offs_k[None, :]
     up_ptrs = gate_ptrs + N * stride_wn
+    gate_s_ptrs = s_ptr + expert.to(tl.int64) * stride_se + rows[:, None] * stride_sn + offs_k[None, :] // 16
+    up_s_ptrs = gate_s_ptrs + N * stride_sn
     x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xt
     cols = offs_k[None, :]
     # Two steps of both tiles in flight ahead of the one multiplied (registers, not the compiler's pipeline: these
     # are not tl.dot operands), as gemv.py's CUDA-core path keeps them.
-    gate = _load(gate_ptrs, 0, K, cols, cols, False, BLOCK_K, EVEN_K)
-    up = _load(up_ptrs, 0, K, cols, cols, False, BLOCK_K, EVEN_K)
-    gate_ahead = _load(gate_ptrs, BLOCK_K, K, cols, cols, False, BLOCK_K, EVEN_K)
-    up_ahead = _load(up_ptrs, BLOCK_K, K, cols, cols, False, BLOCK_K, EVEN_K)
+    gate = _load(gate_ptrs, 0, KW, cols, cols, False, BLOCK_W, EVEN_K)
+    up = _load(up_ptrs, 0, KW, cols, cols, False, BLOCK_W, EVEN_K)
+    gate_ahead = _load(gate_ptrs, BLOCK_W, KW, cols, cols, False, BLOCK_W, EVEN_K)
+    up_ahead = _load(up_ptrs, BLOCK_W, KW, cols, cols, False, BLOCK_W, EVEN_K)
     if NORM:
         # Prologue RMSNorm while those tiles load: every program walks its token's row once for the rms (a few KB,
         # from L2 after the first), then normalizes each slice as it uses it.
-        sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        sum_sq = tl.zeros([BLOCK_W], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_W):
             r = tl.load(x_row + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
             sum_sq += r * r
         rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / K + eps)
+    else:
+        rstd = 1.0
     # The K reduction waits until after the walk: reducing each tile would cost a cross-warp exchange per step.
-    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        gate_next = _load(gate_ptrs, k0 + 2 * BLOCK_K, K, cols, cols, False, BLOCK_K, EVEN_K)
-        up_next = _load(up_ptrs, k0 + 2 * BLOCK_K, K, cols, cols, False, BLOCK_K, EVEN_K)
-        in_k = k0 + offs_k < K
-        x = tl.load(x_row + k0 + offs_k, mask=in_k, other=0.0)
-        if NORM:
-            # Rounded where the standalone RMSNorm (kernels/rms_norm.py) rounds: the normalized row, then its output.
-            norm_w = tl.load(norm_w_ptr + k0 + offs_k, mask=in_k, other=0.0).to(tl.float32)
-            x = ((x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32) * norm_w).to(x.dtype)
-        x = x.to(tl.float32)[None, :]
-        acc_gate += gate.to(tl.float32) * x
-        acc_up += up.to(tl.float32) * x
+        kw0 = k0 // 2 if MXFP4 else k0
+        gate_next = _load(gate_ptrs, kw0 + 2 * BLOCK_W, KW, cols, cols, False, BLOCK_W, EVEN_K)
+        up_next = _load(up_ptrs, kw0 + 2 * BLOCK_W, KW, cols, cols, False, BLOCK_W, EVEN_K)
+        if MXFP4:  # byte j of the tile: columns k0 + 2j (its low nibble) and k0 + 2j + 1
+            x_cols = k0 + 2 * offs_k
+            in_k = x_cols < K
+            x_even = _x_cols(x_row, norm_w_ptr, x_cols, in_k, rstd, NORM)[None, :]
+            x_odd = _x_cols(x_row, norm_w_ptr, x_cols + 1, in_k, rstd, NORM)[None, :]
+            gate_lo, gate_hi = unpack_mxfp4(gate, load_bytes(gate_s_ptrs + kw0 // 16, in_k[None, :], not EVEN_K))
+            up_lo, up_hi = unpack_mxfp4(up, load_bytes(up_s_ptrs + kw0 // 16, in_k[None, :], not EVEN_K))
+            acc_gate += gate_lo * x_even + gate_hi * x_odd
+            acc_up += up_lo * x_even + up_hi * x_odd
+        else:
+            x = _x_cols(x_row, norm_w_ptr, k0 + offs_k, k0 + offs_k < K, rstd, NORM)[None, :]
+            acc_gate += gate.to(tl.float32) * x
+            acc_up += up.to(tl.float32) * x
         gate, gate_ahead = gate_ahead, gate_next
         up, up_ahead = up_ahead, up_next
     g = tl.sum(acc_gate, axis=1)
@@ -167,6 +200,7 @@ def _gate_up_kernel(
 def _down_kernel(
     h_ptr,
     w_ptr,
+    s_ptr,
     b_ptr,
     ids_ptr,
     topk_w_ptr,
@@ -179,11 +213,14 @@ def _down_kernel(
     stride_hp,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
     stride_be,
     stride_ot,
     TOP_K: tl.constexpr,
     K_PAD: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    MXFP4: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr,
     EARLY_WEIGHTS: tl.constexpr,
@@ -191,12 +228,15 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """out[t, n] = sum over j of topk_weight[t, j] * (h[t, j] @ w[e_j, n] + b[e_j, n]) for N = H, K = I, over this
-    rank's experts. Program pid: token pid % num_tokens, columns (pid // num_tokens) * BLOCK_N on."""
+    rank's experts. Program pid: token pid % num_tokens, columns (pid // num_tokens) * BLOCK_N on. MXFP4 as in
+    _gate_up_kernel."""
     pid = tl.program_id(0)
     t = pid % num_tokens
     offs_n = (pid // num_tokens) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_j = tl.arange(0, K_PAD)
-    offs_k = tl.arange(0, BLOCK_K)
+    BLOCK_W: tl.constexpr = BLOCK_K // 2 if MXFP4 else BLOCK_K
+    KW = K // 2 if MXFP4 else K
+    offs_k = tl.arange(0, BLOCK_W)
     rows = tl.minimum(offs_n, N - 1)
     if not EARLY_WEIGHTS:
         wait_for_prior_grids(USE_PDL)
@@ -211,18 +251,29 @@ def _down_kernel(
     w_ptrs = (
         w_ptr + expert[:, None, None] * stride_we + rows[None, :, None].to(tl.int64) * stride_wn + offs_k[None, None, :]
     )
+    s_ptrs = (
+        s_ptr + expert[:, None, None] * stride_se + rows[None, :, None].to(tl.int64) * stride_sn
+        + offs_k[None, None, :] // 16
+    )
     w_mask = local[:, None, None]
-    w = _load(w_ptrs, 0, K, offs_k[None, None, :], w_mask, True, BLOCK_K, EVEN_K)
-    w_ahead = _load(w_ptrs, BLOCK_K, K, offs_k[None, None, :], w_mask, True, BLOCK_K, EVEN_K)
+    w = _load(w_ptrs, 0, KW, offs_k[None, None, :], w_mask, True, BLOCK_W, EVEN_K)
+    w_ahead = _load(w_ptrs, BLOCK_W, KW, offs_k[None, None, :], w_mask, True, BLOCK_W, EVEN_K)
     if EARLY_WEIGHTS:
         wait_for_prior_grids(USE_PDL)  # h is gate/up's output
     routing = tl.load(topk_w_ptr + pairs, mask=local, other=0.0).to(tl.float32)
-    h_ptrs = h_ptr + pairs.to(tl.int64)[:, None] * stride_hp + offs_k[None, :]
-    acc = tl.zeros([K_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    h_ptrs = h_ptr + pairs.to(tl.int64)[:, None] * stride_hp + offs_k[None, :] * (2 if MXFP4 else 1)
+    acc = tl.zeros([K_PAD, BLOCK_N, BLOCK_W], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        w_next = _load(w_ptrs, k0 + 2 * BLOCK_K, K, offs_k[None, None, :], w_mask, True, BLOCK_K, EVEN_K)
-        h = tl.load(h_ptrs + k0, mask=local[:, None] & (k0 + offs_k < K)[None, :], other=0.0).to(tl.float32)
-        acc += w.to(tl.float32) * h[:, None, :]
+        kw0 = k0 // 2 if MXFP4 else k0
+        w_next = _load(w_ptrs, kw0 + 2 * BLOCK_W, KW, offs_k[None, None, :], w_mask, True, BLOCK_W, EVEN_K)
+        h_mask = local[:, None] & (kw0 + offs_k < KW)[None, :]
+        h = tl.load(h_ptrs + k0, mask=h_mask, other=0.0).to(tl.float32)
+        if MXFP4:  # h above is the even columns, matching the low nibbles
+            h_odd = tl.load(h_ptrs + k0 + 1, mask=h_mask, other=0.0).to(tl.float32)
+            w_lo, w_hi = unpack_mxfp4(w, tl.load(s_ptrs + kw0 // 16, mask=h_mask[:, None, :], other=0))
+            acc += w_lo * h[:, None, :] + w_hi * h_odd[:, None, :]
+        else:
+            acc += w.to(tl.float32) * h[:, None, :]
         w, w_ahead = w_ahead, w_next
     y = tl.sum(acc, axis=2)
     if HAS_BIAS:
@@ -246,11 +297,13 @@ def moe_gemv_gate_up(
     expert_start: int,
     activation: str,
     norm: tuple[torch.Tensor, float] | None = None,
+    w13_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Step 1: act(gate, up) of every pair, [T * top_k, I] indexed by pair (rows of other ranks' pairs unwritten).
-    norm = (weight, eps): of RMSNorm(x) instead of x."""
+    norm = (weight, eps): of RMSNorm(x) instead of x. w13_scale: w13 is MXFP4 (mxfp4_unpack.py's layout)."""
     num_tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    scale = w13_scale if w13_scale is not None else w13
     num_pairs = topk_ids.numel()
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     block_n, block_k = _walk(hidden, 2)
@@ -259,6 +312,7 @@ def moe_gemv_gate_up(
     _gate_up_kernel[(num_pairs * triton.cdiv(inter, block_n),)](
         x,
         w13,
+        scale,
         w13_bias if w13_bias is not None else w13,
         norm[0] if norm is not None else x,
         topk_ids.reshape(-1),
@@ -272,12 +326,15 @@ def moe_gemv_gate_up(
         x.stride(0),
         w13.stride(0),
         w13.stride(1),
+        scale.stride(0),
+        scale.stride(1),
         w13_bias.stride(0) if w13_bias is not None else 0,
         h.stride(0),
         norm[1] if norm is not None else 0.0,
         NORM=norm is not None,
         ACTIVATION=activation,
         HAS_BIAS=w13_bias is not None,
+        MXFP4=w13_scale is not None,
         EVEN_K=hidden % block_k == 0,
         USE_PDL=pdl,
         BLOCK_N=block_n,
@@ -296,12 +353,15 @@ def moe_gemv_down(
     topk_ids: torch.Tensor,
     expert_start: int,
     after_gate_up: bool = False,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Step 2: [T, H], each token's pairs of experts [expert_start, + E) times their routing weights, summed.
     after_gate_up: launched right after moe_gemv_gate_up on the same contiguous topk_ids (no kernel between), which
-    lets its weights load before its PDL wait (DOWN_WEIGHTS_BEFORE_WAIT; the module docstring has why)."""
+    lets its weights load before its PDL wait (DOWN_WEIGHTS_BEFORE_WAIT; the module docstring has why). w2_scale: w2
+    is MXFP4."""
     num_tokens, top_k = topk_ids.shape
-    num_experts, hidden, inter = w2.shape
+    num_experts, hidden, inter = w2.shape[0], w2.shape[1], h.shape[1]
+    scale = w2_scale if w2_scale is not None else w2
     out = torch.empty(num_tokens, hidden, dtype=h.dtype, device=h.device)
     k_pad = triton.next_power_of_2(top_k)
     block_n, block_k = _walk(inter, k_pad)
@@ -310,6 +370,7 @@ def moe_gemv_down(
     _down_kernel[(num_tokens * triton.cdiv(hidden, block_n),)](
         h,
         w2,
+        scale,
         w2_bias if w2_bias is not None else w2,
         topk_ids.reshape(-1),
         topk_weights.reshape(-1),
@@ -322,11 +383,14 @@ def moe_gemv_down(
         h.stride(0),
         w2.stride(0),
         w2.stride(1),
+        scale.stride(0),
+        scale.stride(1),
         w2_bias.stride(0) if w2_bias is not None else 0,
         out.stride(0),
         TOP_K=top_k,
         K_PAD=k_pad,
         HAS_BIAS=w2_bias is not None,
+        MXFP4=w2_scale is not None,
         EVEN_K=inter % block_k == 0,
         USE_PDL=pdl,
         EARLY_WEIGHTS=pdl and after_gate_up and DOWN_WEIGHTS_BEFORE_WAIT,
@@ -350,6 +414,8 @@ def moe_gemv(
     w2_bias: torch.Tensor | None = None,
     activation: str = "silu",
     norm: tuple[torch.Tensor, float] | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fused_moe for steps of up to MAX_PAIRS (token, expert) pairs, in two launches: x [T, H] -> [T, H], as
     moe_reference.fused_moe_ref (fp32 accumulation, the intermediate rounded to x's dtype; the top-k outputs
@@ -357,8 +423,10 @@ def moe_gemv(
 
     norm = (weight [H], eps): the experts of RMSNorm(x) with that weight, normalized inside the gate/up launch (the
     decoder layer's norm before its MoE block, whose own launch would cost as much as a tenth of the layer's experts
-    at batch 1), rounded as kernels/rms_norm.py rounds."""
-    check_moe_args(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation)
+    at batch 1), rounded as kernels/rms_norm.py rounds.
+
+    w13_scale, w2_scale: the weights are MXFP4, w13 and w2 their packed bytes, as in fused_moe."""
+    check_moe_args(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation, w13_scale, w2_scale)
     if norm is not None and (norm[0].shape != (x.shape[1],) or not norm[0].is_contiguous()):
         raise ValueError(f"norm weight must be contiguous of shape ({x.shape[1]},), got {tuple(norm[0].shape)}")
     num_tokens, top_k = topk_ids.shape
@@ -369,5 +437,5 @@ def moe_gemv(
     # Made contiguous up front, so that no copy kernel runs between the two launches (down reads the ids before its
     # PDL wait: they must come from before gate/up).
     topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
-    h = moe_gemv_gate_up(x, w13, w13_bias, topk_ids, expert_start, activation, norm)
-    return moe_gemv_down(h, w2, w2_bias, topk_weights, topk_ids, expert_start, after_gate_up=True)
+    h = moe_gemv_gate_up(x, w13, w13_bias, topk_ids, expert_start, activation, norm, w13_scale)
+    return moe_gemv_down(h, w2, w2_bias, topk_weights, topk_ids, expert_start, after_gate_up=True, w2_scale=w2_scale)

@@ -41,7 +41,9 @@ class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TensorParallelGroup,
                  expert_parallel: bool, top_k: int, activation: str = "silu") -> None:
         """activation: "silu" (SiLU(gate) * up) or "swigluoai" (gpt-oss's clamped form). w13_bias and w2_bias are
-        None here; a subclass that loads per-expert biases (model/gpt_oss.py) sets them."""
+        None here; a subclass that loads per-expert biases (model/gpt_oss.py) sets them. So are w13_scale and
+        w2_scale: a subclass that keeps its experts in MXFP4 (model/gpt_oss.py) makes w13 and w2 their packed bytes
+        and these their block scales (kernels/mxfp4_unpack.py's layout)."""
         super().__init__()
         self.tp, self.num_experts, self.hidden_size, self.top_k = tp, num_experts, hidden_size, top_k
         self.activation = activation
@@ -52,11 +54,14 @@ class FusedMoE(nn.Module):
         else:
             self.expert_start, local_experts = 0, num_experts
             self.inter_start, local_inter = tp.shard(intermediate_size)
+        self.local_inter = local_inter
         self.w13 = nn.Parameter(torch.empty(local_experts, 2 * local_inter, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(local_experts, hidden_size, local_inter), requires_grad=False)
         self.w13.weight_loader = self.w2.weight_loader = self.load_expert
         self.w13_bias: nn.Parameter | None = None
         self.w2_bias: nn.Parameter | None = None
+        self.w13_scale: nn.Parameter | None = None
+        self.w2_scale: nn.Parameter | None = None
         # False: the PyTorch reference on CUDA too (an eager reference engine in the GPU tests; it syncs the host).
         self.use_kernel = True
 
@@ -84,7 +89,7 @@ class FusedMoE(nn.Module):
         e = int(expert) - self.expert_start
         if not 0 <= e < param.shape[0]:
             return  # another rank's expert
-        h, i, local_i = self.hidden_size, self.intermediate_size, self.w2.shape[2]
+        h, i, local_i = self.hidden_size, self.intermediate_size, self.local_inter
         expected = (h, i) if proj == "down" else (i, h)
         if tuple(loaded.get_shape()) != expected:
             raise ValueError(f"has shape {tuple(loaded.get_shape())}, expected {expected}")
@@ -94,6 +99,18 @@ class FusedMoE(nn.Module):
         else:
             rows = slice(0, local_i) if proj == "gate" else slice(local_i, 2 * local_i)
             param.data[e, rows].copy_(loaded[start:start + local_i])
+
+    def reference_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """w13 and w2 as the PyTorch reference takes them, in dtype's form (a packed subclass dequantizes them)."""
+        return self.w13, self.w2
+
+    def num_weights(self) -> int:
+        """This rank's expert parameters, counting weights not bytes: a packed MXFP4 byte holds two, and its block
+        scales are none."""
+        scales = [p for p in (self.w13_scale, self.w2_scale) if p is not None]
+        per_element = 2 if scales else 1
+        return sum(p.numel() * (per_element if p is self.w13 or p is self.w2 else 1) for p in self.parameters()
+                   if not any(p is s for s in scales))
 
     def takes_gemv(self, x: torch.Tensor) -> bool:
         """Whether forward runs x through the decode GEMVs (kernels/moe_gemv.py): a CUDA step of a token or two. The
@@ -109,18 +126,19 @@ class FusedMoE(nn.Module):
         """norm: the experts of norm(x), normalized inside the gate/up GEMV where takes_gemv (else by norm)."""
         kw = dict(expert_start=self.expert_start, w13_bias=self.w13_bias, w2_bias=self.w2_bias,
                   activation=self.activation)
+        scales = dict(w13_scale=self.w13_scale, w2_scale=self.w2_scale)
         if self.takes_gemv(x):
             from nanoserve.kernels.moe_gemv import moe_gemv
 
             return moe_gemv(x, self.w13, self.w2, topk_weights, topk_ids,
-                            norm=(norm.weight, norm.eps) if norm is not None else None, **kw)
+                            norm=(norm.weight, norm.eps) if norm is not None else None, **kw, **scales)
         if norm is not None:
             x = norm(x)
         if x.is_cuda and self.use_kernel:
             from nanoserve.kernels.fused_moe import fused_moe
 
-            return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, **kw)
-        return fused_moe_ref(x, self.w13, self.w2, topk_weights, topk_ids, **kw)
+            return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, **kw, **scales)
+        return fused_moe_ref(x, *self.reference_weights(x.dtype), topk_weights, topk_ids, **kw)
 
 
 class SparseMoeBlock(nn.Module):
@@ -141,7 +159,8 @@ class SparseMoeBlock(nn.Module):
         self.register_buffer("router_counter", torch.zeros(1, dtype=torch.int32), persistent=False)
 
     def reset_buffers(self, device: torch.device) -> None:
-        """The buffers of a block built on the meta device (a 4-bit checkpoint: model/loader.py), on `device`."""
+        """The buffers of a block built on the meta device (a 4-bit checkpoint, or MXFP4 experts kept packed:
+        model/loader.py), on `device`."""
         self.router_counter = torch.zeros(1, dtype=torch.int32, device=device)
 
     def forward(self, x: torch.Tensor, plan: KernelPlan) -> torch.Tensor:

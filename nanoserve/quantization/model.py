@@ -18,6 +18,7 @@ from torch import nn
 
 from nanoserve.layers.linear import Linear
 from nanoserve.layers.moe import FusedMoE
+from nanoserve.quantization import mxfp4
 from nanoserve.quantization.fp8_linear import Fp8LinearMethod
 from nanoserve.quantization.fp8_math import FP8
 from nanoserve.quantization.moe_experts import ExpertDequantizer
@@ -67,22 +68,25 @@ def quantized_experts(model: nn.Module, scheme: FP8Scheme | W4Scheme) -> Iterato
                              f"of {ckpt}, which nanoserve runs as one layer; ignore all of them or none")
 
 
-def replaces_weights(scheme: FP8Scheme | W4Scheme | MXFP4Scheme) -> bool:
-    """Whether the quantized layers hold other tensors than their unquantized weight (so the loader may build the
-    model on the meta device, prepare_model putting these on the real one)."""
-    return isinstance(scheme, W4Scheme)
+def replaces_weights(scheme: FP8Scheme | W4Scheme | MXFP4Scheme, device: torch.device) -> bool:
+    """Whether the quantized layers hold other tensors than their unquantized weight on `device` (so the loader may
+    build the model on the meta device, prepare_model putting these on the real one): 4-bit weights, and MXFP4
+    experts where they stay packed."""
+    return isinstance(scheme, W4Scheme) or (isinstance(scheme, MXFP4Scheme) and mxfp4.runs_packed(device))
 
 
 def prepare_model(model: nn.Module, scheme: FP8Scheme | W4Scheme | MXFP4Scheme, dummy: bool,
                   device: torch.device) -> None:
     """Before the weights are filled: the quantized parameters and their loaders, on `device`, where the checkpoint
-    (or the dummy initialization) provides them; MXFP4 experts told to expect blocks and scales (random weights
-    stay in the dtype the experts run in)."""
+    (or the dummy initialization) provides them; MXFP4 experts told to expect blocks and scales, and to keep them
+    packed where runs_packed (random weights too: random blocks; elsewhere these stay in the dtype the experts run
+    in)."""
     if isinstance(scheme, MXFP4Scheme):
-        if not dummy:
+        packed = mxfp4.runs_packed(device)
+        if packed or not dummy:
             for module in model.modules():
                 if hasattr(module, "expect_mxfp4"):
-                    module.expect_mxfp4()
+                    module.expect_mxfp4(packed, device)
         return
     if not (scheme.serialized or dummy):
         return

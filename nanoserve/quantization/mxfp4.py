@@ -5,10 +5,12 @@ A row of K weights is stored as K/32 blocks of 32 FP4 (E2M1) values, two to a by
 `*_scales` [..., K/32]. gpt-oss quantizes only the experts' gate_up_proj and down_proj; attention, router, embeddings
 and LM head stay bf16 (the config's `modules_to_not_convert`).
 
-How it runs, for now: the experts are dequantized while loading into the model's dtype and run through the bf16
-fused MoE kernel. Every FP4 value times its scale is exact in bf16 (2 bits of mantissa, an 8-bit exponent), so the
-model computes exactly what the MXFP4 checkpoint defines; what it does not give yet is MXFP4's memory and speed (a
-kernel that unpacks FP4 in registers is later work): gpt-oss-20b's experts take 4.2x their MXFP4 bytes.
+How it runs: on CUDA (runs_packed) the experts stay packed, 4.25 bits a weight (half a byte, and a scale byte per
+32), in kernels/mxfp4_unpack.py's layout (the checkpoint's blocks and scales with rows regrouped, nothing recoded),
+and the MoE kernels (kernels/fused_moe.py, kernels/moe_gemv.py) unpack them to the activations' dtype in registers.
+Elsewhere (the CPU's PyTorch reference path) they are dequantized while loading into the model's dtype. Both compute
+exactly what the checkpoint defines: every FP4 value times its scale is exact in bf16 (2 bits of mantissa, an 8-bit
+exponent).
 """
 
 from dataclasses import dataclass
@@ -29,7 +31,13 @@ class MXFP4Scheme:
     serialized: bool = True
 
     def describe(self) -> str:
-        return "mxfp4 (gpt-oss experts): dequantized to the model dtype while loading"
+        return ("mxfp4 (gpt-oss experts): kept packed on the GPU and unpacked in the MoE kernels; dequantized to the "
+                "model dtype on the CPU")
+
+
+def runs_packed(device: torch.device) -> bool:
+    """Whether MXFP4 experts on `device` stay packed for the MoE kernels (else they are dequantized while loading)."""
+    return device.type == "cuda"
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -204,3 +204,30 @@ def test_router_topk_in_a_cuda_graph():
         torch.testing.assert_close(res_out, want_res)
         assert torch.equal(ids.long(), want_ids)
         torch.testing.assert_close(weights, want_weights, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 300])
+def test_mxfp4_gpt_oss_20b(num_tokens):
+    """gpt-oss-20b's experts in MXFP4 as it ships them (kernels/mxfp4_unpack.py's layout), rank 1 of 2 under expert
+    parallelism: moe_gemv at one token, fused_moe beyond, against the reference on the dequantized bf16 weights."""
+    from mxfp4_layout import random_mxfp4
+
+    from nanoserve.kernels.fused_moe import fused_moe
+    from nanoserve.kernels.moe_gemv import moe_gemv
+    from nanoserve.kernels.moe_reference import fused_moe_ref
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    e, h, i, k = GPT_OSS_20B.values()
+    # Scales near 2^-7 put the weights about where trained layers' are (h^-0.5).
+    (w13, s13, v13), (w2, s2, v2) = (random_mxfp4(e // 2, n, kk, gen, scales=(118, 122)) for n, kk in ((2 * i, h),
+                                                                                                     (h, i)))
+    w13, s13, w2, s2 = (t.cuda() for t in (w13, s13, w2, s2))
+    v13, v2 = v13.cuda().bfloat16(), v2.cuda().bfloat16()
+    cuda_gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    b13, b2 = (torch.randn(e // 2, n, generator=cuda_gen, device="cuda").bfloat16() for n in (2 * i, h))
+    x = torch.randn(num_tokens, h, generator=cuda_gen, device="cuda").bfloat16()
+    weights, ids = _routing(num_tokens, e, k, cuda_gen)
+    kw = dict(expert_start=e // 2, w13_bias=b13, w2_bias=b2, activation="swigluoai")
+    run = moe_gemv if num_tokens == 1 else fused_moe
+    out = run(x, w13, w2, weights, ids.int(), w13_scale=s13, w2_scale=s2, **kw)
+    torch.testing.assert_close(out, fused_moe_ref(x, v13, v2, weights, ids, **kw), **BF16_TOL)

@@ -139,13 +139,26 @@ def _gemv(m: int, n: int, k: int, dtype: torch.dtype = BF16, bias: bool = False,
     return call
 
 
-def _moe(tokens: int, activation: str, bias: bool, config: MoeConfig | None = None):
-    """fused_moe (its align, gate/up, down and sum launches): by default_config's rule, or with a given config."""
+def _experts(e: int, h: int, i: int, mxfp4: bool) -> tuple[tuple[torch.Tensor, torch.Tensor], dict]:
+    """w13 and w2 in bf16, or (mxfp4) as kernels/mxfp4_unpack.py's bytes with their scales as keywords."""
+    if not mxfp4:
+        return (_zeros(e, 2 * i, h), _zeros(e, h, i)), {}
+    u8 = torch.uint8
+    return ((_zeros(e, 2 * i, h // 2, dtype=u8), _zeros(e, h, i // 2, dtype=u8)),
+            dict(w13_scale=_zeros(e, 2 * i, h // 32, dtype=u8), w2_scale=_zeros(e, h, i // 32, dtype=u8)))
+
+
+def _moe(tokens: int, activation: str, bias: bool, config: MoeConfig | None = None, mxfp4: bool = False,
+         dtype: torch.dtype = BF16):
+    """fused_moe (its align, gate/up, down and sum launches): by default_config's rule, or with a given config;
+    mxfp4: MXFP4 weights (dtype: the activations')."""
     def call() -> None:
         e, h, i, top_k = 8, 256, 256, 2
-        args = (_zeros(tokens, h), _zeros(e, 2 * i, h), _zeros(e, h, i),
-                _zeros(tokens, top_k, dtype=FP32), _zeros(tokens, top_k, dtype=I32))
-        biases = dict(w13_bias=_zeros(e, 2 * i), w2_bias=_zeros(e, h)) if bias else {}
+        weights, scales = _experts(e, h, i, mxfp4)
+        args = (_zeros(tokens, h, dtype=dtype), *weights, _zeros(tokens, top_k, dtype=FP32),
+                _zeros(tokens, top_k, dtype=I32))
+        biases = dict(w13_bias=_zeros(e, 2 * i, dtype=dtype), w2_bias=_zeros(e, h, dtype=dtype)) if bias else {}
+        biases |= scales
         if config is None:
             fused_moe(*args, activation=activation, **biases)
         else:
@@ -153,13 +166,15 @@ def _moe(tokens: int, activation: str, bias: bool, config: MoeConfig | None = No
     return call
 
 
-def _moe_gemv(tokens: int, top_k: int, hidden: int, inter: int, activation: str, bias: bool, norm: bool = False):
+def _moe_gemv(tokens: int, top_k: int, hidden: int, inter: int, activation: str, bias: bool, norm: bool = False,
+              mxfp4: bool = False):
     """moe_gemv (gate/up and down GEMVs): dims the tiles divide or not, top_k a power of two or padded to one, with the
-    RMSNorm prologue or without."""
+    RMSNorm prologue or without; mxfp4: MXFP4 weights."""
     def call() -> None:
         e = 8
-        biases = dict(w13_bias=_zeros(e, 2 * inter), w2_bias=_zeros(e, hidden)) if bias else {}
-        moe_gemv(_zeros(tokens, hidden), _zeros(e, 2 * inter, hidden), _zeros(e, hidden, inter),
+        weights, scales = _experts(e, hidden, inter, mxfp4)
+        biases = dict(w13_bias=_zeros(e, 2 * inter), w2_bias=_zeros(e, hidden), **scales) if bias else scales
+        moe_gemv(_zeros(tokens, hidden), *weights,
                  _zeros(tokens, top_k, dtype=FP32), _zeros(tokens, top_k, dtype=I32), activation=activation,
                  norm=(_zeros(hidden), 1e-6) if norm else None, **biases)
     return call
@@ -252,6 +267,15 @@ VARIANTS = [
     ("moe_gemv bf16 top-8 silu", _moe_gemv(2, 8, 512, 256, "silu", False)),
     ("moe_gemv bf16 top-8 silu norm", _moe_gemv(1, 8, 512, 256, "silu", False, norm=True)),
     ("moe_gemv bf16 top-3 ragged swigluoai+bias", _moe_gemv(2, 3, 320, 320, "swigluoai", True)),
+    # gpt-oss's MXFP4 experts: unpacked in registers (kernels/mxfp4_unpack.py), at its hidden size in the GEMVs (2880:
+    # a masked tail).
+    ("fused_moe bf16 MXFP4 decode rule swigluoai+bias", _moe(4, "swigluoai", True, mxfp4=True)),
+    ("fused_moe bf16 MXFP4 prefill rule swigluoai+bias", _moe(512, "swigluoai", True, mxfp4=True)),
+    # fp32 activations (the GPU engine tests' dtype): the 4-byte tiles must fit in shared memory.
+    ("fused_moe fp32 MXFP4 prefill rule swigluoai+bias", _moe(512, "swigluoai", True, mxfp4=True, dtype=FP32)),
+    ("moe_gemv bf16 MXFP4 top-4 swigluoai+bias norm", _moe_gemv(1, 4, 2880, 2880, "swigluoai", True, norm=True,
+                                                                mxfp4=True)),
+    ("moe_gemv bf16 MXFP4 top-4 swigluoai+bias", _moe_gemv(4, 4, 512, 256, "swigluoai", True, mxfp4=True)),
     ("moe_align 8192 pairs (count/layout/scatter)", lambda: moe_align_block_size(_zeros(4096, 2, dtype=I64), 8, 64)),
     ("gemv bf16 M=1 CUDA cores", _gemv(1, 512, 1024)),
     ("gemv bf16 M=1 CUDA cores K>=3072 bias", _gemv(1, 1024, 3072, bias=True)),

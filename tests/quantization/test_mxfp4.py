@@ -1,16 +1,23 @@
 """gpt-oss's MXFP4 experts: the dequantization against the format's definition, and a checkpoint written in MXFP4
 (as OpenAI ships gpt-oss) giving transformers' greedy tokens (transformers dequantizes it on the CPU too), under
-tensor and expert parallelism as well."""
+tensor and expert parallelism as well; kept packed (as on CUDA, forced here on the CPU through mxfp4.runs_packed),
+each rank's share of the bytes and scales is the share of the dequantized weights, and the roofline counts 4.25 bits
+a weight."""
 
 import json
 
 import pytest
 import torch
 from checkpoints import write_checkpoint
-from safetensors.torch import load_file, save_file
+from mxfp4_layout import write_mxfp4_checkpoint
 from transformers import AutoModelForCausalLM, Mxfp4Config
 
-from nanoserve import LLM, SamplingParams
+from nanoserve import LLM, EngineArgs, SamplingParams
+from nanoserve.bench import roofline
+from nanoserve.distributed.group import TensorParallelGroup
+from nanoserve.model.gpt_oss import DUMMY_SCALE, GptOssExperts
+from nanoserve.model.loader import load_model
+from nanoserve.quantization import mxfp4
 from nanoserve.quantization.mxfp4 import dequantize_mxfp4
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -45,21 +52,7 @@ def test_dequantize_refuses_unpaired_shapes():
 
 @pytest.fixture(scope="module")
 def mxfp4_checkpoint(tmp_path_factory):
-    """tests/checkpoints.py's gpt-oss with every expert projection replaced by random MXFP4 blocks and scales."""
-    path = write_checkpoint(tmp_path_factory.mktemp("mxfp4") / "gpt_oss", "gpt_oss", intermediate_size=64)
-    (file,) = path.glob("*.safetensors")
-    tensors, g = load_file(file), torch.Generator().manual_seed(1)
-    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        e, k, n = tensors.pop(name).shape  # the bf16 form is [E, in, out]; MXFP4 rows are out, blocks along in
-        tensors[f"{name}_blocks"] = torch.randint(0, 256, (e, n, k // 32, 16), dtype=torch.uint8, generator=g)
-        # Scales near 2^-3 keep activations in range through the layers.
-        tensors[f"{name}_scales"] = torch.randint(120, 126, (e, n, k // 32), dtype=torch.uint8, generator=g)
-    save_file(tensors, file, metadata={"format": "pt"})
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-    (path / "config.json").write_text(json.dumps(config))
-    return path
+    return write_mxfp4_checkpoint(tmp_path_factory.mktemp("mxfp4") / "gpt_oss", intermediate_size=64)
 
 
 def prompts() -> list[list[int]]:
@@ -91,6 +84,80 @@ def test_mxfp4_checkpoint_split_over_two_ranks(mxfp4_checkpoint, reference):
         assert [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)] == reference
     finally:
         llm.shutdown()
+
+
+@pytest.fixture
+def packed(monkeypatch):
+    """MXFP4 experts kept packed on the CPU, as on CUDA (their forward there dequantizes them for the reference)."""
+    monkeypatch.setattr(mxfp4, "runs_packed", lambda device: True)
+
+
+@pytest.mark.usefixtures("packed")
+def test_packed_checkpoint_matches_transformers(mxfp4_checkpoint, reference):
+    llm = LLM(str(mxfp4_checkpoint), num_kv_blocks=32)
+    experts = llm.engine.runner.model.model.layers[0].mlp.experts
+    assert (experts.w13.dtype, experts.w13.shape, experts.w2_scale.shape) == (torch.uint8, (8, 128, 32), (8, 64, 2))
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)] == reference
+
+
+@pytest.mark.usefixtures("packed")
+@pytest.mark.parametrize("rank,expert_parallel", [(0, False), (1, False), (1, True)])
+def test_packed_rank_holds_its_share(mxfp4_checkpoint, monkeypatch, rank, expert_parallel):
+    """A rank's packed bytes and scales hold its share of the weights: the rows of I (tensor parallel, 32 of 64, one
+    block of w2's K) or the experts (expert parallel, 4..7 of 8) of the dequantized model."""
+    monkeypatch.setattr(mxfp4, "runs_packed", lambda device: False)
+    whole = load_model(EngineArgs(model=str(mxfp4_checkpoint)).create_config()).model.layers[1].mlp.experts
+    monkeypatch.setattr(mxfp4, "runs_packed", lambda device: True)
+    config = EngineArgs(model=str(mxfp4_checkpoint), tensor_parallel_size=2,
+                        enable_expert_parallel=expert_parallel).create_config()
+    part = load_model(config, TensorParallelGroup(rank=rank, size=2)).model.layers[1].mlp.experts
+    w13, w2 = part.reference_weights(torch.float32)
+    if expert_parallel:
+        assert torch.equal(w13, whole.w13[4:]) and torch.equal(w2, whole.w2[4:])
+        assert torch.equal(part.w13_bias, whole.w13_bias[4:]) and torch.equal(part.w2_bias, whole.w2_bias[4:])
+    else:
+        i = slice(32 * rank, 32 * rank + 32)
+        assert torch.equal(w13, torch.cat([whole.w13[:, i], whole.w13[:, 64 + i.start:64 + i.stop]], dim=1))
+        assert torch.equal(w2, whole.w2[:, :, i])
+        assert torch.equal(part.w13_bias, torch.cat([whole.w13_bias[:, i], whole.w13_bias[:, 64 + i.start:64 + i.stop]],
+                                                    dim=1))
+
+
+@pytest.mark.usefixtures("packed")
+def test_packed_bytes_in_the_roofline(mxfp4_checkpoint, monkeypatch):
+    """Packed experts count 4.25 bits a weight (and their bf16 biases), as many parameters as dequantized ones."""
+    model = load_model(EngineArgs(model=str(mxfp4_checkpoint)).create_config())
+    monkeypatch.setattr(mxfp4, "runs_packed", lambda device: False)
+    unpacked = roofline.weight_bytes(load_model(EngineArgs(model=str(mxfp4_checkpoint)).create_config()))
+    weights = roofline.weight_bytes(model)
+    experts = [layer.mlp.experts for layer in model.model.layers]
+    values = sum(e.w13.numel() * 2 + e.w2.numel() * 2 for e in experts)
+    biases = sum(e.w13_bias.numel() * e.w13_bias.element_size() + e.w2_bias.nbytes for e in experts)
+    assert weights.experts == values * 4.25 / 8 + biases
+    assert weights.expert_params == unpacked.expert_params and weights.dense == unpacked.dense
+    assert roofline.model_params(model) == pytest.approx(roofline.model_params(
+        load_model(EngineArgs(model=str(mxfp4_checkpoint)).create_config())))
+
+
+@pytest.mark.usefixtures("packed")
+def test_packed_random_weights_shard_like_a_checkpoint(mxfp4_checkpoint):
+    """--load-format dummy: random blocks drawn whole (rank 1 keeps its rows and blocks), scales a constant 2^-8."""
+    whole = load_model(EngineArgs(model=str(mxfp4_checkpoint), load_format="dummy").create_config())
+    config = EngineArgs(model=str(mxfp4_checkpoint), load_format="dummy", tensor_parallel_size=2).create_config()
+    half = load_model(config, TensorParallelGroup(rank=1, size=2))
+    experts, experts1 = whole.model.layers[0].mlp.experts, half.model.layers[0].mlp.experts
+    assert experts1.w2.dtype == torch.uint8 and torch.equal(experts1.w2, experts.w2[:, :, 16:])
+    assert torch.equal(experts1.w13[:, :32], experts.w13[:, 32:64])  # gate rows 32..63
+    assert (experts1.w13_scale == DUMMY_SCALE).all() and (experts1.w2_scale == DUMMY_SCALE).all()
+    assert experts.w13.unique().numel() > 200  # random bytes
+
+
+def test_packed_split_must_fall_on_whole_blocks():
+    """I = 64 over 4 ranks is 16 a rank: w2's K would split a 32-value block."""
+    experts = GptOssExperts(8, 64, 64, TensorParallelGroup(rank=1, size=4), False, top_k=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size: .* whole blocks of 32"):
+        experts.expect_mxfp4(True, torch.device("cpu"))
+    experts.expect_mxfp4(False, torch.device("cpu"))  # dequantized while loading: any split
 
 
 def test_mxfp4_refused_for_other_architectures(tmp_path):
