@@ -11,6 +11,7 @@ load (`--quantization fp8` on an unquantized checkpoint) loads the weights as th
 after: the whole unquantized model is in memory once, as it would be unquantized.
 """
 
+import logging
 from collections.abc import Iterator
 
 import torch
@@ -26,6 +27,8 @@ from nanoserve.quantization.mxfp4 import MXFP4Scheme
 from nanoserve.quantization.scheme import FP8Scheme
 from nanoserve.quantization.w4_linear import W4LinearMethod
 from nanoserve.quantization.w4_scheme import W4Scheme
+
+logger = logging.getLogger(__name__)
 
 
 def checkpoint_modules(model: nn.Module, name: str) -> list[str]:
@@ -84,9 +87,13 @@ def prepare_model(model: nn.Module, scheme: FP8Scheme | W4Scheme | MXFP4Scheme, 
     if isinstance(scheme, MXFP4Scheme):
         packed = mxfp4.runs_packed(device)
         if packed or not dummy:
-            for module in model.modules():
-                if hasattr(module, "expect_mxfp4"):
-                    module.expect_mxfp4(packed, device)
+            experts = [module for module in model.modules() if hasattr(module, "expect_mxfp4")]
+            for module in experts:
+                module.expect_mxfp4(packed, device)
+            if packed and not all(module.packed for module in experts):
+                logger.warning("MXFP4 experts dequantized while loading (4x their bytes): this rank's share of "
+                               "intermediate_size is not whole blocks of 32 values (enable_expert_parallel keeps "
+                               "them packed)")
         return
     if not (scheme.serialized or dummy):
         return
