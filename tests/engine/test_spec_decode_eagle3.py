@@ -152,7 +152,5 @@ def test_refusals(dirs, tmp_path):
     late = write_eagle3_head(tmp_path / "late", eagle_aux_hidden_state_layer_ids=[1, 2, 4])
     with pytest.raises(ValueError, match=r"eagle_aux_hidden_state_layer_ids must be three layers .* got \[1, 2, 4\]"):
         LLM(str(dirs[0]), num_kv_blocks=16, speculative_config=eagle3(late))
-    with pytest.raises(ValueError, match="kv_offload_gb"):
-        LLM(str(dirs[0]), kv_offload_gb=1, speculative_config=eagle3(dirs[1]))
     with pytest.raises(ValueError, match="speculative_config.model: a draft model's directory is required"):
         LLM(str(dirs[0]), speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
