@@ -27,10 +27,11 @@ Host time (issue #43: with a small model both decoding paths are host-bound, so 
 speed-up). A CPU probe (a 2-layer, hidden-64 Llama as its own draft, k = 3, greedy, eager, synchronous steps) spent
 0.47 ms of a speculative step outside the forward passes at batch 1 and 0.69 ms at batch 4 (plain decoding: 0.13 and
 0.18); 0.38 and 0.56 ms after verify's all-greedy check on the host, chunk_slots' short path and the (seen, drafts)
-cache here. What is left is spread thin, none of it above ~15 %: the catch-up pass's inputs (build, copy, views), the
-decode state's copy and views, each pass's metadata and argmax, and the target's per-token appends (the detokenizer)
-for the k + 1 tokens a step emits. On a GPU the CUDA graphs' input copies at every pass (worker/cuda_graphs.py) and
-the proposal's one read, which waits for the draft's passes, come on top; the probe sees neither.
+cache here. What is left is spread thin (py-spy, batch 1): the proposal is half of it, its catch-up pass's inputs
+(StepInputs built, copied, sliced) ~22 %, the single-token passes ~14 % and their decode state ~11 %; the verify step's
+launch ~25 %; appending the k + 1 tokens (the detokenizer) ~10 %; the step's three host-to-device copies ~13 % of it
+together. On a GPU the CUDA graphs' input copies at every pass (worker/cuda_graphs.py) and the proposal's one read,
+which waits for the draft's passes, come on top; the probe sees neither.
 """
 
 import dataclasses
