@@ -22,6 +22,16 @@ a read per pass left the GPU idle while the host read the token and built the ne
 Each draft is drawn from the draft's distribution q at its position, made with the request's own parameters
 (Sampler.processed and filtered_probs, the drafts before it counted as its tokens, as verification counts them), and
 q is kept for verification (spec_decode/rejection.py: accept with min(1, p/q)); greedy requests take q's argmax.
+
+Host time (issue #43: with a small model both decoding paths are host-bound, so the host's work per step sets the
+speed-up). A CPU probe (a 2-layer, hidden-64 Llama as its own draft, k = 3, greedy, eager, synchronous steps) spent
+0.47 ms of a speculative step outside the forward passes at batch 1 and 0.69 ms at batch 4 (plain decoding: 0.13 and
+0.18); 0.38 and 0.56 ms after verify's all-greedy check on the host, chunk_slots' short path and the (seen, drafts)
+cache here. What is left is spread thin (py-spy, batch 1): the proposal is half of it, its catch-up pass's inputs
+(StepInputs built, copied, sliced) ~22 %, the single-token passes ~14 % and their decode state ~11 %; the verify step's
+launch ~25 %; appending the k + 1 tokens (the detokenizer) ~10 %; the step's three host-to-device copies ~13 % of it
+together. On a GPU the CUDA graphs' input copies at every pass (worker/cuda_graphs.py) and the proposal's one read,
+which waits for the draft's passes, come on top; the probe sees neither.
 """
 
 import dataclasses
@@ -145,7 +155,8 @@ class DraftModelProposer:
         self.generator = torch.Generator(device=config.device).manual_seed(config.args.seed + 1)
         self.free: list[int] = []
         self.tables: dict[int, list[int]] = {}
-        self.cached: dict[int, list[int]] = {}  # seq_id -> the tokens whose KV the draft's pool holds
+        # seq_id -> (n, drafts): the draft's pool holds the KV of the sequence's first n tokens, then of these drafts.
+        self.cached: dict[int, tuple[int, list[int]]] = {}
         # seq_id -> q of its latest drafts ([n, V]; None: greedy), replaced with them: drafts a step did not schedule
         # are kept by the sequence until its next proposal, and must still find their own q.
         self.probs: dict[int, torch.Tensor | None] = {}
@@ -200,15 +211,14 @@ class DraftModelProposer:
         work = []  # (index in rows, the row, its draft view, tokens it has not seen, its k)
         decoding = {row.seq_id for row in rows}
         for i, (row, cap) in enumerate(zip(rows, max_tokens, strict=True)):
-            tokens = list(row.token_ids)
+            tokens = row.token_ids  # not copied: only read, and nothing appends to it while the draft runs
             k = min(self.k, cap)
-            # The draft must see at least the last token: its row gives the first draft.
-            common = self._common_prefix(self.cached.get(row.seq_id, []), tokens)
+            common = self._num_cached(row.seq_id, tokens)
             table = self.tables.setdefault(row.seq_id, [])
             if not self._grow(table, len(tokens) + k - 1, decoding):
                 self.evict(row.seq_id)  # no room: this sequence decodes without drafts this step (q dropped too)
                 continue
-            self.cached[row.seq_id] = tokens[:common]
+            self.cached[row.seq_id] = (common, [])
             work.append([i, row, _DraftSeq(row.seq_id, tokens, table), common, k])
         if not work:
             return drafts
@@ -218,10 +228,11 @@ class DraftModelProposer:
         # Each sequence's last position run, and its table: where its single-token passes go on from.
         state = self._decode_state([len(w[2].token_ids) - 1 for w in work], [w[2].block_table for w in work])
         found = self._draft_loop(logits, [w[1] for w in work], [w[4] for w in work], state)
-        for (i, row, view, _, _), d in zip(work, found, strict=True):
+        for (i, row, _, _, _), d in zip(work, found, strict=True):
             drafts[i] = d
-            # Its KV now holds its tokens and every draft but the last.
-            self.cached[row.seq_id] = (view.token_ids + d)[: len(row.token_ids) + len(d) - 1]
+            # Its KV now holds its tokens and every draft but the last (all but its last token, without drafts: that
+            # one is run again at the next proposal anyway, for its row).
+            self.cached[row.seq_id] = (len(row.token_ids), d[:-1]) if d else (len(row.token_ids) - 1, [])
         return drafts
 
     def _decode_state(
@@ -380,18 +391,19 @@ class DraftModelProposer:
             for w, n in chunks:
                 w[3] += n
 
-    def _common_prefix(self, cached: list[int], tokens: list[int]) -> int:
-        """How many of `tokens` the cache holds, at most all but the last (whose row gives the first draft).
-        A sequence's tokens are only ever appended to, so the cached tokens can differ from them only in the
-        drafts at their end: compared one by one there, the rest at once."""
-        most = min(len(cached), len(tokens) - 1)
-        head = max(0, most - self.k)
-        if tokens[:head] != cached[:head]:
-            head = 0
-        for i in range(head, most):
-            if cached[i] != tokens[i]:
-                return i
-        return most
+    def _num_cached(self, seq_id: int, tokens: list[int]) -> int:
+        """How many of `tokens` the draft's pool holds the KV of, at most all but the last (the draft must see that
+        one: its row gives the first draft). A sequence's tokens are only ever appended to, so the tokens it had at
+        its last proposal are still its first ones; of the drafts cached after them, those it went on with count.
+        Compared a draft at a time: the whole prefix, before, cost two copies and a compare of the sequence a step."""
+        seen, drafts = self.cached.get(seq_id, (0, []))
+        most = len(tokens) - 1
+        n = min(seen, most)
+        for draft in drafts:
+            if n == most or tokens[n] != draft:
+                break
+            n += 1
+        return n
 
     def _draw(self, logits: torch.Tensor, rows: list[DraftPosition]) -> tuple[torch.Tensor, list | None, set[int]]:
         """Each row's draft, on the device (argmax of the processed logits, or a draw from q), its q (None: greedy),

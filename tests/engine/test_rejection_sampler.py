@@ -137,6 +137,22 @@ def test_verify_greedy_accepts_while_drafts_are_the_argmax():
     assert out.token_ids == best[0:4] + [best[4], best[5], best[7]]
 
 
+def test_verify_greedy_fast_path_matches_the_general_path():
+    """An all-greedy batch is checked on the host (_verify_greedy); asking for logprobs takes the general path on the
+    device. Random drafts, a few of them the argmax: both emit the same tokens."""
+    g = torch.Generator().manual_seed(5)
+    drafts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 3, 1, 0, 2, 3)]
+    logits = torch.randn(sum(len(d) + 1 for d in drafts), VOCAB, generator=g)
+    best = logits.argmax(-1).tolist()
+    drafts[0] = best[0:2] + [(best[2] + 1) % VOCAB]  # the third draft rejected
+    drafts[1] = best[4:7]  # all accepted
+    outs = [verify(Sampler(torch.device("cpu"), eos_token_ids=[0], seed=0), logits,
+                   [fake_seq(SamplingParams(temperature=0, logprobs=n)) for _ in drafts], drafts)
+            for n in (None, 0)]
+    assert outs[0].offsets == outs[1].offsets and outs[0].counts[:2] == [3, 4]
+    assert outs[0].token_ids == outs[1].token_ids
+
+
 def test_ngram_lookup():
     t = torch.tensor([1, 2, 3, 4, 5, 9, 1, 2, 3]).numpy()
     assert ngram_lookup(t, 3, 1, 2) == [4, 5]  # the 3-gram (1, 2, 3) matched

@@ -3,6 +3,7 @@ accepted, which proves the machinery) and a smaller random draft, through prefix
 and n > 1; the draft's refusals."""
 
 import pytest
+import torch
 from checkpoints import write_checkpoint
 from prompts import three_prompts as prompts
 
@@ -112,6 +113,27 @@ def test_sampling_with_the_target_as_draft_accepts_nearly_everything(dirs):
     assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens
     # Seeded: the draft's draws and verification's come from the request's own generator, in a fixed order.
     assert run(spec, prompts()[:1], params) == first[:1]
+
+
+def test_cached_tokens_are_the_common_prefix_with_the_sequence():
+    """What the draft's pool holds is kept as (tokens seen, drafts after them): it serves as many of the sequence's
+    tokens as the two lists share, all but the sequence's last at most, as a whole-list compare would say."""
+    from nanoserve.worker.draft_model import DraftModelProposer
+
+    proposer = DraftModelProposer.__new__(DraftModelProposer)
+    g = torch.Generator().manual_seed(0)
+    for case in range(200):
+        seen = int(torch.randint(0, 6, (), generator=g))
+        prompt = torch.randint(0, 4, (seen,), generator=g).tolist()
+        drafts = torch.randint(0, 4, (int(torch.randint(0, 4, (), generator=g)),), generator=g).tolist()
+        tokens = prompt + torch.randint(0, 4, (int(torch.randint(0, 5, (), generator=g)),), generator=g).tolist()
+        if not tokens:
+            continue
+        proposer.cached = {case: (seen, drafts)}
+        held = prompt + drafts
+        common = next((i for i, (a, b) in enumerate(zip(held, tokens, strict=False)) if a != b),
+                      min(len(held), len(tokens)))
+        assert proposer._num_cached(case, tokens) == min(common, len(tokens) - 1)
 
 
 @pytest.mark.parametrize(
