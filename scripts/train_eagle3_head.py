@@ -222,8 +222,7 @@ def main() -> None:
     held_out = {expr for _, expr, _ in eval_prompts(args.seed + 1)}
     convs = conversations(args.conversations, args.seed, held_out)
     data = [encode(tok, c) for c in convs]
-    # Conversations the training batches never reach (past steps * batch size in a shuffled pass would be
-    # reached; these come from another seed) measure the head's acceptance at the end.
+    # Drawn with another seed, so not the training conversations: the head's acceptance at the end is measured there.
     val = [encode(tok, c) for c in conversations(512, args.seed + 2, held_out)]
     print(f"data: {len(data)} conversations, {time.time() - t0:.0f}s", flush=True)
 
