@@ -5,6 +5,8 @@ JSON line last.
     python scripts/eval_bundled_model.py
     python scripts/eval_bundled_model.py --speculative-config '{"model": "nanoserve/assets/draft",
         "num_speculative_tokens": 3}' --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}'
+    python scripts/eval_bundled_model.py --speculative-config '{"method": "eagle3", "model": "nanoserve/assets/eagle3",
+        "num_speculative_tokens": 3}'
     python scripts/eval_bundled_model.py --workload copy --speculative-config ...
 
 Each --speculative-config runs the same prompts on an LLM of its own after the plain run, and reports its pass
