@@ -110,6 +110,10 @@ class Eagle3Proposer(DraftModelProposer):
         # fc(the target's hidden states) of every token in the target's KV pool, by its KV slot: a prefix-cache hit
         # finds them with the KV, a forked sample in the blocks it shares.
         self.hidden_pool: torch.Tensor | None = None
+        # The same rows of the blocks in the target's CPU tier (kv_offload_gb): they move with the KV, or a prefix
+        # loaded back from there, or a sequence swapped back in, would find another sequence's hidden states.
+        self.num_cpu_blocks = 0
+        self.cpu_hidden_pool: torch.Tensor | None = None
         # Whether this proposal's passes make logits over the draft vocabulary only (_argmax maps their argmax to
         # target ids): where every row takes the argmax, a target-vocabulary row (-inf outside the draft's ids) cost
         # a full-vocabulary write a pass, and the sampler's fp32 copy of it.
@@ -136,6 +140,7 @@ class Eagle3Proposer(DraftModelProposer):
                                                      (embed.vocab_size, embed.weight.shape[1]))
             embed = whole
         self.head.set_embedding(embed, self.max_num_tokens)
+        self.num_cpu_blocks = target.num_cpu_blocks
         target.aux_hidden_sink = self.take_hidden
 
     def allocate(self, num_blocks: int, max_model_len: int, cuda_graphs: bool) -> None:
@@ -146,14 +151,27 @@ class Eagle3Proposer(DraftModelProposer):
             dtype=self.config.dtype,
             device=self.config.device,
         )
+        if self.num_cpu_blocks:  # outside kv_offload_gb: a block's hidden states are a few % of its KV
+            self.cpu_hidden_pool = torch.zeros(
+                self.num_cpu_blocks, self.block_size, self.config.model.hidden_size, dtype=self.config.dtype
+            )
 
     @torch.inference_mode()
     def take_hidden(self, step: StepInputs, aux: torch.Tensor) -> None:
         """A target step's hidden states at the head's layers ([num_tokens, 3 * hidden], the step's token order),
-        projected and stored at the step's KV slots (after its block copies, as the KV is)."""
+        projected and stored at the step's KV slots, after its blocks moved as the KV's did before its forward pass
+        (ModelRunner.forward: to the CPU tier, copies, back from it). Those moves read no slot this step writes."""
+        blocks = self.hidden_pool.view(-1, self.block_size, self.hidden_pool.shape[1])
+        if step.kv_swap_out:  # (device block, CPU block)
+            device_ids, cpu_ids = zip(*step.kv_swap_out, strict=True)
+            self.cpu_hidden_pool[list(cpu_ids)] = blocks[list(device_ids)].cpu()
         for src, dst in step.block_copies:
-            blocks = self.hidden_pool.view(-1, self.block_size, self.hidden_pool.shape[1])
             blocks[dst].copy_(blocks[src])
+        if step.kv_swap_in:  # (CPU block, device block)
+            cpu_ids, device_ids = zip(*step.kv_swap_in, strict=True)
+            blocks[to_device(list(device_ids), torch.int64, self.config.device)] = self.cpu_hidden_pool[
+                list(cpu_ids)
+            ].to(self.config.device)
         n = step.num_tokens
         slots = to_device(step.host[2 * n : 3 * n], torch.int64, self.config.device)
         self.hidden_pool.index_copy_(0, slots, self.head.combine_hidden_states(aux))
