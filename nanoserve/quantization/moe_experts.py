@@ -66,6 +66,9 @@ class ExpertDequantizer:
         else:
             self.parts = {"weight", scheme.scale_name}
         self._pending: dict[str, dict[str, torch.Tensor]] = {}  # shard ('gate:3') -> its tensors so far
+        # Shards loaded whole. The loader counts a shard as read at any of its tensors (an input_scale included), so
+        # check_complete looks for every one of this rank's here.
+        self._done: set[str] = set()
 
     def __call__(self, param: nn.Parameter, loaded, shard: str) -> None:
         shard, _, part = shard.partition("#")
@@ -82,6 +85,7 @@ class ExpertDequantizer:
         tensors[part] = tensor
         if tensors.keys() == self.parts:
             del self._pending[shard]
+            self._done.add(shard)
             self.load_expert(param, _Whole(self._dequantize(tensors, shard).to(param.dtype)), shard)
 
     def _dequantize(self, tensors: dict[str, torch.Tensor], shard: str) -> torch.Tensor:
@@ -93,10 +97,12 @@ class ExpertDequantizer:
 
     def check_complete(self) -> None:
         """Raises ValueError naming an expert projection whose tensors the checkpoint did not all hold."""
-        for shard, tensors in self._pending.items():
-            missing = sorted(self.parts - tensors.keys())
-            raise ValueError(f"model: {self.name} expert projection {shard} lacks {', '.join(missing)} in the "
-                             f"checkpoint (a {self._format()} expert needs {sorted(self.parts)})")
+        expected = [shard for shards in self.experts.expected_shards().values() for shard in shards]
+        for shard in expected:
+            if shard not in self._done:
+                missing = sorted(self.parts - self._pending.get(shard, {}).keys())
+                raise ValueError(f"model: {self.name} expert projection {shard} lacks {', '.join(missing)} in the "
+                                 f"checkpoint (a {self._format()} expert needs {sorted(self.parts)})")
 
     def _format(self) -> str:
         return self.scheme.method if isinstance(self.scheme, W4Scheme) else f"fp8 ({self.scheme.method})"

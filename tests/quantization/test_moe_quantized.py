@@ -3,6 +3,7 @@ format writers from random weights, dequantized while loading. Every expert hold
 quantized to; weight-only checkpoints give transformers' greedy tokens on those weights; what cannot load is refused
 naming the tensor."""
 
+import collections
 import json
 
 import pytest
@@ -130,6 +131,19 @@ def test_what_cannot_load_is_refused(checkpoints, tmp_path):
     (ckpt / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="names some of the experts of model.layers.0.mlp.experts"):
         LLM(str(ckpt), load_format="dummy", num_kv_blocks=16)
+
+
+def test_an_expert_with_only_its_input_scale_is_refused(checkpoints, tmp_path):
+    """A static W8A8 checkpoint's input_scale is read and dropped; the loader counts the projection as read at it, so
+    an expert projection whose weight and scale are absent must still be named, not left unwritten."""
+    scales = collections.defaultdict(lambda: torch.tensor([0.02]))
+    ckpt = write_fp8_checkpoint(checkpoints["qwen3_moe"], tmp_path, Format("tensor", "tensor"), scales)
+    tensors = load_file(ckpt / "model.safetensors")
+    for part in ("weight", "weight_scale"):
+        del tensors[f"model.layers.0.mlp.experts.3.up_proj.{part}"]
+    save_file(tensors, ckpt / "model.safetensors")
+    with pytest.raises(ValueError, match=r"expert projection up:3 lacks weight, weight_scale"):
+        LLM(str(ckpt), num_kv_blocks=16)
 
 
 def test_shared_expert_columns_must_be_whole_groups(checkpoints, tmp_path):
