@@ -105,8 +105,11 @@ class _DecodeState:
 
 
 # A draft or head runs whole on the engine's device (rank 0's under tensor parallelism): split over the ranks, a small
-# model would add a collective to each of its passes.
-WHOLE_ON_ONE_DEVICE = {"tensor_parallel_size": 1, "nnodes": 1, "node_rank": 0, "data_parallel_size": 1}
+# model would add a collective to each of its passes (nor its experts over them: a dense draft would be refused the
+# flag). Its KV stays in its own device pool: the target's CPU tier (kv_offload_gb) is not the draft's, which would
+# otherwise allocate a tier as large again that nothing uses.
+WHOLE_ON_ONE_DEVICE = {"tensor_parallel_size": 1, "nnodes": 1, "node_rank": 0, "data_parallel_size": 1,
+                       "enable_expert_parallel": False, "kv_offload_gb": 0.0}
 
 
 def draft_engine_config(config: EngineConfig) -> EngineConfig:

@@ -7,7 +7,8 @@ import pytest
 import torch
 from checkpoints import write_checkpoint, write_eagle3_head
 
-from nanoserve import LLM, SamplingParams
+from nanoserve import LLM, EngineArgs, SamplingParams
+from nanoserve.worker.draft_model import draft_engine_config
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -76,3 +77,13 @@ def test_eagle3_head_drafts_as_at_one_rank(target, tmp_path, load_format):
     assert runs[0] == runs[1] and any(any(d) for d in runs[0][1])
     if load_format == "auto":
         assert runs[0][0] == want
+
+
+def test_a_dense_draft_beside_expert_parallel_experts(target, tmp_path):
+    """The draft runs whole on rank 0: the target's enable_expert_parallel is not its own (a dense draft would be
+    refused it), as its tensor_parallel_size is not."""
+    moe = write_checkpoint(tmp_path / "moe", "qwen3_moe")
+    config = EngineArgs(model=str(moe), tensor_parallel_size=2, enable_expert_parallel=True, load_format="dummy",
+                        speculative_config={"model": str(target[0]), "num_speculative_tokens": 2}).create_config()
+    draft = draft_engine_config(config)
+    assert (draft.args.tensor_parallel_size, draft.args.enable_expert_parallel) == (1, False)
