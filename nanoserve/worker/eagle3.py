@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch import nn
 
 from nanoserve.config import EngineConfig, read_config_json
 from nanoserve.layers.attention import AttentionMetadata
@@ -106,6 +107,12 @@ class Eagle3Proposer(DraftModelProposer):
         self.aux_layers = aux_hidden_state_layers(self.config.model.raw, config.model.num_hidden_layers)
         config.aux_hidden_state_layers = self.aux_layers
         self.max_num_tokens = max(config.args.max_num_batched_tokens, config.args.max_num_seqs)
+        # Under tensor parallelism the head's copy of the target's whole embedding table (attach fills it), allocated
+        # here, before the target's runner sizes its KV pool, so that the pool leaves room for it.
+        self.whole_embedding: torch.Tensor | None = None
+        if config.args.tensor_parallel_size > 1:
+            self.whole_embedding = torch.empty(config.model.vocab_size, config.model.hidden_size, dtype=config.dtype,
+                                               device=config.device)
         self.done: dict[int, int] = {}  # seq_id -> positions whose head KV was made from the target's hidden states
         # fc(the target's hidden states) of every token in the target's KV pool, by its KV slot: a prefix-cache hit
         # finds them with the KV, a forked sample in the blocks it shares.
@@ -132,13 +139,14 @@ class Eagle3Proposer(DraftModelProposer):
 
     def attach(self, target: ModelRunner) -> None:
         embed = target.model.model.embed_tokens
-        if target.tp.size > 1:
+        if self.whole_embedding is not None:
             # The ranks hold a share of the table each, and its lookup is a collective that the head's passes (on
             # rank 0 alone) cannot join: the head gets the whole table on rank 0.
-            whole = VocabEmbedding(embed.vocab_size, embed.weight.shape[1])
-            whole.weight.data = load_whole_parameter(target.config, target.model, "model.embed_tokens.weight",
-                                                     (embed.vocab_size, embed.weight.shape[1]))
-            embed = whole
+            self.whole_embedding.copy_(load_whole_parameter(target.config, target.model, "model.embed_tokens.weight",
+                                                            tuple(self.whole_embedding.shape)))
+            with torch.device("meta"):
+                embed = VocabEmbedding(*self.whole_embedding.shape)
+            embed.weight = nn.Parameter(self.whole_embedding, requires_grad=False)
         self.head.set_embedding(embed, self.max_num_tokens)
         self.num_cpu_blocks = target.num_cpu_blocks
         target.aux_hidden_sink = self.take_hidden
