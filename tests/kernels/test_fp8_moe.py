@@ -114,3 +114,31 @@ def test_moe_gemv_fp8(device, gen, num_tokens, top_k, dtype, block, expert_start
         h[~((ids >= 4) & (ids < 8)).reshape(-1)] = float("nan")
         down = moe_gemv_down(h, w2, None, weights, ids, expert_start, w2_scale=kw["w2_scale"], weight_block=block)
         torch.testing.assert_close(down, out, atol=0, rtol=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the engine's path runs the kernels itself")
+@pytest.mark.parametrize("block", [None, (16, 32)], ids=["row", "block"])
+def test_kept_fp8_experts_hand_their_scales_to_the_kernels(gen, monkeypatch, block):
+    """FusedMoE kept in FP8 (quantization/moe_experts.py's keep_fp8, as on CUDA): its forward at one token runs
+    moe_gemv on the fp8 values, scales and block, and gives what its reference path (the weights dequantized)
+    gives."""
+    from nanoserve.distributed.group import TensorParallelGroup
+    from nanoserve.layers import moe
+    from nanoserve.quantization.moe_experts import keep_fp8
+    from nanoserve.quantization.scheme import FP8Scheme
+
+    experts = moe.FusedMoE(8, HIDDEN, INTER, TensorParallelGroup(), False, top_k=4)
+    scheme = FP8Scheme("fp8", "block", "group", block) if block else FP8Scheme("compressed-tensors", "channel", None)
+    keep_fp8(experts, scheme, "experts", torch.device("cpu"), dummy=True)
+    w13, w2, kw, _ = _experts(8, block, "cpu", gen)
+    for name, value in dict(w13=w13, w2=w2, w13_scale=kw["w13_scale"], w2_scale=kw["w2_scale"]).items():
+        getattr(experts, name).data.copy_(value)
+    x = torch.randn(1, HIDDEN, generator=gen)
+    ids, weights = _routing(1, 4, 8, gen, "cpu")
+    want = experts(x, weights, ids)
+    calls = []
+    monkeypatch.setattr(moe.FusedMoE, "takes_gemv", lambda self, x: calls.append(1) or True)
+    got = experts(x, weights, ids)
+    assert calls and experts.w13.dtype == torch.float8_e4m3fn and experts.weight_block == block
+    top = want.abs().max()
+    torch.testing.assert_close(got / top, want / top, **MOE_TOL[torch.float32])
