@@ -59,6 +59,7 @@ def test_kept_experts_give_the_dequantized_tokens(checkpoints, tmp_path, monkeyp
     dequantized = _experts(ckpt, monkeypatch, fp8=False)
     monkeypatch.setattr(moe_experts, "runs_fp8", lambda device: True)
     llm = LLM(str(ckpt), num_kv_blocks=32)
+    assert "(routed experts kept in fp8, weight-only)" in llm.engine.config.summary(32)
     experts = llm.engine.runner.model.model.layers[0].mlp.experts
     scales = (8, 4, 4) if fmt is BLOCK else (8, 64)  # w13: gate's 2 rows of blocks then up's (or 64 rows)
     assert (experts.w13.dtype, experts.w2.dtype, tuple(experts.w13_scale.shape)) == (FP8, FP8, scales)
