@@ -213,7 +213,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ids_ptr, block_e
                 k_block = (k0 // SCALE_K) * stride_sk
                 gate += tl.dot(x, w_gate.to(x.dtype), input_precision=DOT_PRECISION) * tl.load(gate_s_ptrs + k_block)
                 up += tl.dot(x, w_up.to(x.dtype), input_precision=DOT_PRECISION) * tl.load(up_s_ptrs + k_block)
-            else:  # (an fp8 tile converted to x's dtype exactly; scaled per row after the loop)
+            else:  # (an fp8 tile converted to x's dtype, exactly; its per-row scales applied after the loop)
                 gate = tl.dot(x, w_gate.to(x.dtype), gate, input_precision=DOT_PRECISION)
                 up = tl.dot(x, w_up.to(x.dtype), up, input_precision=DOT_PRECISION)
             gate_ptrs += BLOCK_K

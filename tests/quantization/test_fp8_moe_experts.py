@@ -51,22 +51,28 @@ def _experts(path, monkeypatch, fp8: bool, tp: TensorParallelGroup | None = None
     return load_model(config, tp).model.layers[0].mlp.experts
 
 
-@pytest.mark.parametrize("fmt", [BLOCK, CHANNEL], ids=["block", "channel"])
-def test_kept_experts_give_the_dequantized_tokens(checkpoints, tmp_path, monkeypatch, fmt):
-    ckpt = write_fp8_checkpoint(checkpoints["qwen3_moe"], tmp_path, fmt)
-    want = [o.outputs[0].token_ids for o in LLM(str(ckpt), num_kv_blocks=32).generate(prompts(), GREEDY,
-                                                                                      use_tqdm=False)]
-    dequantized = _experts(ckpt, monkeypatch, fp8=False)
+def test_kept_experts_give_the_dequantized_tokens(block_checkpoint, monkeypatch):
+    want = [o.outputs[0].token_ids for o in LLM(str(block_checkpoint), num_kv_blocks=32).generate(
+        prompts(), GREEDY, use_tqdm=False)]
     monkeypatch.setattr(moe_experts, "runs_fp8", lambda device: True)
-    llm = LLM(str(ckpt), num_kv_blocks=32)
+    llm = LLM(str(block_checkpoint), num_kv_blocks=32)
     assert "(routed experts kept in fp8, weight-only)" in llm.engine.config.summary(32)
     experts = llm.engine.runner.model.model.layers[0].mlp.experts
-    scales = (8, 4, 4) if fmt is BLOCK else (8, 64)  # w13: gate's 2 rows of blocks then up's (or 64 rows)
-    assert (experts.w13.dtype, experts.w2.dtype, tuple(experts.w13_scale.shape)) == (FP8, FP8, scales)
-    assert experts.weight_block == fmt.block
+    # w13's scales: gate's 2 rows of 16 x 16 blocks, then up's.
+    assert (experts.w13.dtype, experts.w2.dtype, tuple(experts.w13_scale.shape)) == (FP8, FP8, (8, 4, 4))
+    assert experts.weight_block == (16, 16)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)] == want
+
+
+@pytest.mark.parametrize("fmt", [BLOCK, CHANNEL], ids=["block", "channel"])
+def test_kept_experts_hold_the_dequantized_weights(checkpoints, tmp_path, monkeypatch, fmt):
+    """Per block, or per channel (one scale a row of gate, of up and of down)."""
+    ckpt = write_fp8_checkpoint(checkpoints["qwen3_moe"], tmp_path, fmt)
+    dequantized = _experts(ckpt, monkeypatch, fp8=False)
+    experts = _experts(ckpt, monkeypatch, fp8=True)
+    assert experts.w13_scale.shape == ((8, 4, 4) if fmt is BLOCK else (8, 64))
     w13, w2 = experts.reference_weights(torch.float32)
     assert torch.equal(w13, dequantized.w13) and torch.equal(w2, dequantized.w2)
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)] == want
 
 
 @pytest.mark.parametrize("rank,expert_parallel", [(0, False), (1, False), (1, True)])
