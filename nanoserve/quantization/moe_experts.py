@@ -181,9 +181,10 @@ class Fp8ExpertLoader(ExpertDequantizer):
         else:
             self._load_scale(loaded[...].float(), shard)
         parts = self._pending.setdefault(shard, {})
-        parts[part] = None
+        parts[part] = None  # (copied already: only which parts came is kept)
         if parts.keys() == self.parts:
             del self._pending[shard]
+            self._done.add(shard)
 
     def _load_scale(self, scale: torch.Tensor, shard: str) -> None:
         """This rank's rows (or rows of blocks) of gate's or up's scales, or columns of blocks of down's."""
