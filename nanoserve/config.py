@@ -444,8 +444,13 @@ class EngineConfig:
         if self.model.moe is not None and self.quantization is not None and \
                 not isinstance(self.quantization, MXFP4Scheme):
             # quantization/moe_experts.py
+            from nanoserve.quantization.moe_experts import runs_fp8
+
             done = "dequantized while loading" if self.quantization.serialized else "left unquantized"
-            quantized += f" (routed experts {done}: {dtype})"
+            if isinstance(self.quantization, FP8Scheme) and self.quantization.serialized and runs_fp8(self.device):
+                quantized += " (routed experts kept in fp8, weight-only)"
+            else:
+                quantized += f" (routed experts {done}: {dtype})"
         kv_dtype = str(self.kv_dtype).removeprefix("torch.")
         return (f"loaded {self.model.architecture} {weights} from {self.model_dir} as {dtype} on {self.device}"
                 f"{quantized}; {_kv_pool_text(num_kv_blocks, local_pool, self.args.block_size, kv_dtype)}; "

@@ -4,7 +4,8 @@ Every decode step reads all weights once plus the KV of every live sequence, so 
 faster than those bytes over the measured bandwidth; prompt tokens cost 2 FLOPs per parameter. A mixture-of-experts
 step reads only the experts its tokens chose, and a token runs through its top-k experts only (WeightBytes). Bytes are
 the tensors' as they are held: MXFP4 experts kept packed (gpt-oss on the GPU) count 4.25 bits a weight, while their
-parameters count as weights (two a byte).
+parameters count as weights (two a byte); FP8 experts kept in FP8 (an FP8 MoE checkpoint on the GPU) a byte a weight
+plus 4 bytes a scale (one a row, or one a block), their parameters a weight a byte.
 """
 
 from dataclasses import dataclass
@@ -48,7 +49,8 @@ class WeightBytes:
     mixture-of-experts model's routed experts only those the step's tokens chose."""
 
     dense: int
-    experts: int = 0  # all routed experts' bytes on this rank, as held (packed MXFP4: half a byte a weight + scales)
+    experts: int = 0  # all routed experts' bytes on this rank, as held (packed MXFP4: half a byte a weight + scales;
+    # FP8: a byte a weight + fp32 scales)
     expert_params: int = 0  # their weights (FusedMoE.num_weights)
     num_experts: int = 1  # the model's, per layer
     top_k: int = 1

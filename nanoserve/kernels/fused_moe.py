@@ -12,7 +12,10 @@ sized for the most blocks any routing can need; programs past the rows used retu
 
 The weights are in x's dtype, or MXFP4 (w13_scale and w2_scale given; kernels/mxfp4_unpack.py's layout): each weight
 tile is then loaded as bytes, unpacked to x's dtype in registers, and multiplied on the tensor cores in two halves
-(the low nibbles by x's even columns, the high by its odd ones).
+(the low nibbles by x's even columns, the high by its odd ones). Or FP8 (float8_e4m3fn w13 and w2 with their fp32
+scales, per row or per weight_block; kernels/fp8_experts.py's layout), weight-only: each fp8 tile (a byte an element)
+is converted to x's dtype in registers and multiplied by x as it is, not quantized (a W8A8 checkpoint runs W8A16
+here); the products are scaled per row after the reduction, or per block of scales once per tile.
 
 Tile sizes come from a table measured by scripts/tune_fused_moe.py (fused_moe_configs/, one file per shape and
 device), else from the default rule in default_config.
@@ -27,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve.kernels.fp8_experts import FP8, check_fp8_experts, scale_operand, widest_tile
 from nanoserve.kernels.moe_align import MoeAlignment, moe_align_block_size
 from nanoserve.kernels.moe_reference import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from nanoserve.kernels.mxfp4_unpack import load_mxfp4
@@ -110,10 +114,13 @@ def nearest_config(table: tuple[tuple[int, MoeConfig], ...], num_tokens: int) ->
 def get_config(num_tokens: int, w13: torch.Tensor, top_k: int, act_size: int = 2) -> MoeConfig:
     """The measured config for the tuned M nearest num_tokens, where a table matches the shape and device (2-byte
     dtypes on CUDA; fp32 tiles would need twice the shared memory they were tuned with); else default_config. An
-    MXFP4 w13 (uint8, two values a byte) takes default_config's rule for activations of act_size bytes."""
+    MXFP4 w13 (uint8, two values a byte) or an FP8 one takes default_config's rule for activations of act_size
+    bytes (not tuned for them)."""
     num_experts, two_inter, hidden = w13.shape
     if w13.dtype == torch.uint8:
         return default_config(num_tokens, num_experts, 2 * hidden, two_inter // 2, top_k, act_size)
+    if w13.dtype == FP8:
+        return default_config(num_tokens, num_experts, hidden, two_inter // 2, top_k, act_size)
     if w13.is_cuda and w13.element_size() == 2:
         index = w13.device.index if w13.device.index is not None else torch.cuda.current_device()
         table = _tuned_table(config_file(num_experts, hidden, two_inter // 2, _device_name(index)))
@@ -147,12 +154,15 @@ def _block_pairs(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, rows_used_ptr, num_pairs,
-                    num_blocks, top_k, N, K, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_be,
-                    stride_op, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr,
-                    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                    num_blocks, top_k, N, K, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+                    stride_be, stride_op, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr,
+                    FP8: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, EVEN_K: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """out[pair, n] = act(x[token] @ w[e, n].T + b[e, n], x[token] @ w[e, N + n].T + b[e, N + n]) for N = I.
-    MXFP4: w holds the bytes and s_ptr the scales (mxfp4_unpack.py's layout), strides in bytes of each."""
+    MXFP4: w holds the bytes and s_ptr the scales (mxfp4_unpack.py's layout), strides in bytes of each. FP8: w holds
+    fp8 values and s_ptr their fp32 scales, one per SCALE_N rows and SCALE_K columns (0: per row; fp8_experts.py's
+    layout; a BLOCK_K tile lies within one block of columns)."""
     wait_for_prior_grids(USE_PDL)
     pid_m, pid_n = _block_tile(num_blocks, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(rows_used_ptr):
@@ -167,8 +177,11 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ids_ptr, block_e
     w_rows = tl.minimum(offs_n, N - 1)
     gate_ptrs = w_ptr + expert * stride_we + w_rows[None, :] * stride_wn + offs_k[:, None]
     up_ptrs = gate_ptrs + N * stride_wn
-    gate_s_ptrs = s_ptr + expert * stride_se + w_rows[None, :] * stride_sn + offs_k[:, None] // 16
-    up_s_ptrs = gate_s_ptrs + N * stride_sn
+    if FP8:  # a scale per column of the tile (its row of w); up's rows of blocks follow gate's
+        gate_s_ptrs = s_ptr + expert * stride_se + (w_rows // SCALE_N)[None, :] * stride_sn
+    else:
+        gate_s_ptrs = s_ptr + expert * stride_se + w_rows[None, :] * stride_sn + offs_k[:, None] // 16
+    up_s_ptrs = gate_s_ptrs + tl.cdiv(N, SCALE_N) * stride_sn
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -196,11 +209,19 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ids_ptr, block_e
                 x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
                 w_gate = tl.load(gate_ptrs, mask=k_ok[:, None], other=0.0)
                 w_up = tl.load(up_ptrs, mask=k_ok[:, None], other=0.0)
-            gate = tl.dot(x, w_gate, gate, input_precision=DOT_PRECISION)
-            up = tl.dot(x, w_up, up, input_precision=DOT_PRECISION)
+            if FP8 and SCALE_K > 0:  # this tile's block of scales
+                k_block = (k0 // SCALE_K) * stride_sk
+                gate += tl.dot(x, w_gate.to(x.dtype), input_precision=DOT_PRECISION) * tl.load(gate_s_ptrs + k_block)
+                up += tl.dot(x, w_up.to(x.dtype), input_precision=DOT_PRECISION) * tl.load(up_s_ptrs + k_block)
+            else:  # (an fp8 tile converted to x's dtype, exactly; its per-row scales applied after the loop)
+                gate = tl.dot(x, w_gate.to(x.dtype), gate, input_precision=DOT_PRECISION)
+                up = tl.dot(x, w_up.to(x.dtype), up, input_precision=DOT_PRECISION)
             gate_ptrs += BLOCK_K
             up_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if FP8 and SCALE_K == 0:
+        gate *= tl.load(gate_s_ptrs)
+        up *= tl.load(up_s_ptrs)
     if HAS_BIAS:
         b_ptrs = b_ptr + expert * stride_be + w_rows
         gate += tl.load(b_ptrs).to(tl.float32)[None, :]
@@ -217,11 +238,12 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ids_ptr, block_e
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _down_kernel(h_ptr, w_ptr, s_ptr, b_ptr, topk_w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, rows_used_ptr,
-                 num_pairs, num_blocks, N, K, stride_hp, stride_we, stride_wn, stride_se, stride_sn, stride_be,
-                 stride_op, HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr, EVEN_K: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """out[pair, n] = (h[pair] @ w[e, n].T + b[e, n]) * topk_weight[pair], for N = H and K = I; MXFP4 as in
+                 num_pairs, num_blocks, N, K, stride_hp, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+                 stride_be, stride_op, HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr, FP8: tl.constexpr,
+                 SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr):
+    """out[pair, n] = (h[pair] @ w[e, n].T + b[e, n]) * topk_weight[pair], for N = H and K = I; MXFP4 and FP8 as in
     _gate_up_kernel."""
     wait_for_prior_grids(USE_PDL)
     pid_m, pid_n = _block_tile(num_blocks, N, BLOCK_N, GROUP_M)
@@ -234,7 +256,10 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, b_ptr, topk_w_ptr, out_ptr, sorted_ids_ptr
     h_ptrs = h_ptr + row_pair.to(tl.int64)[:, None] * stride_hp + offs_k[None, :] * (2 if MXFP4 else 1)
     w_rows = tl.minimum(offs_n, N - 1)
     w_ptrs = w_ptr + expert * stride_we + w_rows[None, :] * stride_wn + offs_k[:, None]
-    s_ptrs = s_ptr + expert * stride_se + w_rows[None, :] * stride_sn + offs_k[:, None] // 16
+    if FP8:
+        s_ptrs = s_ptr + expert * stride_se + (w_rows // SCALE_N)[None, :] * stride_sn
+    else:
+        s_ptrs = s_ptr + expert * stride_se + w_rows[None, :] * stride_sn + offs_k[:, None] // 16
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if MXFP4:
@@ -254,9 +279,15 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, b_ptr, topk_w_ptr, out_ptr, sorted_ids_ptr
                 k_ok = k0 + offs_k < K
                 h = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
                 w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-            acc = tl.dot(h, w, acc, input_precision=DOT_PRECISION)
+            if FP8 and SCALE_K > 0:
+                acc += tl.dot(h, w.to(h.dtype), input_precision=DOT_PRECISION) * tl.load(
+                    s_ptrs + (k0 // SCALE_K) * stride_sk)
+            else:
+                acc = tl.dot(h, w.to(h.dtype), acc, input_precision=DOT_PRECISION)
             w_ptrs += BLOCK_K
         h_ptrs += BLOCK_K
+    if FP8 and SCALE_K == 0:
+        acc *= tl.load(s_ptrs)
     if HAS_BIAS:
         acc += tl.load(b_ptr + expert * stride_be + w_rows).to(tl.float32)[None, :]
     acc *= tl.load(topk_w_ptr + row_pair).to(tl.float32)[:, None]
@@ -287,51 +318,55 @@ def _dot_precision(t: torch.Tensor) -> str:
     return "ieee" if t.dtype == torch.float32 else "tf32"  # tf32 would lose fp32's bits; unused for 16-bit
 
 
-def _block_k(cfg: GemmConfig, mxfp4: bool) -> int:
-    """An MXFP4 tile is at least one block of 32 columns (two tl.dot halves of at least 16)."""
-    return max(32, cfg.block_k) if mxfp4 else cfg.block_k
+def _block_k(cfg: GemmConfig, w: torch.Tensor, weight_block: tuple[int, int] | None) -> int:
+    """An MXFP4 tile is at least one block of 32 columns (two tl.dot halves of at least 16); an FP8 tile lies within
+    one block of scales."""
+    if w.dtype == torch.uint8:
+        return max(32, cfg.block_k)
+    return widest_tile(weight_block, cfg.block_k) if w.dtype == FP8 else cfg.block_k
 
 
 def moe_gate_up(x: torch.Tensor, w13: torch.Tensor, w13_bias: torch.Tensor | None, align: MoeAlignment, top_k: int,
-                activation: str, cfg: GemmConfig, w13_scale: torch.Tensor | None = None) -> torch.Tensor:
+                activation: str, cfg: GemmConfig, w13_scale: torch.Tensor | None = None,
+                weight_block: tuple[int, int] | None = None) -> torch.Tensor:
     """Step 2: act(gate, up) of every pair, [T * top_k, I] indexed by pair (rows of other ranks' pairs unwritten).
-    w13_scale: w13 is MXFP4 (mxfp4_unpack.py's layout)."""
+    w13_scale: w13 is MXFP4 (mxfp4_unpack.py's layout) or FP8 (fp8_experts.py's, per weight_block or per row)."""
     inter, hidden = w13.shape[1] // 2, x.shape[1]
     out = torch.empty(align.num_pairs, inter, dtype=x.dtype, device=x.device)
     num_blocks = align.block_expert.numel()
     pdl = use_pdl(x)
-    mxfp4 = w13_scale is not None
-    block_k = _block_k(cfg, mxfp4)
-    scale = w13_scale if mxfp4 else w13
+    block_k = _block_k(cfg, w13, weight_block)
+    scale, stride_se, stride_sn, stride_sk, scale_n, scale_k = scale_operand(w13, w13_scale, weight_block)
     grid = (num_blocks * triton.cdiv(inter, cfg.block_n),)
     _gate_up_kernel[grid](
         x, w13, scale, w13_bias if w13_bias is not None else w13, out, align.sorted_ids, align.block_expert,
         align.rows_used, align.num_pairs, num_blocks, top_k, inter, hidden, x.stride(0), w13.stride(0),
-        w13.stride(1), scale.stride(0), scale.stride(1), w13_bias.stride(0) if w13_bias is not None else 0,
-        out.stride(0), ACTIVATION=activation, HAS_BIAS=w13_bias is not None, MXFP4=mxfp4,
-        EVEN_K=hidden % block_k == 0, DOT_PRECISION=_dot_precision(x), USE_PDL=pdl, BLOCK_M=align.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, launch_pdl=pdl)
+        w13.stride(1), stride_se, stride_sn, stride_sk, w13_bias.stride(0) if w13_bias is not None else 0,
+        out.stride(0), ACTIVATION=activation, HAS_BIAS=w13_bias is not None, MXFP4=w13.dtype == torch.uint8,
+        FP8=w13.dtype == FP8, SCALE_N=scale_n, SCALE_K=scale_k, EVEN_K=hidden % block_k == 0,
+        DOT_PRECISION=_dot_precision(x), USE_PDL=pdl, BLOCK_M=align.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+        GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
     return out
 
 
 def moe_down(h: torch.Tensor, w2: torch.Tensor, w2_bias: torch.Tensor | None, topk_weights: torch.Tensor,
-             align: MoeAlignment, cfg: GemmConfig, w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+             align: MoeAlignment, cfg: GemmConfig, w2_scale: torch.Tensor | None = None,
+             weight_block: tuple[int, int] | None = None) -> torch.Tensor:
     """Step 3: each pair's expert output times its routing weight, [T * top_k, H] indexed by pair. w2_scale: w2 is
-    MXFP4."""
+    MXFP4 or FP8, as in moe_gate_up."""
     hidden, inter = w2.shape[1], h.shape[1]
     out = torch.empty(align.num_pairs, hidden, dtype=h.dtype, device=h.device)
     num_blocks = align.block_expert.numel()
     pdl = use_pdl(h)
-    mxfp4 = w2_scale is not None
-    block_k = _block_k(cfg, mxfp4)
-    scale = w2_scale if mxfp4 else w2
+    block_k = _block_k(cfg, w2, weight_block)
+    scale, stride_se, stride_sn, stride_sk, scale_n, scale_k = scale_operand(w2, w2_scale, weight_block)
     grid = (num_blocks * triton.cdiv(hidden, cfg.block_n),)
     _down_kernel[grid](
         h, w2, scale, w2_bias if w2_bias is not None else w2, topk_weights.reshape(-1), out, align.sorted_ids,
         align.block_expert, align.rows_used, align.num_pairs, num_blocks, hidden, inter, h.stride(0), w2.stride(0),
-        w2.stride(1), scale.stride(0), scale.stride(1), w2_bias.stride(0) if w2_bias is not None else 0,
-        out.stride(0), HAS_BIAS=w2_bias is not None, MXFP4=mxfp4, EVEN_K=inter % block_k == 0,
+        w2.stride(1), stride_se, stride_sn, stride_sk, w2_bias.stride(0) if w2_bias is not None else 0,
+        out.stride(0), HAS_BIAS=w2_bias is not None, MXFP4=w2.dtype == torch.uint8, FP8=w2.dtype == FP8,
+        SCALE_N=scale_n, SCALE_K=scale_k, EVEN_K=inter % block_k == 0,
         DOT_PRECISION=_dot_precision(h), USE_PDL=pdl, BLOCK_M=align.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
     return out
@@ -352,18 +387,25 @@ def moe_sum(y: torch.Tensor, topk_ids: torch.Tensor, expert_start: int, num_expe
 
 def check_moe_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None,
-                   activation: str, w13_scale: torch.Tensor | None = None,
-                   w2_scale: torch.Tensor | None = None) -> None:
+                   activation: str, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                   weight_block: tuple[int, int] | None = None) -> None:
     """fused_moe's and moe_gemv's arguments, each wrong one named in a ValueError. With w13_scale and w2_scale, w13
-    and w2 are MXFP4 (mxfp4_unpack.py's layout), else in x's dtype."""
+    and w2 are FP8 (float8_e4m3fn; fp8_experts.py's layout, scales per weight_block or per row) or MXFP4
+    (mxfp4_unpack.py's layout), else in x's dtype."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation: {activation!r} is not supported")
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [T, H] with a contiguous last dim, got shape {tuple(x.shape)}")
     if (w13_scale is None) != (w2_scale is None):
-        raise ValueError("w13_scale and w2_scale: MXFP4 weights need both (or neither)")
+        raise ValueError("w13_scale and w2_scale: MXFP4 and FP8 weights need both (or neither)")
+    fp8 = w13_scale is not None and w13.dtype == FP8
+    if weight_block is not None and not fp8:
+        raise ValueError("weight_block: only FP8 weights (float8_e4m3fn w13 and w2 with their scales) take one")
     num_tokens, hidden = x.shape
-    if w13_scale is not None:
+    if fp8:
+        check_fp8_experts(hidden, w13, w2, w13_scale, w2_scale, weight_block)
+        num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    elif w13_scale is not None:
         _check_mxfp4_args(hidden, w13, w2, w13_scale, w2_scale)
         num_experts, inter = w13.shape[0], w13.shape[1] // 2
     else:
@@ -409,27 +451,32 @@ def fused_moe_with_config(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
                           topk_ids: torch.Tensor, config: MoeConfig, *, expert_start: int = 0,
                           w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
                           activation: str = "silu", w13_scale: torch.Tensor | None = None,
-                          w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+                          w2_scale: torch.Tensor | None = None,
+                          weight_block: tuple[int, int] | None = None) -> torch.Tensor:
     """fused_moe with the tile sizes given (scripts/tune_fused_moe.py times candidates through it)."""
-    check_moe_args(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation, w13_scale, w2_scale)
+    check_moe_args(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation, w13_scale, w2_scale,
+                   weight_block)
     if x.shape[0] == 0:
         return torch.empty_like(x)
     num_experts = w13.shape[0]
     align = moe_align_block_size(topk_ids, num_experts, config.block_m, expert_start)
-    h = moe_gate_up(x, w13, w13_bias, align, topk_ids.shape[1], activation, config.gate_up, w13_scale)
-    y = moe_down(h, w2, w2_bias, topk_weights, align, config.down, w2_scale)
+    h = moe_gate_up(x, w13, w13_bias, align, topk_ids.shape[1], activation, config.gate_up, w13_scale, weight_block)
+    y = moe_down(h, w2, w2_bias, topk_weights, align, config.down, w2_scale, weight_block)
     return moe_sum(y, topk_ids, expert_start, num_experts)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, expert_start: int = 0, w13_bias: torch.Tensor | None = None,
               w2_bias: torch.Tensor | None = None, activation: str = "silu", w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+              w2_scale: torch.Tensor | None = None, weight_block: tuple[int, int] | None = None) -> torch.Tensor:
     """sum over j of topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for each token t: x [T, H] -> [T, H], as
     moe_reference.fused_moe_ref, in Triton (fp32 accumulation; the intermediate rounded to x's dtype).
 
     w13_scale, w2_scale: the weights are MXFP4, w13 and w2 their packed bytes (kernels/mxfp4_unpack.py's layout),
-    computing what fused_moe_ref computes on quantization/mxfp4.py's dequantize_mxfp4 of them in x's dtype.
+    computing what fused_moe_ref computes on quantization/mxfp4.py's dequantize_mxfp4 of them in x's dtype. With
+    float8_e4m3fn w13 and w2, FP8 weights (kernels/fp8_experts.py's layout; scales per weight_block = (rows, columns)
+    or, without one, per row), weight-only: what fused_moe_ref computes on fp8_experts.dequantize_fp8_experts of
+    them in fp32, x not quantized.
 
     Tile sizes: the measured table fused_moe_configs/E=..,H=..,I=..,device=<name>.json (scripts/tune_fused_moe.py)
     for this shape and GPU at the tuned token count nearest T, for 16-bit dtypes; otherwise default_config's rule.
@@ -438,4 +485,4 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     config = get_config(x.shape[0], w13, topk_ids.shape[-1], x.element_size())
     return fused_moe_with_config(x, w13, w2, topk_weights, topk_ids, config, expert_start=expert_start,
                                  w13_bias=w13_bias, w2_bias=w2_bias, activation=activation, w13_scale=w13_scale,
-                                 w2_scale=w2_scale)
+                                 w2_scale=w2_scale, weight_block=weight_block)

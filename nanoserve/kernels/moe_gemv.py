@@ -25,7 +25,11 @@ up's output) are read after the wait as the rule says. DOWN_WEIGHTS_BEFORE_WAIT 
 
 MXFP4 weights (w13_scale and w2_scale given; kernels/mxfp4_unpack.py's layout) are walked as bytes: each tile of
 BLOCK_K columns is BLOCK_K / 2 bytes a row, unpacked in registers, its low nibbles multiplied by the activations' even
-columns and its high nibbles by the odd ones.
+columns and its high nibbles by the odd ones. FP8 weights (float8_e4m3fn w13 and w2 with fp32 scales per row or per
+weight_block; kernels/fp8_experts.py's layout) are walked a byte an element, weight-only: each tile converted in
+registers and multiplied by the activations as they are (not quantized: a W8A8 checkpoint runs W8A16 here), its
+products scaled per block of scales once a tile (the walk's tiles narrowed to lie within a block's columns), or per
+row once after the walk.
 
 Which path a step takes is decided by its size alone (takes_gemv): up to MAX_PAIRS pairs. The GEMVs read one expert
 slab per pair where the grouped GEMMs read one per distinct expert, so tokens that share an expert read it twice;
@@ -37,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve.kernels.fp8_experts import FP8, scale_operand, widest_tile
 from nanoserve.kernels.fused_moe import check_moe_args
 from nanoserve.kernels.moe_reference import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from nanoserve.kernels.mxfp4_unpack import load_bytes, unpack_mxfp4
@@ -108,6 +113,7 @@ def _gate_up_kernel(
     stride_wn,
     stride_se,
     stride_sn,
+    stride_sk,
     stride_be,
     stride_op,
     eps,
@@ -115,6 +121,9 @@ def _gate_up_kernel(
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     MXFP4: tl.constexpr,
+    FP8: tl.constexpr,
+    SCALE_N: tl.constexpr,
+    SCALE_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -123,7 +132,8 @@ def _gate_up_kernel(
     """out[pair, n] = act(x[t] @ w[e, n] + b[e, n], x[t] @ w[e, N + n] + b[e, N + n]) for N = I, e = pair's expert.
     Program pid: pair pid % num_pairs, rows (pid // num_pairs) * BLOCK_N on (pairs vary fastest, so the programs
     of two tokens that share an expert read its rows together). NORM: x[t] is RMSNorm(x[t]) with weight norm_w.
-    MXFP4: w holds the bytes and s_ptr the scales, strides in bytes of each."""
+    MXFP4: w holds the bytes and s_ptr the scales, strides in bytes of each. FP8: w holds fp8 values and s_ptr their
+    fp32 scales, one per SCALE_N rows and SCALE_K columns (0: per row; a BLOCK_K tile lies within one block)."""
     pid = tl.program_id(0)
     pair = pid % num_pairs
     wait_for_prior_grids(USE_PDL)  # the expert ids are the router's output
@@ -139,8 +149,11 @@ def _gate_up_kernel(
     rows = tl.minimum(offs_n, N - 1)
     gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + rows[:, None] * stride_wn + offs_k[None, :]
     up_ptrs = gate_ptrs + N * stride_wn
-    gate_s_ptrs = s_ptr + expert.to(tl.int64) * stride_se + rows[:, None] * stride_sn + offs_k[None, :] // 16
-    up_s_ptrs = gate_s_ptrs + N * stride_sn
+    if FP8:  # a scale per row of the tile; up's rows of blocks follow gate's
+        gate_s_ptrs = s_ptr + expert.to(tl.int64) * stride_se + (rows // SCALE_N) * stride_sn
+    else:
+        gate_s_ptrs = s_ptr + expert.to(tl.int64) * stride_se + rows[:, None] * stride_sn + offs_k[None, :] // 16
+    up_s_ptrs = gate_s_ptrs + tl.cdiv(N, SCALE_N) * stride_sn
     x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xt
     cols = offs_k[None, :]
     # Two steps of both tiles in flight ahead of the one multiplied (registers, not the compiler's pipeline: these
@@ -175,6 +188,11 @@ def _gate_up_kernel(
             up_lo, up_hi = unpack_mxfp4(up, load_bytes(up_s_ptrs + kw0 // 16, in_k[None, :], not EVEN_K))
             acc_gate += gate_lo * x_even + gate_hi * x_odd
             acc_up += up_lo * x_even + up_hi * x_odd
+        elif FP8 and SCALE_K > 0:  # this tile's block of scales, a scale per row
+            x = _x_cols(x_row, norm_w_ptr, k0 + offs_k, k0 + offs_k < K, rstd, NORM)[None, :]
+            k_block = (k0 // SCALE_K) * stride_sk
+            acc_gate += gate.to(tl.float32) * tl.load(gate_s_ptrs + k_block)[:, None] * x
+            acc_up += up.to(tl.float32) * tl.load(up_s_ptrs + k_block)[:, None] * x
         else:
             x = _x_cols(x_row, norm_w_ptr, k0 + offs_k, k0 + offs_k < K, rstd, NORM)[None, :]
             acc_gate += gate.to(tl.float32) * x
@@ -183,6 +201,9 @@ def _gate_up_kernel(
         up, up_ahead = up_ahead, up_next
     g = tl.sum(acc_gate, axis=1)
     u = tl.sum(acc_up, axis=1)
+    if FP8 and SCALE_K == 0:
+        g *= tl.load(gate_s_ptrs)
+        u *= tl.load(up_s_ptrs)
     if HAS_BIAS:
         b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + rows
         g += tl.load(b_ptrs).to(tl.float32)
@@ -215,12 +236,16 @@ def _down_kernel(
     stride_wn,
     stride_se,
     stride_sn,
+    stride_sk,
     stride_be,
     stride_ot,
     TOP_K: tl.constexpr,
     K_PAD: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     MXFP4: tl.constexpr,
+    FP8: tl.constexpr,
+    SCALE_N: tl.constexpr,
+    SCALE_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr,
     EARLY_WEIGHTS: tl.constexpr,
@@ -228,7 +253,7 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """out[t, n] = sum over j of topk_weight[t, j] * (h[t, j] @ w[e_j, n] + b[e_j, n]) for N = H, K = I, over this
-    rank's experts. Program pid: token pid % num_tokens, columns (pid // num_tokens) * BLOCK_N on. MXFP4 as in
+    rank's experts. Program pid: token pid % num_tokens, columns (pid // num_tokens) * BLOCK_N on. MXFP4 and FP8 as in
     _gate_up_kernel."""
     pid = tl.program_id(0)
     t = pid % num_tokens
@@ -251,10 +276,13 @@ def _down_kernel(
     w_ptrs = (
         w_ptr + expert[:, None, None] * stride_we + rows[None, :, None].to(tl.int64) * stride_wn + offs_k[None, None, :]
     )
-    s_ptrs = (
-        s_ptr + expert[:, None, None] * stride_se + rows[None, :, None].to(tl.int64) * stride_sn
-        + offs_k[None, None, :] // 16
-    )
+    if FP8:  # [K_PAD, BLOCK_N]: a scale per row of each pair's tile
+        s_ptrs = s_ptr + expert[:, None] * stride_se + (rows // SCALE_N)[None, :].to(tl.int64) * stride_sn
+    else:
+        s_ptrs = (
+            s_ptr + expert[:, None, None] * stride_se + rows[None, :, None].to(tl.int64) * stride_sn
+            + offs_k[None, None, :] // 16
+        )
     w_mask = local[:, None, None]
     w = _load(w_ptrs, 0, KW, offs_k[None, None, :], w_mask, True, BLOCK_W, EVEN_K)
     w_ahead = _load(w_ptrs, BLOCK_W, KW, offs_k[None, None, :], w_mask, True, BLOCK_W, EVEN_K)
@@ -272,20 +300,26 @@ def _down_kernel(
             h_odd = tl.load(h_ptrs + k0 + 1, mask=h_mask, other=0.0).to(tl.float32)
             w_lo, w_hi = unpack_mxfp4(w, tl.load(s_ptrs + kw0 // 16, mask=h_mask[:, None, :], other=0))
             acc += w_lo * h[:, None, :] + w_hi * h_odd[:, None, :]
+        elif FP8 and SCALE_K > 0:
+            acc += w.to(tl.float32) * tl.load(s_ptrs + (k0 // SCALE_K) * stride_sk)[:, :, None] * h[:, None, :]
         else:
             acc += w.to(tl.float32) * h[:, None, :]
         w, w_ahead = w_ahead, w_next
     y = tl.sum(acc, axis=2)
+    if FP8 and SCALE_K == 0:
+        y *= tl.load(s_ptrs)
     if HAS_BIAS:
         y += tl.load(b_ptr + expert[:, None] * stride_be + rows[None, :], mask=local[:, None], other=0.0).to(tl.float32)
     out = tl.sum(y * routing[:, None], axis=0)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
-def _walk(k: int, rows_per_step: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K) for a walk along k of rows_per_step rows per output row: tiles up to 512 wide, the widest
-    of 512, 256 and 128 that divides k (no masked tail), and as many rows as fill TILE_ELEMENTS."""
-    block_k = next((b for b in (512, 256, 128) if k % b == 0), min(512, max(16, triton.next_power_of_2(k))))
+def _walk(k: int, rows_per_step: int, widest: int = 512) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) for a walk along k of rows_per_step rows per output row: tiles up to `widest` (a power of
+    two, up to 512) wide, the widest of 512, 256 and 128 that divides k (no masked tail), and as many rows as fill
+    TILE_ELEMENTS."""
+    block_k = next((b for b in (512, 256, 128) if b <= widest and k % b == 0),
+                   min(widest, max(16, triton.next_power_of_2(k))))
     return max(1, TILE_ELEMENTS // (rows_per_step * block_k)), block_k
 
 
@@ -298,15 +332,17 @@ def moe_gemv_gate_up(
     activation: str,
     norm: tuple[torch.Tensor, float] | None = None,
     w13_scale: torch.Tensor | None = None,
+    weight_block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Step 1: act(gate, up) of every pair, [T * top_k, I] indexed by pair (rows of other ranks' pairs unwritten).
-    norm = (weight, eps): of RMSNorm(x) instead of x. w13_scale: w13 is MXFP4 (mxfp4_unpack.py's layout)."""
+    norm = (weight, eps): of RMSNorm(x) instead of x. w13_scale: w13 is MXFP4 (mxfp4_unpack.py's layout) or FP8
+    (fp8_experts.py's, per weight_block or per row)."""
     num_tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
-    scale = w13_scale if w13_scale is not None else w13
+    scale, stride_se, stride_sn, stride_sk, scale_n, scale_k = scale_operand(w13, w13_scale, weight_block)
     num_pairs = topk_ids.numel()
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    block_n, block_k = _walk(hidden, 2)
+    block_n, block_k = _walk(hidden, 2, widest_tile(weight_block, 512))
     block_n = min(block_n, triton.next_power_of_2(inter))
     pdl = use_pdl(x)
     _gate_up_kernel[(num_pairs * triton.cdiv(inter, block_n),)](
@@ -326,15 +362,19 @@ def moe_gemv_gate_up(
         x.stride(0),
         w13.stride(0),
         w13.stride(1),
-        scale.stride(0),
-        scale.stride(1),
+        stride_se,
+        stride_sn,
+        stride_sk,
         w13_bias.stride(0) if w13_bias is not None else 0,
         h.stride(0),
         norm[1] if norm is not None else 0.0,
         NORM=norm is not None,
         ACTIVATION=activation,
         HAS_BIAS=w13_bias is not None,
-        MXFP4=w13_scale is not None,
+        MXFP4=w13.dtype == torch.uint8,
+        FP8=w13.dtype == FP8,
+        SCALE_N=scale_n,
+        SCALE_K=scale_k,
         EVEN_K=hidden % block_k == 0,
         USE_PDL=pdl,
         BLOCK_N=block_n,
@@ -354,17 +394,18 @@ def moe_gemv_down(
     expert_start: int,
     after_gate_up: bool = False,
     w2_scale: torch.Tensor | None = None,
+    weight_block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Step 2: [T, H], each token's pairs of experts [expert_start, + E) times their routing weights, summed.
     after_gate_up: launched right after moe_gemv_gate_up on the same contiguous topk_ids (no kernel between), which
     lets its weights load before its PDL wait (DOWN_WEIGHTS_BEFORE_WAIT; the module docstring has why). w2_scale: w2
-    is MXFP4."""
+    is MXFP4 or FP8, as in moe_gemv_gate_up."""
     num_tokens, top_k = topk_ids.shape
     num_experts, hidden, inter = w2.shape[0], w2.shape[1], h.shape[1]
-    scale = w2_scale if w2_scale is not None else w2
+    scale, stride_se, stride_sn, stride_sk, scale_n, scale_k = scale_operand(w2, w2_scale, weight_block)
     out = torch.empty(num_tokens, hidden, dtype=h.dtype, device=h.device)
     k_pad = triton.next_power_of_2(top_k)
-    block_n, block_k = _walk(inter, k_pad)
+    block_n, block_k = _walk(inter, k_pad, widest_tile(weight_block, 512))
     block_n = min(block_n, triton.next_power_of_2(hidden))
     pdl = use_pdl(h)
     _down_kernel[(num_tokens * triton.cdiv(hidden, block_n),)](
@@ -383,14 +424,18 @@ def moe_gemv_down(
         h.stride(0),
         w2.stride(0),
         w2.stride(1),
-        scale.stride(0),
-        scale.stride(1),
+        stride_se,
+        stride_sn,
+        stride_sk,
         w2_bias.stride(0) if w2_bias is not None else 0,
         out.stride(0),
         TOP_K=top_k,
         K_PAD=k_pad,
         HAS_BIAS=w2_bias is not None,
-        MXFP4=w2_scale is not None,
+        MXFP4=w2.dtype == torch.uint8,
+        FP8=w2.dtype == FP8,
+        SCALE_N=scale_n,
+        SCALE_K=scale_k,
         EVEN_K=inter % block_k == 0,
         USE_PDL=pdl,
         EARLY_WEIGHTS=pdl and after_gate_up and DOWN_WEIGHTS_BEFORE_WAIT,
@@ -416,6 +461,7 @@ def moe_gemv(
     norm: tuple[torch.Tensor, float] | None = None,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    weight_block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """fused_moe for steps of up to MAX_PAIRS (token, expert) pairs, in two launches: x [T, H] -> [T, H], as
     moe_reference.fused_moe_ref (fp32 accumulation, the intermediate rounded to x's dtype; the top-k outputs
@@ -425,8 +471,10 @@ def moe_gemv(
     decoder layer's norm before its MoE block, whose own launch would cost as much as a tenth of the layer's experts
     at batch 1), rounded as kernels/rms_norm.py rounds.
 
-    w13_scale, w2_scale: the weights are MXFP4, w13 and w2 their packed bytes, as in fused_moe."""
-    check_moe_args(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation, w13_scale, w2_scale)
+    w13_scale, w2_scale: the weights are MXFP4, w13 and w2 their packed bytes, or FP8 (float8_e4m3fn w13 and w2,
+    scales per weight_block or per row), as in fused_moe."""
+    check_moe_args(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation, w13_scale, w2_scale,
+                   weight_block)
     if norm is not None and (norm[0].shape != (x.shape[1],) or not norm[0].is_contiguous()):
         raise ValueError(f"norm weight must be contiguous of shape ({x.shape[1]},), got {tuple(norm[0].shape)}")
     num_tokens, top_k = topk_ids.shape
@@ -437,5 +485,6 @@ def moe_gemv(
     # Made contiguous up front, so that no copy kernel runs between the two launches (down reads the ids before its
     # PDL wait: they must come from before gate/up).
     topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
-    h = moe_gemv_gate_up(x, w13, w13_bias, topk_ids, expert_start, activation, norm, w13_scale)
-    return moe_gemv_down(h, w2, w2_bias, topk_weights, topk_ids, expert_start, after_gate_up=True, w2_scale=w2_scale)
+    h = moe_gemv_gate_up(x, w13, w13_bias, topk_ids, expert_start, activation, norm, w13_scale, weight_block)
+    return moe_gemv_down(h, w2, w2_bias, topk_weights, topk_ids, expert_start, after_gate_up=True, w2_scale=w2_scale,
+                         weight_block=weight_block)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.distributed.group import TensorParallelGroup
+from nanoserve.kernels.fp8_experts import FP8, dequantize_fp8_experts
 from nanoserve.kernels.moe_reference import fused_moe_ref, topk_softmax_ref
 from nanoserve.layers.linear import Linear
 from nanoserve.layers.norm import RMSNorm
@@ -43,7 +44,9 @@ class FusedMoE(nn.Module):
         """activation: "silu" (SiLU(gate) * up) or "swigluoai" (gpt-oss's clamped form). w13_bias and w2_bias are
         None here; a subclass that loads per-expert biases (model/gpt_oss.py) sets them. So are w13_scale and
         w2_scale: a subclass that keeps its experts in MXFP4 (model/gpt_oss.py) makes w13 and w2 their packed bytes
-        and these their block scales (kernels/mxfp4_unpack.py's layout)."""
+        and these their block scales (kernels/mxfp4_unpack.py's layout); quantization/moe_experts.py, keeping an FP8
+        checkpoint's experts in FP8, makes w13 and w2 float8_e4m3fn and these their fp32 scales, per row or per
+        weight_block (kernels/fp8_experts.py's layout)."""
         super().__init__()
         self.tp, self.num_experts, self.hidden_size, self.top_k = tp, num_experts, hidden_size, top_k
         self.activation = activation
@@ -62,6 +65,7 @@ class FusedMoE(nn.Module):
         self.w2_bias: nn.Parameter | None = None
         self.w13_scale: nn.Parameter | None = None
         self.w2_scale: nn.Parameter | None = None
+        self.weight_block: tuple[int, int] | None = None  # FP8 weights' block of scales (None: per row)
         # False: the PyTorch reference on CUDA too (an eager reference engine in the GPU tests; it syncs the host).
         self.use_kernel = True
 
@@ -70,9 +74,11 @@ class FusedMoE(nn.Module):
         return range(self.expert_start, self.expert_start + self.w13.shape[0])
 
     def expected_shards(self) -> dict[str, list[str]]:
-        """The checkpoint tensors each parameter is loaded from (the loader reports the ones missing)."""
-        return {"w13": [f"{p}:{e}" for e in self.local_experts for p in ("gate", "up")],
-                "w2": [f"down:{e}" for e in self.local_experts]}
+        """The checkpoint tensors each parameter is loaded from (the loader reports the ones missing). FP8 scales come
+        with w13's and w2's shards ('gate:3#weight_scale'), their loader checking that each came."""
+        shards = {"w13": [f"{p}:{e}" for e in self.local_experts for p in ("gate", "up")],
+                  "w2": [f"down:{e}" for e in self.local_experts]}
+        return shards | ({"w13_scale": [], "w2_scale": []} if self.w13_scale is not None else {})
 
     def checkpoint_shapes(self, param: nn.Parameter) -> list[tuple[str, tuple[int, ...]]]:
         """(shard, shape of the whole checkpoint tensor) of each tensor `param` takes a share of (random weights)."""
@@ -101,14 +107,18 @@ class FusedMoE(nn.Module):
             param.data[e, rows].copy_(loaded[start:start + local_i])
 
     def reference_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """w13 and w2 as the PyTorch reference takes them, in dtype's form (a packed subclass dequantizes them)."""
+        """w13 and w2 as the PyTorch reference takes them, in dtype's form (FP8 ones dequantized; a packed subclass
+        dequantizes its own)."""
+        if self.w13.dtype == FP8:
+            return (dequantize_fp8_experts(self.w13, self.w13_scale, self.weight_block, dtype, stacked=True),
+                    dequantize_fp8_experts(self.w2, self.w2_scale, self.weight_block, dtype))
         return self.w13, self.w2
 
     def num_weights(self) -> int:
-        """This rank's expert parameters, counting weights not bytes: a packed MXFP4 byte holds two, and its block
-        scales are none."""
+        """This rank's expert parameters, counting weights not bytes: a packed MXFP4 byte holds two, an FP8 byte one,
+        and their scales are none."""
         scales = [p for p in (self.w13_scale, self.w2_scale) if p is not None]
-        per_element = 2 if scales else 1
+        per_element = 2 if self.w13.dtype == torch.uint8 else 1
         return sum(p.numel() * (per_element if p is self.w13 or p is self.w2 else 1) for p in self.parameters()
                    if not any(p is s for s in scales))
 
@@ -127,6 +137,8 @@ class FusedMoE(nn.Module):
         kw = dict(expert_start=self.expert_start, w13_bias=self.w13_bias, w2_bias=self.w2_bias,
                   activation=self.activation)
         scales = dict(w13_scale=self.w13_scale, w2_scale=self.w2_scale)
+        if self.weight_block is not None:
+            scales["weight_block"] = self.weight_block
         if self.takes_gemv(x):
             from nanoserve.kernels.moe_gemv import moe_gemv
 

@@ -36,10 +36,11 @@ def checkpoint_files(model_dir: str) -> list[Path]:
 def load_model(config: EngineConfig, tp: TensorParallelGroup | None = None) -> nn.Module:
     """The model of config, this rank's share of it under tensor parallelism (tp)."""
     cls = model_class(config.model.architecture)
-    # A scheme whose layers hold other tensors than the unquantized weight (4-bit, packed MXFP4) builds the model on
-    # the meta device, so that the unquantized weights are never allocated: a 70B model fits one GPU at 4 bits, not
-    # at 16.
-    on_meta = config.quantization is not None and replaces_weights(config.quantization, config.device)
+    # A scheme whose layers hold other tensors than the unquantized weight (4-bit, packed MXFP4, FP8 experts) builds
+    # the model on the meta device, so that the unquantized weights are never allocated: a 70B model fits one GPU at
+    # 4 bits, not at 16.
+    on_meta = config.quantization is not None and replaces_weights(config.quantization, config.device,
+                                                                   config.model.moe is not None)
     torch.set_default_dtype(config.dtype)
     try:
         with torch.device("meta" if on_meta else config.device):

@@ -19,7 +19,7 @@ from torch import nn
 
 from nanoserve.layers.linear import Linear
 from nanoserve.layers.moe import FusedMoE
-from nanoserve.quantization import mxfp4
+from nanoserve.quantization import moe_experts, mxfp4
 from nanoserve.quantization.fp8_linear import Fp8LinearMethod
 from nanoserve.quantization.fp8_math import FP8
 from nanoserve.quantization.moe_experts import ExpertDequantizer
@@ -54,7 +54,8 @@ def quantized_layers(model: nn.Module, scheme: FP8Scheme | W4Scheme) -> Iterator
 
 
 def quantized_experts(model: nn.Module, scheme: FP8Scheme | W4Scheme) -> Iterator[tuple[str, FusedMoE]]:
-    """The routed experts that the scheme quantizes (quantization/moe_experts.py dequantizes them while loading)."""
+    """The routed experts that the scheme quantizes (quantization/moe_experts.py keeps them in FP8 or dequantizes
+    them while loading)."""
     projections = getattr(model, "expert_projections", {})
     for name, module in model.named_modules():
         if not isinstance(module, FusedMoE):
@@ -71,10 +72,13 @@ def quantized_experts(model: nn.Module, scheme: FP8Scheme | W4Scheme) -> Iterato
                              f"of {ckpt}, which nanoserve runs as one layer; ignore all of them or none")
 
 
-def replaces_weights(scheme: FP8Scheme | W4Scheme | MXFP4Scheme, device: torch.device) -> bool:
+def replaces_weights(scheme: FP8Scheme | W4Scheme | MXFP4Scheme, device: torch.device, moe: bool = False) -> bool:
     """Whether the quantized layers hold other tensors than their unquantized weight on `device` (so the loader may
-    build the model on the meta device, prepare_model putting these on the real one): 4-bit weights, and MXFP4
-    experts where they stay packed."""
+    build the model on the meta device, prepare_model putting these on the real one): 4-bit weights, MXFP4 experts
+    where they stay packed, and (moe: the model has routed experts) an FP8 checkpoint's experts where they stay
+    FP8, whose 16-bit form may not fit (Qwen3-235B-A22B-FP8 on 4 GPUs)."""
+    if isinstance(scheme, FP8Scheme):
+        return moe and scheme.serialized and moe_experts.runs_fp8(device)
     return isinstance(scheme, W4Scheme) or (isinstance(scheme, MXFP4Scheme) and mxfp4.runs_packed(device))
 
 
@@ -83,7 +87,8 @@ def prepare_model(model: nn.Module, scheme: FP8Scheme | W4Scheme | MXFP4Scheme, 
     """Before the weights are filled: the quantized parameters and their loaders, on `device`, where the checkpoint
     (or the dummy initialization) provides them; MXFP4 experts told to expect blocks and scales, and to keep them
     packed where runs_packed (random weights too: random blocks; elsewhere these stay in the dtype the experts run
-    in)."""
+    in); an FP8 checkpoint's experts kept in FP8 where moe_experts.runs_fp8 and this rank's share is whole blocks of
+    scales (random weights too: random fp8 values), else dequantized while loading."""
     if isinstance(scheme, MXFP4Scheme):
         packed = mxfp4.runs_packed(device)
         if packed or not dummy:
@@ -97,9 +102,19 @@ def prepare_model(model: nn.Module, scheme: FP8Scheme | W4Scheme | MXFP4Scheme, 
         return
     if not (scheme.serialized or dummy):
         return
-    if not dummy:  # (random experts are drawn in the model dtype they run in)
-        for name, experts in quantized_experts(model, scheme):
+    fp8 = isinstance(scheme, FP8Scheme) and scheme.serialized and moe_experts.runs_fp8(device)
+    cut = []
+    for name, experts in quantized_experts(model, scheme):
+        if fp8 and moe_experts.fits_fp8(experts, scheme):
+            moe_experts.keep_fp8(experts, scheme, name, device, dummy)
+            continue
+        cut += [name] if fp8 else []
+        if not dummy:  # (random experts are drawn in the model dtype they run in)
             experts.w13.weight_loader = experts.w2.weight_loader = ExpertDequantizer(experts, scheme, name)
+    if cut:
+        logger.warning("FP8 experts dequantized while loading (2x their bytes): this rank's share of the experts' "
+                       "intermediate size is not whole %sx%s blocks of scales (enable_expert_parallel keeps them "
+                       "FP8)", *scheme.block)
     if isinstance(scheme, W4Scheme):
         method = W4LinearMethod(scheme)
         for _, layer in quantized_layers(model, scheme):

@@ -1,24 +1,42 @@
-"""Quantized routed experts (Qwen3-MoE, Qwen2-MoE and Mixtral checkpoints in FP8 or 4-bit), dequantized while loading.
+"""Quantized routed experts (Qwen3-MoE, Qwen2-MoE and Mixtral checkpoints in FP8 or 4-bit): FP8 ones kept in FP8 on
+CUDA, the others dequantized while loading.
 
 A quantized mixture-of-experts checkpoint stores each expert's gate, up and down projection as the scheme stores a
 linear layer (FP8: `weight` and its scales; GPTQ, AWQ, compressed-tensors: the packed tensors of w4_formats.py). The
-fused MoE kernels (kernels/fused_moe.py, moe_gemv.py) multiply 16-bit weights, so ExpertDequantizer gathers an
+loader names them by FusedMoE's shards, a part after '#' ('gate:3#weight_scale').
+
+FP8 on CUDA (runs_fp8): keep_fp8 makes FusedMoE's w13 and w2 float8_e4m3fn and gives them fp32 scales, w13_scale and
+w2_scale, in kernels/fp8_experts.py's layout: per row (a checkpoint's per-tensor scales expanded to its rows, its
+per-channel ones as they are) or per block (quant_method fp8's weight_scale_inv, e.g. 128 x 128), stacked per local
+expert as w13 and w2 are (gate's rows, or rows of blocks, then up's). Fp8ExpertLoader copies each rank's share of
+the checkpoint's fp8 values and scales into them: under tensor parallelism its rows of I (w13) and columns (w2),
+which with block scales must fall on whole blocks (fits_fp8; a split that cuts one dequantizes that rank's experts
+while loading instead, as gpt-oss's MXFP4 does, prepare_model warning once); under expert parallelism its whole
+experts. The MoE kernels (fused_moe, moe_gemv) convert the fp8 tiles to the activations' dtype in registers and scale
+the products: weight-only. Random weights (--load-format dummy) are random fp8 values with scales of
+fp8_linear.DUMMY_SCALE. So the experts take a byte a weight, plus 4 bytes a row or a block of scales.
+
+Elsewhere (the CPU: the PyTorch reference path), and for 4-bit experts everywhere, ExpertDequantizer gathers an
 expert projection's tensors as the loader reads them and, once the last has come, turns them into the weight they
 define (fp8_math.dequantize_weight; W = (q - z) * s for 4 bits), rounded to the model's dtype, and hands it to
-FusedMoE.load_expert like an unquantized checkpoint's tensor (which takes this rank's share).
+FusedMoE.load_expert like an unquantized checkpoint's tensor (which takes this rank's share). That costs the
+format's memory: 2x the FP8 bytes, about 3.8x the 4-bit ones; kernels that read 4-bit experts are later work
+(issue 41).
 
-What that gives: the checkpoints load, and the experts compute with exactly the checkpoint's weights, up to the
-model dtype's rounding (exact for FP8, whose values times a power-of-two scale fit bf16, and on the CPU's fp32). An
-FP8 W8A8 checkpoint's expert inputs are not quantized (its static input_scale is read and dropped): more exact than
-the format, not bit-equal to it. What it does not give: the format's memory (the experts take 2x their FP8 bytes,
-about 3.8x their 4-bit ones) nor its speed; kernels that read FP8 or 4-bit experts are later work (issue 41). The
-router stays unquantized, as the published checkpoints keep it (SparseMoeBlock marks it); the attention and a shared
-expert are linear layers, quantized as in a dense model.
+Both compute with exactly the checkpoint's weights (dequantized: up to the model dtype's rounding, exact for FP8
+values times a power-of-two scale in bf16, and on the CPU's fp32). Neither quantizes the experts' inputs: an FP8 W8A8
+checkpoint's activation scheme (static input_scale, read and dropped; dynamic per token or per token group) is not
+applied to the experts, which run W8A16: more exact than the format, not bit-equal to it. The router stays
+unquantized, as the published checkpoints keep it (SparseMoeBlock marks it); the attention and a shared expert are
+linear layers, quantized as in a dense model.
 """
 
 import torch
 from torch import nn
 
+from nanoserve.kernels.fp8_experts import scale_shape, stacked_scale_shape
+from nanoserve.layers.moe import FusedMoE
+from nanoserve.quantization.fp8_linear import DUMMY_SCALE
 from nanoserve.quantization.fp8_math import FP8, dequantize_weight
 from nanoserve.quantization.scheme import FP8Scheme
 from nanoserve.quantization.w4_formats import W4Weights, checkpoint_tensors, param_dtype, to_w4
@@ -78,6 +96,9 @@ class ExpertDequantizer:
             return  # unused, or another rank's expert: left unread
         if part not in self.parts:
             raise ValueError(f"is not a tensor of a {self._format()} expert (expected {sorted(self.parts)})")
+        self._take(param, loaded, shard, part)
+
+    def _take(self, param: nn.Parameter, loaded, shard: str, part: str) -> None:
         tensor = loaded[...]
         if isinstance(self.scheme, FP8Scheme) and part == "weight" and tensor.dtype != FP8:
             raise ValueError(f"is {tensor.dtype}, expected float8_e4m3fn (the quantization_config's fp8 weights)")
@@ -106,3 +127,90 @@ class ExpertDequantizer:
 
     def _format(self) -> str:
         return self.scheme.method if isinstance(self.scheme, W4Scheme) else f"fp8 ({self.scheme.method})"
+
+
+def runs_fp8(device: torch.device) -> bool:
+    """Whether FP8 experts on `device` stay FP8 for the MoE kernels (else they are dequantized while loading): on
+    CUDA, as mxfp4.runs_packed decides, where Triton converts e4m3 (compute capability 8.9 on: Ada, Hopper; an A100
+    dequantizes them, as fp8_linear's skinny path leaves its fp8 weights there)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def fits_fp8(experts: FusedMoE, scheme: FP8Scheme) -> bool:
+    """Whether this rank's share of the experts keeps whole blocks of scales (always, per row): its rows of I (gate's
+    and up's) and its columns of I (down's) start on a block and end on one or at I; and the blocks' columns are
+    whole tiles of 16 (kernels/fp8_experts.py)."""
+    if scheme.block is None:
+        return True
+    start, size, total = experts.inter_start, experts.local_inter, experts.intermediate_size
+    return scheme.block[1] % 16 == 0 and all(start % b == 0 and (size % b == 0 or start + size == total)
+                                             for b in scheme.block)
+
+
+def keep_fp8(experts: FusedMoE, scheme: FP8Scheme, name: str, device: torch.device, dummy: bool) -> None:
+    """Makes the experts' w13 and w2 float8_e4m3fn and w13_scale, w2_scale their fp32 scales (per row, or per
+    scheme.block), on `device`; loaded from the checkpoint by an Fp8ExpertLoader, or random (their own loader takes
+    each rank's share of random fp8 values; the scales are DUMMY_SCALE)."""
+    num_experts, hidden, inter = experts.w13.shape[0], experts.hidden_size, experts.local_inter
+    shapes = {"w13": (num_experts, 2 * inter, hidden), "w2": (num_experts, hidden, inter),
+              "w13_scale": stacked_scale_shape(num_experts, inter, hidden, scheme.block),
+              "w2_scale": scale_shape(num_experts, hidden, inter, scheme.block)}
+    for param_name, shape in shapes.items():
+        scale = param_name.endswith("_scale")
+        param = nn.Parameter(torch.empty(shape, dtype=torch.float32 if scale else FP8, device=device),
+                             requires_grad=False)
+        if scale:
+            param.dummy_value = DUMMY_SCALE
+        setattr(experts, param_name, param)
+    experts.weight_block = scheme.block
+    experts.w13.weight_loader = experts.w2.weight_loader = (
+        experts.load_expert if dummy else Fp8ExpertLoader(experts, scheme, name))
+
+
+class Fp8ExpertLoader(ExpertDequantizer):
+    """w13's and w2's weight_loader where keep_fp8 kept the experts in FP8: an expert projection's fp8 weight goes
+    to this rank's share of w13 or w2 as it is (FusedMoE.load_expert), its scales to the same share of w13_scale or
+    w2_scale; check_complete names a projection whose weight or scales did not come."""
+
+    def _take(self, param: nn.Parameter, loaded, shard: str, part: str) -> None:
+        if part == "weight":
+            dtype = loaded.get_dtype() if hasattr(loaded, "get_dtype") else str(loaded[...].dtype)
+            if dtype not in ("F8_E4M3", str(FP8)):
+                raise ValueError(f"is {dtype}, expected float8_e4m3fn (the quantization_config's fp8 weights)")
+            self.load_expert(param, loaded, shard)
+        else:
+            self._load_scale(loaded[...].float(), shard)
+        parts = self._pending.setdefault(shard, {})
+        parts[part] = None  # (copied already: only which parts came is kept)
+        if parts.keys() == self.parts:
+            del self._pending[shard]
+            self._done.add(shard)
+
+    def _load_scale(self, scale: torch.Tensor, shard: str) -> None:
+        """This rank's rows (or rows of blocks) of gate's or up's scales, or columns of blocks of down's."""
+        experts, block = self.experts, self.scheme.block
+        proj, expert = shard.split(":")
+        e = int(expert) - experts.expert_start
+        h, i, start, size = experts.hidden_size, experts.intermediate_size, experts.inter_start, experts.local_inter
+        rows, cols = (h, i) if proj == "down" else (i, h)
+        if block is None:
+            if scale.numel() not in (1, rows):
+                raise ValueError(f"has shape {tuple(scale.shape)}, expected one number or ({rows}, 1): one per "
+                                 "output row")
+            scale = scale.reshape(-1).expand(rows)
+            if proj == "down":
+                experts.w2_scale.data[e].copy_(scale)
+            else:
+                offset = 0 if proj == "gate" else size
+                experts.w13_scale.data[e, offset:offset + size].copy_(scale[start:start + size])
+            return
+        expected = (-(-rows // block[0]), -(-cols // block[1]))
+        if tuple(scale.shape) != expected:
+            raise ValueError(f"has shape {tuple(scale.shape)}, expected {expected} (blocks of {block[0]}x{block[1]})")
+        if proj == "down":  # fits_fp8 made this rank's columns whole blocks
+            first = start // block[1]
+            experts.w2_scale.data[e].copy_(scale[:, first:first + experts.w2_scale.shape[2]])
+        else:
+            first, count = start // block[0], experts.w13_scale.shape[1] // 2
+            offset = 0 if proj == "gate" else count
+            experts.w13_scale.data[e, offset:offset + count].copy_(scale[first:first + count])

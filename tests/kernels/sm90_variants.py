@@ -14,6 +14,7 @@ from nanoserve.kernels.decode_attention import decode_attention
 from nanoserve.kernels.decode_order import longest_first_order
 from nanoserve.kernels.decode_rope_attention import decode_rope_attention
 from nanoserve.kernels.fp8_block_gemm import fp8_block_linear
+from nanoserve.kernels.fp8_experts import scale_shape, stacked_scale_shape
 from nanoserve.kernels.fp8_gemv import fp8_gemv
 from nanoserve.kernels.fp8_quant import quantize_rows
 from nanoserve.kernels.fused_moe import CONFIG_DIR, MoeConfig, fused_moe, fused_moe_with_config
@@ -139,8 +140,15 @@ def _gemv(m: int, n: int, k: int, dtype: torch.dtype = BF16, bias: bool = False,
     return call
 
 
-def _experts(e: int, h: int, i: int, mxfp4: bool) -> tuple[tuple[torch.Tensor, torch.Tensor], dict]:
-    """w13 and w2 in bf16, or (mxfp4) as kernels/mxfp4_unpack.py's bytes with their scales as keywords."""
+def _experts(e: int, h: int, i: int, mxfp4: bool,
+             fp8: str | None = None) -> tuple[tuple[torch.Tensor, torch.Tensor], dict]:
+    """w13 and w2 in bf16, or (mxfp4) as kernels/mxfp4_unpack.py's bytes with their scales as keywords, or (fp8 "row"
+    or "block") as kernels/fp8_experts.py's fp8 values with fp32 scales per row or per 128 x 128 block."""
+    if fp8 is not None:
+        block = (128, 128) if fp8 == "block" else None
+        scales = dict(w13_scale=_zeros(*stacked_scale_shape(e, i, h, block), dtype=FP32),
+                      w2_scale=_zeros(*scale_shape(e, h, i, block), dtype=FP32), weight_block=block)
+        return (_zeros(e, 2 * i, h, dtype=FP8), _zeros(e, h, i, dtype=FP8)), scales
     if not mxfp4:
         return (_zeros(e, 2 * i, h), _zeros(e, h, i)), {}
     u8 = torch.uint8
@@ -149,12 +157,12 @@ def _experts(e: int, h: int, i: int, mxfp4: bool) -> tuple[tuple[torch.Tensor, t
 
 
 def _moe(tokens: int, activation: str, bias: bool, config: MoeConfig | None = None, mxfp4: bool = False,
-         dtype: torch.dtype = BF16):
+         dtype: torch.dtype = BF16, fp8: str | None = None):
     """fused_moe (its align, gate/up, down and sum launches): by default_config's rule, or with a given config;
-    mxfp4: MXFP4 weights (dtype: the activations')."""
+    mxfp4: MXFP4 weights, fp8: FP8 weights scaled per "row" or "block" (dtype: the activations')."""
     def call() -> None:
         e, h, i, top_k = 8, 256, 256, 2
-        weights, scales = _experts(e, h, i, mxfp4)
+        weights, scales = _experts(e, h, i, mxfp4, fp8)
         args = (_zeros(tokens, h, dtype=dtype), *weights, _zeros(tokens, top_k, dtype=FP32),
                 _zeros(tokens, top_k, dtype=I32))
         biases = dict(w13_bias=_zeros(e, 2 * i, dtype=dtype), w2_bias=_zeros(e, h, dtype=dtype)) if bias else {}
@@ -167,12 +175,12 @@ def _moe(tokens: int, activation: str, bias: bool, config: MoeConfig | None = No
 
 
 def _moe_gemv(tokens: int, top_k: int, hidden: int, inter: int, activation: str, bias: bool, norm: bool = False,
-              mxfp4: bool = False):
+              mxfp4: bool = False, fp8: str | None = None):
     """moe_gemv (gate/up and down GEMVs): dims the tiles divide or not, top_k a power of two or padded to one, with the
-    RMSNorm prologue or without; mxfp4: MXFP4 weights."""
+    RMSNorm prologue or without; mxfp4: MXFP4 weights, fp8: FP8 weights scaled per "row" or "block"."""
     def call() -> None:
         e = 8
-        weights, scales = _experts(e, hidden, inter, mxfp4)
+        weights, scales = _experts(e, hidden, inter, mxfp4, fp8)
         biases = dict(w13_bias=_zeros(e, 2 * inter), w2_bias=_zeros(e, hidden), **scales) if bias else scales
         moe_gemv(_zeros(tokens, hidden), *weights,
                  _zeros(tokens, top_k, dtype=FP32), _zeros(tokens, top_k, dtype=I32), activation=activation,
@@ -276,6 +284,14 @@ VARIANTS = [
     ("moe_gemv bf16 MXFP4 top-4 swigluoai+bias norm", _moe_gemv(1, 4, 2880, 2880, "swigluoai", True, norm=True,
                                                                 mxfp4=True)),
     ("moe_gemv bf16 MXFP4 top-4 swigluoai+bias", _moe_gemv(4, 4, 512, 256, "swigluoai", True, mxfp4=True)),
+    # FP8 experts (Qwen3-MoE, Qwen2-MoE, Mixtral FP8 checkpoints), weight-only: per-row scales (per-tensor and
+    # per-channel checkpoints) and 128 x 128 blocks (Qwen3-FP8), converted in registers.
+    ("fused_moe bf16 FP8 block decode rule silu", _moe(4, "silu", False, fp8="block")),
+    ("fused_moe bf16 FP8 block prefill rule silu", _moe(512, "silu", False, fp8="block")),
+    ("fused_moe bf16 FP8 row prefill rule silu", _moe(512, "silu", False, fp8="row")),
+    ("fused_moe fp32 FP8 block prefill rule silu", _moe(512, "silu", False, fp8="block", dtype=FP32)),
+    ("moe_gemv bf16 FP8 block top-8 silu norm", _moe_gemv(1, 8, 2048, 768, "silu", False, norm=True, fp8="block")),
+    ("moe_gemv bf16 FP8 row top-8 silu", _moe_gemv(2, 8, 512, 256, "silu", False, fp8="row")),
     ("moe_align 8192 pairs (count/layout/scatter)", lambda: moe_align_block_size(_zeros(4096, 2, dtype=I64), 8, 64)),
     ("gemv bf16 M=1 CUDA cores", _gemv(1, 512, 1024)),
     ("gemv bf16 M=1 CUDA cores K>=3072 bias", _gemv(1, 1024, 3072, bias=True)),
