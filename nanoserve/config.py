@@ -9,7 +9,7 @@ import torch
 
 from nanoserve.quantization.detect import detect_quantization
 from nanoserve.quantization.mxfp4 import MXFP4Scheme
-from nanoserve.quantization.scheme import FP8Scheme
+from nanoserve.quantization.scheme import FP8Scheme, runs_fp8
 from nanoserve.quantization.w4_scheme import W4Scheme
 from nanoserve.spec_decode.config import SpeculativeConfig
 
@@ -444,8 +444,6 @@ class EngineConfig:
         if self.model.moe is not None and self.quantization is not None and \
                 not isinstance(self.quantization, MXFP4Scheme):
             # quantization/moe_experts.py
-            from nanoserve.quantization.moe_experts import runs_fp8
-
             done = "dequantized while loading" if self.quantization.serialized else "left unquantized"
             if isinstance(self.quantization, FP8Scheme) and self.quantization.serialized and runs_fp8(self.device):
                 quantized += " (routed experts kept in fp8, weight-only)"

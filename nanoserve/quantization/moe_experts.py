@@ -38,7 +38,7 @@ from nanoserve.kernels.fp8_experts import scale_shape, stacked_scale_shape
 from nanoserve.layers.moe import FusedMoE
 from nanoserve.quantization.fp8_linear import DUMMY_SCALE
 from nanoserve.quantization.fp8_math import FP8, dequantize_weight
-from nanoserve.quantization.scheme import FP8Scheme
+from nanoserve.quantization.scheme import FP8Scheme, runs_fp8  # noqa: F401 (runs_fp8: read as moe_experts.runs_fp8)
 from nanoserve.quantization.w4_formats import W4Weights, checkpoint_tensors, param_dtype, to_w4
 from nanoserve.quantization.w4_scheme import W4Scheme
 
@@ -127,13 +127,6 @@ class ExpertDequantizer:
 
     def _format(self) -> str:
         return self.scheme.method if isinstance(self.scheme, W4Scheme) else f"fp8 ({self.scheme.method})"
-
-
-def runs_fp8(device: torch.device) -> bool:
-    """Whether FP8 experts on `device` stay FP8 for the MoE kernels (else they are dequantized while loading): on
-    CUDA, as mxfp4.runs_packed decides, where Triton converts e4m3 (compute capability 8.9 on: Ada, Hopper; an A100
-    dequantizes them, as fp8_linear's skinny path leaves its fp8 weights there)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def fits_fp8(experts: FusedMoE, scheme: FP8Scheme) -> bool:

@@ -13,6 +13,8 @@ The activations x [tokens, in] that meet it are, before the product:
 import re
 from dataclasses import dataclass, field
 
+import torch
+
 WEIGHT_STRATEGIES = ("tensor", "channel", "block")
 ACTIVATION_STRATEGIES = ("token", "tensor", "group", None)
 
@@ -72,3 +74,10 @@ class FP8Scheme:
         if self.method == "fp8":
             return "quantization_config.weight_block_size"
         return "quantization_config.config_groups.*.weights.block_structure"
+
+
+def runs_fp8(device: torch.device) -> bool:
+    """Whether FP8 experts on `device` stay FP8 for the MoE kernels (else they are dequantized while loading): on
+    CUDA, as mxfp4.runs_packed decides, where Triton converts e4m3 (compute capability 8.9 on: Ada, Hopper; an A100
+    dequantizes them, as fp8_linear's skinny path leaves its fp8 weights there)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)

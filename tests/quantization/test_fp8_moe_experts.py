@@ -13,6 +13,7 @@ from fp8_checkpoints import Format, write_fp8_checkpoint
 from safetensors.torch import load_file, save_file
 
 from nanoserve import LLM, EngineArgs, SamplingParams
+from nanoserve import config as config_module
 from nanoserve.bench import roofline
 from nanoserve.distributed.group import TensorParallelGroup
 from nanoserve.layers.moe import FusedMoE
@@ -55,6 +56,7 @@ def test_kept_experts_give_the_dequantized_tokens(block_checkpoint, monkeypatch)
     want = [o.outputs[0].token_ids for o in LLM(str(block_checkpoint), num_kv_blocks=32).generate(
         prompts(), GREEDY, use_tqdm=False)]
     monkeypatch.setattr(moe_experts, "runs_fp8", lambda device: True)
+    monkeypatch.setattr(config_module, "runs_fp8", lambda device: True)  # the start-up line's reading of it
     llm = LLM(str(block_checkpoint), num_kv_blocks=32)
     assert "(routed experts kept in fp8, weight-only)" in llm.engine.config.summary(32)
     experts = llm.engine.runner.model.model.layers[0].mlp.experts
