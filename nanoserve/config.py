@@ -9,7 +9,7 @@ import torch
 
 from nanoserve.quantization.detect import detect_quantization
 from nanoserve.quantization.mxfp4 import MXFP4Scheme
-from nanoserve.quantization.scheme import FP8Scheme, runs_fp8
+from nanoserve.quantization.scheme import FP8Scheme, fp8_experts_fit, runs_fp8
 from nanoserve.quantization.w4_scheme import W4Scheme
 from nanoserve.spec_decode.config import SpeculativeConfig
 
@@ -445,7 +445,7 @@ class EngineConfig:
                 not isinstance(self.quantization, MXFP4Scheme):
             # quantization/moe_experts.py
             done = "dequantized while loading" if self.quantization.serialized else "left unquantized"
-            if isinstance(self.quantization, FP8Scheme) and self.quantization.serialized and runs_fp8(self.device):
+            if self._keeps_fp8_experts():
                 quantized += " (routed experts kept in fp8, weight-only)"
             else:
                 quantized += f" (routed experts {done}: {dtype})"
@@ -453,6 +453,18 @@ class EngineConfig:
         return (f"loaded {self.model.architecture} {weights} from {self.model_dir} as {dtype} on {self.device}"
                 f"{quantized}; {_kv_pool_text(num_kv_blocks, local_pool, self.args.block_size, kv_dtype)}; "
                 f"max_model_len {self.max_model_len} ({self.max_model_len_source})")
+
+    def _keeps_fp8_experts(self) -> bool:
+        """Whether every rank keeps an FP8 checkpoint's routed experts in FP8 (quantization/model.py's prepare_model:
+        on a device that runs them, where each rank's equal share of the intermediate size is whole blocks of
+        scales; else they are dequantized while loading, with a warning)."""
+        scheme = self.quantization
+        if not (isinstance(scheme, FP8Scheme) and scheme.serialized and runs_fp8(self.device)):
+            return False
+        total, tp = self.model.moe.intermediate_size, self.args.tensor_parallel_size
+        if self.args.enable_expert_parallel:
+            tp = 1  # each rank holds whole experts
+        return all(fp8_experts_fit(scheme.block, rank * (total // tp), total // tp, total) for rank in range(tp))
 
 
 def _kv_pool_text(num_kv_blocks: int, local_pool: tuple[int, int, bool] | None, block: int, kv_dtype: str) -> str:

@@ -38,7 +38,7 @@ from nanoserve.kernels.fp8_experts import scale_shape, stacked_scale_shape
 from nanoserve.layers.moe import FusedMoE
 from nanoserve.quantization.fp8_linear import DUMMY_SCALE
 from nanoserve.quantization.fp8_math import FP8, dequantize_weight
-from nanoserve.quantization.scheme import FP8Scheme, runs_fp8  # noqa: F401 (runs_fp8: read as moe_experts.runs_fp8)
+from nanoserve.quantization.scheme import FP8Scheme, fp8_experts_fit, runs_fp8  # noqa: F401 (runs_fp8: read as moe_experts.runs_fp8)
 from nanoserve.quantization.w4_formats import W4Weights, checkpoint_tensors, param_dtype, to_w4
 from nanoserve.quantization.w4_scheme import W4Scheme
 
@@ -133,11 +133,7 @@ def fits_fp8(experts: FusedMoE, scheme: FP8Scheme) -> bool:
     """Whether this rank's share of the experts keeps whole blocks of scales (always, per row): its rows of I (gate's
     and up's) and its columns of I (down's) start on a block and end on one or at I; and the blocks' columns are
     whole tiles of 16 (kernels/fp8_experts.py)."""
-    if scheme.block is None:
-        return True
-    start, size, total = experts.inter_start, experts.local_inter, experts.intermediate_size
-    return scheme.block[1] % 16 == 0 and all(start % b == 0 and (size % b == 0 or start + size == total)
-                                             for b in scheme.block)
+    return fp8_experts_fit(scheme.block, experts.inter_start, experts.local_inter, experts.intermediate_size)
 
 
 def keep_fp8(experts: FusedMoE, scheme: FP8Scheme, name: str, device: torch.device, dummy: bool) -> None:

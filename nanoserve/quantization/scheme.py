@@ -81,3 +81,13 @@ def runs_fp8(device: torch.device) -> bool:
     CUDA, as mxfp4.runs_packed decides, where Triton converts e4m3 (compute capability 8.9 on: Ada, Hopper; an A100
     dequantizes them, as fp8_linear's skinny path leaves its fp8 weights there)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def fp8_experts_fit(block: tuple[int, int] | None, start: int, size: int, total: int) -> bool:
+    """Whether a rank's share [start, start + size) of the experts' intermediate size `total` keeps whole blocks of
+    scales (always, per row): gate's and up's rows of it, down's columns, start on a block and end on one or at
+    `total`; and the blocks' columns are whole tiles of 16 (kernels/fp8_experts.py). Else that rank's FP8 experts are
+    dequantized while loading (quantization/model.py)."""
+    if block is None:
+        return True
+    return block[1] % 16 == 0 and all(start % b == 0 and (size % b == 0 or start + size == total) for b in block)

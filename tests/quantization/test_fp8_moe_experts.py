@@ -110,6 +110,18 @@ def test_a_split_that_cuts_blocks_dequantizes(checkpoints, tmp_path, monkeypatch
     assert moe_experts.fits_fp8(FusedMoE(8, 64, 48, TensorParallelGroup(rank=1, size=2), True, 2), scheme)
 
 
+def test_start_up_line_says_dequantized_where_a_split_cuts_blocks(checkpoints, tmp_path, monkeypatch):
+    """The start-up line claims fp8 experts only where every rank keeps them: 32 x 32 blocks over I = 32 at TP=2 cut
+    them (each rank dequantizes), expert parallelism or TP=1 does not."""
+    monkeypatch.setattr(config_module, "runs_fp8", lambda device: True)
+    ckpt = write_fp8_checkpoint(checkpoints["qwen3_moe"], tmp_path, Format("block", "group", (32, 32), layout="fp8"))
+    for args, kept in (({"tensor_parallel_size": 2}, False), ({}, True),
+                       ({"tensor_parallel_size": 2, "enable_expert_parallel": True}, True)):
+        line = EngineArgs(model=str(ckpt), **args).create_config().summary(32)
+        assert ("(routed experts kept in fp8, weight-only)" in line) == kept, (args, line)
+        assert ("(routed experts dequantized while loading" in line) != kept, (args, line)
+
+
 @pytest.mark.usefixtures("kept")
 def test_random_fp8_experts_shard_like_a_checkpoint(block_checkpoint):
     """--load-format dummy: random fp8 values drawn whole (rank 1 keeps its rows and columns), scales DUMMY_SCALE."""
