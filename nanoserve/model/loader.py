@@ -64,15 +64,16 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup | None = None) -> n
 
 def load_whole_parameter(config: EngineConfig, model: nn.Module, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """The whole of the model's parameter `name` (shape: its checkpoint tensor's), which tensor parallelism splits,
-    for one rank that needs it whole (an EAGLE-3 head's embedding): read from the checkpoint, or with random weights
-    drawn as _init_dummy draws every rank's share from it."""
+    for one rank that needs it whole (an EAGLE-3 head's embedding), in config.dtype: read from the checkpoint (on the
+    CPU, for the caller to copy where it wants it), or with random weights drawn as _init_dummy draws every rank's
+    share from it (on config.device, whose generator drew those)."""
     if config.args.load_format == "dummy":
         return _DummyTensor(shape, f"{name}:None", config.args.seed, config.device, config.dtype).tensor
     for path in checkpoint_files(config.model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for ckpt_name in f.keys():
                 if model.map_checkpoint_name(ckpt_name) == (name, None):
-                    return f.get_tensor(ckpt_name).to(config.device, config.dtype)
+                    return f.get_tensor(ckpt_name).to(config.dtype)
     raise ValueError(f"model: the checkpoint holds no tensor for {name}")
 
 
