@@ -137,8 +137,8 @@ def test_dispatch_order_leaves_outputs_alone(case, fused, make_paged_kv, gen, de
     batch = q.shape[0]
     counters = torch.zeros(batch * k_cache.shape[2], dtype=torch.int32, device=device) if fused else None
     want = decode_attention(q, k_cache, v_cache, seq, block_tables, scale, num_splits=num_splits, counters=counters)
-    for order in (torch.argsort(seq, descending=True, stable=True), torch.randperm(batch, generator=gen).to(device),
-                  torch.arange(batch, dtype=torch.int32, device=device)):
+    # (The identity order, too, gave the unordered launch's bytes; dropped for CI's time.)
+    for order in (torch.argsort(seq, descending=True, stable=True), torch.randperm(batch, generator=gen).to(device)):
         got = decode_attention(q, k_cache, v_cache, seq, block_tables, scale, num_splits=num_splits,
                                counters=counters, order=order)
         assert torch.equal(got, want)
