@@ -113,8 +113,8 @@ def prepare_model(model: nn.Module, scheme: FP8Scheme | W4Scheme | MXFP4Scheme, 
             experts.w13.weight_loader = experts.w2.weight_loader = ExpertDequantizer(experts, scheme, name)
     if cut:
         logger.warning("FP8 experts dequantized while loading (2x their bytes): this rank's share of the experts' "
-                       "intermediate size is not whole %sx%s blocks of scales (enable_expert_parallel keeps them "
-                       "FP8)", *scheme.block)
+                       "intermediate size is not whole %sx%s blocks of scales, or a block is not whole tiles of 16 "
+                       "columns (kernels/fp8_experts.py)", *scheme.block)
     if isinstance(scheme, W4Scheme):
         method = W4LinearMethod(scheme)
         for _, layer in quantized_layers(model, scheme):
