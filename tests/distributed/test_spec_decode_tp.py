@@ -6,6 +6,7 @@ without speculation, with drafts accepted; a head drafts what it drafts at TP=1.
 import pytest
 import torch
 from checkpoints import write_checkpoint, write_eagle3_head
+from draft_recorder import record_drafts
 
 from nanoserve import LLM, EngineArgs, SamplingParams
 from nanoserve.worker.draft_model import draft_engine_config
@@ -46,17 +47,6 @@ def test_two_ranks_give_plain_tokens(target, method):
         llm.shutdown()
 
 
-def _recording_drafts(llm: LLM) -> list:
-    drafts, propose = [], llm.engine.proposer.propose
-
-    def recording(rows, caps):
-        out = propose(rows, caps)
-        drafts.append([list(d) for d in out])
-        return out
-    llm.engine.proposer.propose = recording
-    return drafts
-
-
 @pytest.mark.parametrize("load_format", ["auto", "dummy"])
 def test_eagle3_head_drafts_as_at_one_rank(target, tmp_path, load_format):
     """The head's passes read the target's embedding, which each rank holds a share of: under TP rank 0 gives the head
@@ -69,7 +59,7 @@ def test_eagle3_head_drafts_as_at_one_rank(target, tmp_path, load_format):
         llm = LLM(str(path), tensor_parallel_size=tp, num_kv_blocks=64, speculative_config=spec,
                   load_format=load_format)
         try:
-            drafts = _recording_drafts(llm)
+            drafts = record_drafts(llm)
             tokens = [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
             runs.append((tokens, drafts))
         finally:

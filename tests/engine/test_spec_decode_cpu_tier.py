@@ -4,6 +4,7 @@ no drafts) beside drafted ones give plain decoding's greedy tokens, with drafts 
 
 import pytest
 import torch
+from draft_recorder import record_drafts
 
 from nanoserve import LLM, SamplingParams
 
@@ -73,13 +74,7 @@ def test_eagle3_hidden_states_come_back_with_a_prefix_from_the_cpu_tier(path, tm
     def drafts_after_a_prefix_hit(llm: LLM) -> list:
         for prompt in (first, long):  # at 8 blocks of 16, the 90-token prompt evicts most of the first one's
             llm.generate([prompt], params, use_tqdm=False)
-        drafts, propose = [], llm.engine.proposer.propose
-
-        def recording(rows, caps):
-            out = propose(rows, caps)
-            drafts.append([list(d) for d in out])
-            return out
-        llm.engine.proposer.propose = recording
+        drafts = record_drafts(llm)
         llm.generate([first + [7]], params, use_tqdm=False)
         return drafts
 
