@@ -7,11 +7,9 @@ import pytest
 import torch
 from checkpoints import write_checkpoint
 from fp8_checkpoints import Format, write_fp8_checkpoint
-from prompts import mixed_prompts
+from moe_reference_engine import eager_torch, run
 
-from nanoserve import LLM, SamplingParams
-from nanoserve.layers.attention import TorchBackend
-from nanoserve.layers.moe import FusedMoE
+from nanoserve import LLM
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                                 reason="needs a CUDA GPU of compute capability 8.9 or later (e4m3 in Triton)")
@@ -30,22 +28,6 @@ def ckpt(request, tmp_path_factory):
     fmt = (Format("block", "group", block, layout="fp8", ignore=("re:^(?!.*experts).*",)) if block else
            Format("channel", None, ignore=("re:^(?!.*experts).*",)))
     return write_fp8_checkpoint(src, root / "fp8", fmt)
-
-
-def run(llm: LLM, num: int = 64) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(mixed_prompts(384, 48, 200, num=num), params,
-                                                         use_tqdm=False)]
-
-
-def eager_torch(ckpt) -> LLM:
-    llm = LLM(str(ckpt), device="cuda", dtype="float32", enforce_eager=True, num_kv_blocks=4096)
-    for layer in llm.engine.runner.attn_layers:
-        layer.backend = TorchBackend
-    for module in llm.engine.runner.model.modules():
-        if isinstance(module, FusedMoE):
-            module.use_kernel = False  # its reference path: the fp8 weights dequantized
-    return llm
 
 
 def test_fp8_experts_match_eager_torch(ckpt, monkeypatch):

@@ -5,11 +5,10 @@ prompts with prefix hits and preemption; in bf16 the first tokens mostly agree."
 import pytest
 import torch
 from checkpoints import write_checkpoint
+from moe_reference_engine import eager_torch, run
 from prompts import mixed_prompts
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.layers.attention import TorchBackend
-from nanoserve.layers.moe import FusedMoE
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -20,21 +19,6 @@ SHAPE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head
 @pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"])
 def ckpt(request, tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("gpu-moe") / request.param, request.param, **SHAPE)
-
-
-def run(llm: LLM) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(mixed_prompts(384, 48, 200), params, use_tqdm=False)]
-
-
-def eager_torch(ckpt, dtype: str) -> LLM:
-    llm = LLM(str(ckpt), device="cuda", dtype=dtype, enforce_eager=True, num_kv_blocks=4096)
-    for layer in llm.engine.runner.attn_layers:
-        layer.backend = TorchBackend
-    for module in llm.engine.runner.model.modules():
-        if isinstance(module, FusedMoE):
-            module.use_kernel = False
-    return llm
 
 
 def test_kernel_and_graphs_match_eager_torch(ckpt):

@@ -4,12 +4,10 @@ the dequantized weights, fp32, for mixed-length prompts with prefix hits and pre
 
 import pytest
 import torch
+from moe_reference_engine import eager_torch, run
 from mxfp4_layout import write_mxfp4_checkpoint
-from prompts import mixed_prompts
 
-from nanoserve import LLM, SamplingParams
-from nanoserve.layers.attention import TorchBackend
-from nanoserve.layers.moe import FusedMoE
+from nanoserve import LLM
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -21,22 +19,6 @@ SHAPE = dict(hidden_size=128, intermediate_size=64, num_attention_heads=4, num_k
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return write_mxfp4_checkpoint(tmp_path_factory.mktemp("gpu-mxfp4") / "gpt_oss", **SHAPE)
-
-
-def run(llm: LLM, num: int = 64) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(mixed_prompts(384, 48, 200, num=num), params,
-                                                         use_tqdm=False)]
-
-
-def eager_torch(ckpt) -> LLM:
-    llm = LLM(str(ckpt), device="cuda", dtype="float32", enforce_eager=True, num_kv_blocks=4096)
-    for layer in llm.engine.runner.attn_layers:
-        layer.backend = TorchBackend
-    for module in llm.engine.runner.model.modules():
-        if isinstance(module, FusedMoE):
-            module.use_kernel = False  # its reference path: the packed weights dequantized
-    return llm
 
 
 def test_packed_kernels_match_eager_torch(ckpt, monkeypatch):

@@ -1,0 +1,26 @@
+"""The GPU MoE tests' reference engine and workload (tests/gpu/test_moe_gpu.py, test_mxfp4_gpu.py,
+test_fp8_moe_gpu.py): the eager PyTorch path, attention and experts both (a quantized layer's reference path
+dequantizes its weights), against which the Triton kernels in CUDA graphs must give the same greedy tokens."""
+
+from prompts import mixed_prompts
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.layers.attention import TorchBackend
+from nanoserve.layers.moe import FusedMoE
+
+
+def run(llm: LLM, num: int = 64) -> list[list[int]]:
+    """Greedy tokens of mixed-length prompts that share prefixes (tests/prompts.py)."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(mixed_prompts(384, 48, 200, num=num), params,
+                                                         use_tqdm=False)]
+
+
+def eager_torch(ckpt, dtype: str = "float32") -> LLM:
+    llm = LLM(str(ckpt), device="cuda", dtype=dtype, enforce_eager=True, num_kv_blocks=4096)
+    for layer in llm.engine.runner.attn_layers:
+        layer.backend = TorchBackend
+    for module in llm.engine.runner.model.modules():
+        if isinstance(module, FusedMoE):
+            module.use_kernel = False
+    return llm
