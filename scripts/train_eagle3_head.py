@@ -21,7 +21,6 @@ for the run time and results of the shipped head.
 
 import argparse
 import json
-import math
 import random
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 from torch import nn
 from tqdm import tqdm
-from train_tiny_model import batches, conversations, encode, eval_prompts  # the script beside this one
+from train_tiny_model import batches, conversations, encode, eval_prompts, optimizer  # the script beside this one
 from transformers import LlamaForCausalLM
 
 ASSETS = Path(__file__).resolve().parents[1] / "nanoserve" / "assets"
@@ -236,15 +235,7 @@ def main() -> None:
     theta = cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None) else cfg.rope_theta
     n_params = sum(q.numel() for q in head.parameters())
     print(f"head: {n_params / 1e6:.2f}M parameters, target layers {list(AUX_LAYERS)}", flush=True)
-    decay = [q for q in head.parameters() if q.dim() >= 2]
-    no_decay = [q for q in head.parameters() if q.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr,
-        betas=(0.9, 0.95),
-    )
-    warmup = min(100, args.steps // 10)
-    lr_at = lambda s: args.lr * min(1, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / args.steps)))
+    opt, lr_at = optimizer(head, args.lr, args.steps, warmup=min(100, args.steps // 10))
 
     def masks(y: torch.Tensor) -> torch.Tensor:
         return y != -100  # the tokens the model produces (train_tiny_model.batches marks the rest -100)

@@ -413,6 +413,20 @@ def evaluate(model: LlamaForCausalLM, tok: Tokenizer, items: list[tuple[str, str
     return passed / len(items)
 
 
+
+def optimizer(model: torch.nn.Module, lr: float, steps: int, warmup: int):
+    """AdamW (betas 0.9/0.95, weight decay 0.05 on matrices only) and the learning rate at each step: a linear warm-up,
+    then cosine down to 10 %. scripts/train_eagle3_head.py trains its head with the same."""
+    decay = [q for q in model.parameters() if q.dim() >= 2]
+    no_decay = [q for q in model.parameters() if q.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95)
+    )
+
+    def lr_at(s: int) -> float:
+        return lr * min(1, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    return opt, lr_at
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "nanoserve" / "assets"))
@@ -466,15 +480,7 @@ def main() -> None:
     model = LlamaForCausalLM(config)
     n_params = sum(q.numel() for q in model.parameters())
     print(f"model: {n_params / 1e6:.2f}M parameters", flush=True)
-    decay = [q for q in model.parameters() if q.dim() >= 2]
-    no_decay = [q for q in model.parameters() if q.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr,
-        betas=(0.9, 0.95),
-    )
-    warmup = min(200, args.steps // 10)
-    lr_at = lambda s: args.lr * min(1, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / args.steps)))
+    opt, lr_at = optimizer(model, args.lr, args.steps, warmup=min(200, args.steps // 10))
 
     rng, step, ema = random.Random(args.seed), 0, None
     while step < args.steps:

@@ -24,6 +24,15 @@ def llama_dir(checkpoints) -> Path:
 
 
 @pytest.fixture(scope="module")
+def one_thread():
+    """One OpenMP thread: on a small shared CPU, more make the bundled tiny model much slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
 def one_thread_per_rank():
     """On 2 cores, tensor-parallel ranks that each run torch's default thread count oversubscribe them (a TP=2 step
     took ~50x longer): one thread per process, here and (through the environment) in the spawned ranks."""

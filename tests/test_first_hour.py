@@ -29,15 +29,6 @@ GPT2_CONFIG = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "voca
 
 
 @pytest.fixture(scope="module")
-def one_thread():
-    # One OpenMP thread: on a small shared CPU, more make this tiny model much slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
 def bundled(one_thread) -> LLM:
     return LLM(num_kv_blocks=64)
 

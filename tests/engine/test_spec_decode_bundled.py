@@ -7,11 +7,11 @@ through speculative_config's eagle3 method, reading the target layers its config
 from pathlib import Path
 
 import pytest
-import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import bundled_model_dir
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 ASSETS = Path(bundled_model_dir())
 GREEDY = SamplingParams(temperature=0, max_tokens=64, skip_special_tokens=False)
 # Held-out prompts of scripts/train_tiny_model.py's evaluation (seed 1338): arithmetic and letter counting.
@@ -32,14 +32,6 @@ SPECS = {"draft": {"model": str(ASSETS / "draft"), "num_speculative_tokens": 3},
 def chat(llm: LLM) -> list[list[int]]:
     outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], GREEDY, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
