@@ -37,10 +37,11 @@ The forward, by where it runs:
   PyTorch's GEMM (weight-only) or the reference;
 - on the CPU, fp8_math.fp8_linear_reference (fp32).
 
-ONE_ROW_FP8_DOT (off until measured on a GPU): W8A8 layers (per-token or static activations) would offer no weight to
-the skinny GEMM, so that every step takes the path above, the inputs quantized by the kernel before, and up to
-kernels/fp8_gemv.py's MAX_M rows apply_fp8 would run that fp8 x fp8 tensor-core GEMV instead of torch._scaled_mm:
-batch 1 as the format defines it, and no per-element conversions, which held the weight-only GEMV to 1.5-1.85 TB/s.
+ONE_ROW_FP8_DOT (on): W8A8 layers (per-token or static activations) offer no weight to the skinny GEMM, so every
+step takes the path above, the inputs quantized by the kernel before, and up to kernels/fp8_gemv.py's MAX_M rows
+apply_fp8 runs that fp8 x fp8 tensor-core GEMV instead of torch._scaled_mm: batch 1 as the format defines it, with no
+per-element conversions. Llama-3.1-8B, batch 1, one H200, 7563300, one call: 4.453 ms a token with it against 5.027
+through the weight-only skinny GEMM (bf16: 4.330).
 """
 
 import torch
@@ -53,7 +54,7 @@ from nanoserve.quantization import fp8_math
 from nanoserve.quantization.fp8_math import FP8
 from nanoserve.quantization.scheme import FP8Scheme
 
-ONE_ROW_FP8_DOT = False  # the module docstring; to be measured against the weight-only skinny GEMM
+ONE_ROW_FP8_DOT = True  # the module docstring: faster than the weight-only skinny GEMM at batch 1
 
 # --load-format dummy: every scale is 1, so the random fp8 weights are the weights (uniform in +-0.02, as an
 # unquantized dummy model's).

@@ -15,7 +15,7 @@ from nanoserve.kernels.decode_order import longest_first_order
 from nanoserve.kernels.decode_rope_attention import decode_rope_attention
 from nanoserve.kernels.fp8_block_gemm import fp8_block_linear
 from nanoserve.kernels.fp8_experts import scale_shape, stacked_scale_shape
-from nanoserve.kernels.fp8_gemv import fp8_gemv
+from nanoserve.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv
 from nanoserve.kernels.fp8_quant import quantize_rows
 from nanoserve.kernels.fused_moe import CONFIG_DIR, MoeConfig, fused_moe, fused_moe_with_config
 from nanoserve.kernels.gemv import skinny_linear, skinny_norm_linear, skinny_silu_mul_linear
@@ -327,6 +327,9 @@ VARIANTS = [
     ("fp8 gemv bias ragged K", lambda: fp8_gemv(_zeros(3, 3000, dtype=FP8), _zeros(3, 1, dtype=FP32),
                                                 _zeros(512, 3000, dtype=FP8), _zeros(512, dtype=FP32),
                                                 _zeros(512))),
+    ("fp8 gemv split K", lambda: fp8_gemv(_zeros(1, 14336, dtype=FP8), _zeros(1, 1, dtype=FP32),
+                                          _zeros(4096, 14336, dtype=FP8), _zeros(4096, dtype=FP32),
+                                          config=Fp8GemvConfig(block_n=16, block_k=256, split=4))),
     ("fp8 quantize_rows static", lambda: quantize_rows(_zeros(4, 4096), _zeros(1, dtype=FP32))),
     ("qkv_rope_store bf16 norm", lambda: qkv_rope_store(*_rope_args(4, 16, 8, 128, True))),
     ("qkv_rope_store bf16 D=64", lambda: qkv_rope_store(*_rope_args(4, 4, 1, 64, False))),

@@ -4,21 +4,27 @@ import pytest
 import torch
 from conftest import DEVICE
 
-from nanoserve.kernels.fp8_gemv import fp8_gemv, fp8_gemv_ref
+from nanoserve.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv, fp8_gemv_ref, split_counters
 from nanoserve.kernels.fp8_quant import quantize_rows_ref
 
 
 @pytest.mark.parametrize("m, n, k", [(1, 200, 256), (3, 40, 300), (17, 96, 64)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
-def test_fp8_gemv_matches_reference(m, n, k, bias, out_dtype):
+@pytest.mark.parametrize("split", [1, 3])
+def test_fp8_gemv_matches_reference(m, n, k, bias, out_dtype, split):
+    """split 3: K in 64-column tiles split three ways (a ragged last split where K is not whole tiles), summed by the
+    last program to arrive; the counters are left zero for the next launch."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     q, x_scale = quantize_rows_ref(torch.randn(m, k, generator=g))
     weight = (torch.randn(n, k, generator=g) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
     weight_scale = torch.rand(n, generator=g) * 0.01 + 0.001
     b = torch.randn(n, generator=g) if bias else None
     args = [t.to(DEVICE) if t is not None else None for t in (q, x_scale, weight, weight_scale, b)]
-    got = fp8_gemv(*args, out_dtype=out_dtype)
+    config = Fp8GemvConfig(block_n=16, block_k=64, split=3) if split > 1 else None
+    counters = split_counters(n, DEVICE)
+    got = fp8_gemv(*args, out_dtype=out_dtype, counters=counters, config=config)
+    assert not counters.any()
     want = fp8_gemv_ref(*args, out_dtype=torch.float32)
     assert got.dtype == out_dtype and got.shape == (m, n)
     # fp8 products are exact in fp32; only the order of the K sum differs, and the rounding to out_dtype.
@@ -35,8 +41,8 @@ def test_fp8_gemv_refuses_what_it_cannot_run():
         fp8_gemv(q[:1].float(), torch.ones(1, 1), w, torch.ones(16))
 
 
-def test_w8a8_layers_take_it_when_switched_on(monkeypatch):
-    """With quantization/fp8_linear.py's ONE_ROW_FP8_DOT, a W8A8 layer offers no weight to the weight-only skinny
+def test_w8a8_layers_take_it(monkeypatch):
+    """With quantization/fp8_linear.py's ONE_ROW_FP8_DOT (on), a W8A8 layer offers no weight to the weight-only skinny
     GEMM and runs its quantized input through fp8_gemv; a weight-only layer keeps the skinny GEMM."""
     from nanoserve.layers.linear import Linear
     from nanoserve.quantization import fp8_linear

@@ -1,7 +1,8 @@
 """FP8 layers on the skinny GEMM's steps (layers/linear.py's skinny_operands, quantization/fp8_linear.py): per-tensor
 and per-channel weights run kernels/gemv.py weight-only, whatever the activation scheme, the prologues fused in; block
 weights keep their method's GEMM. On the CPU the plans are built by hand (a step plan takes the skinny GEMM only in
-CUDA graphs) and the kernels run in Triton's interpreter."""
+CUDA graphs) and the kernels run in Triton's interpreter. W8A8 layers take that path with fp8_linear.ONE_ROW_FP8_DOT off
+(these tests turn it off; on, the default, they run kernels/fp8_gemv.py: tests/kernels/test_fp8_gemv.py)."""
 
 import types
 
@@ -13,7 +14,7 @@ from nanoserve.layers.activation import SiluAndMul
 from nanoserve.layers.linear import Linear, QKVLinear, RowParallelLinear, skinny_operands
 from nanoserve.layers.norm import RMSNorm
 from nanoserve.layers.step_plan import EAGER, KernelPlan
-from nanoserve.quantization import fp8_math
+from nanoserve.quantization import fp8_linear, fp8_math
 from nanoserve.quantization.fp8_linear import Fp8LinearMethod
 from nanoserve.quantization.scheme import FP8Scheme
 
@@ -42,6 +43,11 @@ def _weight_only(layer: Linear, x: torch.Tensor) -> torch.Tensor:
     quantization."""
     y = x.float() @ (layer.weight.float() * layer.weight_scale[:, None]).T
     return y if layer.bias is None else y + layer.bias
+
+
+@pytest.fixture(autouse=True)
+def weight_only_skinny_path(monkeypatch):
+    monkeypatch.setattr(fp8_linear, "ONE_ROW_FP8_DOT", False)
 
 
 @pytest.fixture
