@@ -12,8 +12,9 @@ A program owns BLOCK_N output columns and walks its [BLOCK_N, K] slab of w (cont
 BLOCK_K] tiles, the A operand; q's rows, padded to 16 by reading the last row again, are B. The loads are
 pipelined over num_stages by the compiler. K may be split over programs (Fp8GemvConfig.split): the split's last
 program to finish sums the partials, as kernels/w4a16_gemv.py does (one launch, one node in a graph). Tiles by shape:
-fp8_gemv_config. First measured (Llama-3.1-8B batch 1, H200, 7563300, 16-64 rows a program, 256 columns a tile, no
-split): 4.453 ms a token against 5.027 through the weight-only skinny GEMM (quantization/fp8_linear.py).
+fp8_gemv_config (a sweep on an H200). First measured (Llama-3.1-8B batch 1, H200, 7563300, 16-64 rows a program,
+256 columns a tile, no split): 4.453 ms a token against 5.027 through the weight-only skinny GEMM
+(quantization/fp8_linear.py).
 """
 
 from typing import NamedTuple
@@ -90,10 +91,31 @@ def _store(acc, xs_ptr, ws_ptr, b_ptr, out_ptr, rows_q, rows_w, offs_m, offs_n, 
     tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
+MAX_PROGRAMS = 128  # about a wave: the sweep's best launched 64-128 programs at every shape
+MIN_TILES_PER_SPLIT = 8
+
+
 def fp8_gemv_config(n: int, k: int) -> Fp8GemvConfig:
-    """The tiles by shape (not measured yet: the module docstring)."""
-    return Fp8GemvConfig(block_n=max(16, min(64, 1 << ((max(n // 128, 1)).bit_length() - 1))),
-                         block_k=min(256, max(32, triton.next_power_of_2(k))))
+    """The tiles by shape, from a sweep at 1496ef1 (scripts/probe_fp8_gemv.py, deleted since; H200, 2026-11-29;
+    Llama-3.1-8B's projections at one row, CUDA graphs, weights rotated past the L2), microseconds:
+
+        shape (K, N)          bf16 skinny GEMV   first rule (32 x 256, no split)   this rule
+        qkv (4096, 6144)           18.04                 16.78                     9.95
+        o (4096, 4096)             12.15                 12.30                     7.81
+        gate_up (4096, 28672)      59.32                 37.36                    34.54
+        down (14336, 4096)         35.04                 32.93                    18.55 (split 2)
+
+    The best at every shape was 64 rows of w a program, 512-column tiles, 4 warps, 4 stages (of 16-64 rows, 128-512
+    columns, splits 1-8, 2-8 warps, 2-6 stages): 2.2-3.4 TB/s of fp8 weight. K is split (powers of two, up to 8)
+    while the launch stays within MAX_PROGRAMS and each split keeps MIN_TILES_PER_SPLIT tiles: down_proj's 2.
+    Quantizing the input row where no kernel before does it (o_proj's, kernels/fp8_quant.py) costs 2.6-6.6 us more."""
+    cfg = Fp8GemvConfig(block_n=64, block_k=512, num_warps=4, num_stages=4)
+    columns = triton.cdiv(n, cfg.block_n)
+    tiles = triton.cdiv(k, cfg.block_k)
+    split = 1
+    while split < 8 and columns * split * 2 <= MAX_PROGRAMS and tiles >= MIN_TILES_PER_SPLIT * split * 2:
+        split *= 2
+    return cfg._replace(split=split)
 
 
 def fp8_gemv(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
