@@ -29,7 +29,11 @@ columns and its high nibbles by the odd ones. FP8 weights (float8_e4m3fn w13 and
 weight_block; kernels/fp8_experts.py's layout) are walked a byte an element, weight-only: each tile converted in
 registers and multiplied by the activations as they are (not quantized: a W8A8 checkpoint runs W8A16 here), its
 products scaled per block of scales once a tile (the walk's tiles narrowed to lie within a block's columns), or per
-row once after the walk.
+row once after the walk. W4 weights (int32 w13 and w2, eight 4-bit values along K an int32, fp32 scales per row or
+per group and uint8 zero points if asymmetric; kernels/w4_experts.py's layout) are walked an int32 at a time,
+weight-only: each tile unpacked in registers into (q - z) times its group's scale (the walk's tiles narrowed to lie
+within a group), multiplied by the activations as they are; per-row scales once after the walk. Its tiles hold as
+many values as a 16-bit walk's, a quarter of the bytes (untuned).
 
 Which path a step takes is decided by its size alone (takes_gemv): up to MAX_PAIRS pairs. The GEMVs read one expert
 slab per pair where the grouped GEMMs read one per distinct expert, so tokens that share an expert read it twice;
@@ -46,6 +50,7 @@ from nanoserve.kernels.fused_moe import check_moe_args
 from nanoserve.kernels.moe_reference import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from nanoserve.kernels.mxfp4_unpack import load_bytes, unpack_mxfp4
 from nanoserve.kernels.pdl import use_pdl, wait_for_prior_grids
+from nanoserve.kernels.w4_unpack import unpack_w4_pairs, unpack_w4_rows, zero_points
 
 MAX_PAIRS = 16
 # Weight elements a program holds per step of its walk: gemv.py's one-row tile ([8, 512], 8 KB in bf16), which with
@@ -98,6 +103,7 @@ def _gate_up_kernel(
     x_ptr,
     w_ptr,
     s_ptr,
+    z_ptr,
     b_ptr,
     norm_w_ptr,
     ids_ptr,
@@ -122,6 +128,8 @@ def _gate_up_kernel(
     HAS_BIAS: tl.constexpr,
     MXFP4: tl.constexpr,
     FP8: tl.constexpr,
+    W4: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
     SCALE_N: tl.constexpr,
     SCALE_K: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -133,7 +141,9 @@ def _gate_up_kernel(
     Program pid: pair pid % num_pairs, rows (pid // num_pairs) * BLOCK_N on (pairs vary fastest, so the programs
     of two tokens that share an expert read its rows together). NORM: x[t] is RMSNorm(x[t]) with weight norm_w.
     MXFP4: w holds the bytes and s_ptr the scales, strides in bytes of each. FP8: w holds fp8 values and s_ptr their
-    fp32 scales, one per SCALE_N rows and SCALE_K columns (0: per row; a BLOCK_K tile lies within one block)."""
+    fp32 scales, one per SCALE_N rows and SCALE_K columns (0: per row; a BLOCK_K tile lies within one block). W4: w
+    holds int32s of eight 4-bit values along K, s_ptr their scales as FP8's (SCALE_N 1, SCALE_K the group) and z_ptr
+    their zero points in the scales' layout (HAS_ZEROS; else 8)."""
     pid = tl.program_id(0)
     pair = pid % num_pairs
     wait_for_prior_grids(USE_PDL)  # the expert ids are the router's output
@@ -141,19 +151,23 @@ def _gate_up_kernel(
     if (expert < 0) | (expert >= num_experts):
         return  # another rank's expert: its row of out stays unwritten, and down skips it
     offs_n = (pid // num_pairs) * BLOCK_N + tl.arange(0, BLOCK_N)
-    # The walk is over weight elements: K values, or (MXFP4) their K / 2 bytes, BLOCK_W a tile.
-    BLOCK_W: tl.constexpr = BLOCK_K // 2 if MXFP4 else BLOCK_K
-    KW = K // 2 if MXFP4 else K
+    # The walk is over weight elements: K values, or (MXFP4) their K / 2 bytes, or (W4) their K / 8 int32s, BLOCK_W
+    # a tile.
+    BLOCK_W: tl.constexpr = BLOCK_K // 8 if W4 else (BLOCK_K // 2 if MXFP4 else BLOCK_K)
+    KW = K // 8 if W4 else (K // 2 if MXFP4 else K)
     offs_k = tl.arange(0, BLOCK_W)
     # Rows past N read the last row again instead of being masked; the store drops them.
     rows = tl.minimum(offs_n, N - 1)
     gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + rows[:, None] * stride_wn + offs_k[None, :]
     up_ptrs = gate_ptrs + N * stride_wn
-    if FP8:  # a scale per row of the tile; up's rows of blocks follow gate's
-        gate_s_ptrs = s_ptr + expert.to(tl.int64) * stride_se + (rows // SCALE_N) * stride_sn
+    if FP8 or W4:  # a scale per row of the tile; up's rows of blocks follow gate's
+        gate_s = expert.to(tl.int64) * stride_se + (rows // SCALE_N) * stride_sn
     else:
-        gate_s_ptrs = s_ptr + expert.to(tl.int64) * stride_se + rows[:, None] * stride_sn + offs_k[None, :] // 16
+        gate_s = expert.to(tl.int64) * stride_se + rows[:, None] * stride_sn + offs_k[None, :] // 16
+    gate_s_ptrs = s_ptr + gate_s
     up_s_ptrs = gate_s_ptrs + tl.cdiv(N, SCALE_N) * stride_sn
+    gate_z_ptrs = z_ptr + gate_s  # (W4 with zeros only: their layout is the scales')
+    up_z_ptrs = gate_z_ptrs + N * stride_sn
     x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xt
     cols = offs_k[None, :]
     # Two steps of both tiles in flight ahead of the one multiplied (registers, not the compiler's pipeline: these
@@ -173,10 +187,11 @@ def _gate_up_kernel(
     else:
         rstd = 1.0
     # The K reduction waits until after the walk: reducing each tile would cost a cross-warp exchange per step.
-    acc_gate = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+    # (W4: a tile's int32s unpack into BLOCK_K columns.)
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_K if W4 else BLOCK_W], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K if W4 else BLOCK_W], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kw0 = k0 // 2 if MXFP4 else k0
+        kw0 = k0 // 8 if W4 else (k0 // 2 if MXFP4 else k0)
         gate_next = _load(gate_ptrs, kw0 + 2 * BLOCK_W, KW, cols, cols, False, BLOCK_W, EVEN_K)
         up_next = _load(up_ptrs, kw0 + 2 * BLOCK_W, KW, cols, cols, False, BLOCK_W, EVEN_K)
         if MXFP4:  # byte j of the tile: columns k0 + 2j (its low nibble) and k0 + 2j + 1
@@ -188,6 +203,17 @@ def _gate_up_kernel(
             up_lo, up_hi = unpack_mxfp4(up, load_bytes(up_s_ptrs + kw0 // 16, in_k[None, :], not EVEN_K))
             acc_gate += gate_lo * x_even + gate_hi * x_odd
             acc_up += up_lo * x_even + up_hi * x_odd
+        elif W4:  # int32 j of a row's tile: columns k0 + 8j .. k0 + 8j + 7
+            x_cols = k0 + tl.arange(0, BLOCK_K)
+            x = _x_cols(x_row, norm_w_ptr, x_cols, x_cols < K, rstd, NORM)[None, :]
+            group = (k0 // SCALE_K) * stride_sk if SCALE_K > 0 else 0
+            w_gate = unpack_w4_rows(gate, zero_points(gate_z_ptrs + group, HAS_ZEROS))
+            w_up = unpack_w4_rows(up, zero_points(up_z_ptrs + group, HAS_ZEROS))
+            if SCALE_K > 0:  # this tile's group
+                w_gate *= tl.load(gate_s_ptrs + group)[:, None]
+                w_up *= tl.load(up_s_ptrs + group)[:, None]
+            acc_gate += w_gate * x
+            acc_up += w_up * x
         elif FP8 and SCALE_K > 0:  # this tile's block of scales, a scale per row
             x = _x_cols(x_row, norm_w_ptr, k0 + offs_k, k0 + offs_k < K, rstd, NORM)[None, :]
             k_block = (k0 // SCALE_K) * stride_sk
@@ -201,7 +227,7 @@ def _gate_up_kernel(
         up, up_ahead = up_ahead, up_next
     g = tl.sum(acc_gate, axis=1)
     u = tl.sum(acc_up, axis=1)
-    if FP8 and SCALE_K == 0:
+    if (FP8 or W4) and SCALE_K == 0:
         g *= tl.load(gate_s_ptrs)
         u *= tl.load(up_s_ptrs)
     if HAS_BIAS:
@@ -222,6 +248,7 @@ def _down_kernel(
     h_ptr,
     w_ptr,
     s_ptr,
+    z_ptr,
     b_ptr,
     ids_ptr,
     topk_w_ptr,
@@ -244,6 +271,8 @@ def _down_kernel(
     HAS_BIAS: tl.constexpr,
     MXFP4: tl.constexpr,
     FP8: tl.constexpr,
+    W4: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
     SCALE_N: tl.constexpr,
     SCALE_K: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -253,14 +282,14 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """out[t, n] = sum over j of topk_weight[t, j] * (h[t, j] @ w[e_j, n] + b[e_j, n]) for N = H, K = I, over this
-    rank's experts. Program pid: token pid % num_tokens, columns (pid // num_tokens) * BLOCK_N on. MXFP4 and FP8 as in
-    _gate_up_kernel."""
+    rank's experts. Program pid: token pid % num_tokens, columns (pid // num_tokens) * BLOCK_N on. MXFP4, FP8 and W4
+    as in _gate_up_kernel."""
     pid = tl.program_id(0)
     t = pid % num_tokens
     offs_n = (pid // num_tokens) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_j = tl.arange(0, K_PAD)
-    BLOCK_W: tl.constexpr = BLOCK_K // 2 if MXFP4 else BLOCK_K
-    KW = K // 2 if MXFP4 else K
+    BLOCK_W: tl.constexpr = BLOCK_K // 8 if W4 else (BLOCK_K // 2 if MXFP4 else BLOCK_K)
+    KW = K // 8 if W4 else (K // 2 if MXFP4 else K)
     offs_k = tl.arange(0, BLOCK_W)
     rows = tl.minimum(offs_n, N - 1)
     if not EARLY_WEIGHTS:
@@ -276,8 +305,10 @@ def _down_kernel(
     w_ptrs = (
         w_ptr + expert[:, None, None] * stride_we + rows[None, :, None].to(tl.int64) * stride_wn + offs_k[None, None, :]
     )
-    if FP8:  # [K_PAD, BLOCK_N]: a scale per row of each pair's tile
-        s_ptrs = s_ptr + expert[:, None] * stride_se + (rows // SCALE_N)[None, :].to(tl.int64) * stride_sn
+    if FP8 or W4:  # [K_PAD, BLOCK_N]: a scale per row of each pair's tile
+        s_off = expert[:, None] * stride_se + (rows // SCALE_N)[None, :].to(tl.int64) * stride_sn
+        s_ptrs = s_ptr + s_off
+        z_ptrs = z_ptr + s_off  # (W4 with zeros only: their layout is the scales')
     else:
         s_ptrs = (
             s_ptr + expert[:, None, None] * stride_se + rows[None, :, None].to(tl.int64) * stride_sn
@@ -289,14 +320,25 @@ def _down_kernel(
     if EARLY_WEIGHTS:
         wait_for_prior_grids(USE_PDL)  # h is gate/up's output
     routing = tl.load(topk_w_ptr + pairs, mask=local, other=0.0).to(tl.float32)
-    h_ptrs = h_ptr + pairs.to(tl.int64)[:, None] * stride_hp + offs_k[None, :] * (2 if MXFP4 else 1)
-    acc = tl.zeros([K_PAD, BLOCK_N, BLOCK_W], dtype=tl.float32)
+    # W4: h's columns read whole, BLOCK_K of them for a tile's int32s.
+    offs_h = tl.arange(0, BLOCK_K) if W4 else offs_k * (2 if MXFP4 else 1)
+    h_ptrs = h_ptr + pairs.to(tl.int64)[:, None] * stride_hp + offs_h[None, :]
+    acc = tl.zeros([K_PAD, BLOCK_N, BLOCK_K if W4 else BLOCK_W], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kw0 = k0 // 2 if MXFP4 else k0
+        kw0 = k0 // 8 if W4 else (k0 // 2 if MXFP4 else k0)
         w_next = _load(w_ptrs, kw0 + 2 * BLOCK_W, KW, offs_k[None, None, :], w_mask, True, BLOCK_W, EVEN_K)
-        h_mask = local[:, None] & (kw0 + offs_k < KW)[None, :]
+        if W4:
+            h_mask = local[:, None] & (k0 + offs_h < K)[None, :]
+        else:
+            h_mask = local[:, None] & (kw0 + offs_k < KW)[None, :]
         h = tl.load(h_ptrs + k0, mask=h_mask, other=0.0).to(tl.float32)
-        if MXFP4:  # h above is the even columns, matching the low nibbles
+        if W4:
+            group = (k0 // SCALE_K) * stride_sk if SCALE_K > 0 else 0
+            w4 = unpack_w4_pairs(w, zero_points(z_ptrs + group, HAS_ZEROS))
+            if SCALE_K > 0:
+                w4 *= tl.load(s_ptrs + group)[:, :, None]
+            acc += w4 * h[:, None, :]
+        elif MXFP4:  # h above is the even columns, matching the low nibbles
             h_odd = tl.load(h_ptrs + k0 + 1, mask=h_mask, other=0.0).to(tl.float32)
             w_lo, w_hi = unpack_mxfp4(w, tl.load(s_ptrs + kw0 // 16, mask=h_mask[:, None, :], other=0))
             acc += w_lo * h[:, None, :] + w_hi * h_odd[:, None, :]
@@ -306,7 +348,7 @@ def _down_kernel(
             acc += w.to(tl.float32) * h[:, None, :]
         w, w_ahead = w_ahead, w_next
     y = tl.sum(acc, axis=2)
-    if FP8 and SCALE_K == 0:
+    if (FP8 or W4) and SCALE_K == 0:
         y *= tl.load(s_ptrs)
     if HAS_BIAS:
         y += tl.load(b_ptr + expert[:, None] * stride_be + rows[None, :], mask=local[:, None], other=0.0).to(tl.float32)
@@ -333,10 +375,11 @@ def moe_gemv_gate_up(
     norm: tuple[torch.Tensor, float] | None = None,
     w13_scale: torch.Tensor | None = None,
     weight_block: tuple[int, int] | None = None,
+    w13_zeros: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Step 1: act(gate, up) of every pair, [T * top_k, I] indexed by pair (rows of other ranks' pairs unwritten).
-    norm = (weight, eps): of RMSNorm(x) instead of x. w13_scale: w13 is MXFP4 (mxfp4_unpack.py's layout) or FP8
-    (fp8_experts.py's, per weight_block or per row)."""
+    norm = (weight, eps): of RMSNorm(x) instead of x. w13_scale: w13 is MXFP4 (mxfp4_unpack.py's layout), FP8
+    (fp8_experts.py's, per weight_block or per row) or W4 (int32; w4_experts.py's, w13_zeros if asymmetric)."""
     num_tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     scale, stride_se, stride_sn, stride_sk, scale_n, scale_k = scale_operand(w13, w13_scale, weight_block)
@@ -349,6 +392,7 @@ def moe_gemv_gate_up(
         x,
         w13,
         scale,
+        w13_zeros if w13_zeros is not None else w13,
         w13_bias if w13_bias is not None else w13,
         norm[0] if norm is not None else x,
         topk_ids.reshape(-1),
@@ -373,6 +417,8 @@ def moe_gemv_gate_up(
         HAS_BIAS=w13_bias is not None,
         MXFP4=w13.dtype == torch.uint8,
         FP8=w13.dtype == FP8,
+        W4=w13.dtype == torch.int32,
+        HAS_ZEROS=w13_zeros is not None,
         SCALE_N=scale_n,
         SCALE_K=scale_k,
         EVEN_K=hidden % block_k == 0,
@@ -395,11 +441,12 @@ def moe_gemv_down(
     after_gate_up: bool = False,
     w2_scale: torch.Tensor | None = None,
     weight_block: tuple[int, int] | None = None,
+    w2_zeros: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Step 2: [T, H], each token's pairs of experts [expert_start, + E) times their routing weights, summed.
     after_gate_up: launched right after moe_gemv_gate_up on the same contiguous topk_ids (no kernel between), which
     lets its weights load before its PDL wait (DOWN_WEIGHTS_BEFORE_WAIT; the module docstring has why). w2_scale: w2
-    is MXFP4 or FP8, as in moe_gemv_gate_up."""
+    is MXFP4, FP8 or W4 (w2_zeros), as in moe_gemv_gate_up."""
     num_tokens, top_k = topk_ids.shape
     num_experts, hidden, inter = w2.shape[0], w2.shape[1], h.shape[1]
     scale, stride_se, stride_sn, stride_sk, scale_n, scale_k = scale_operand(w2, w2_scale, weight_block)
@@ -412,6 +459,7 @@ def moe_gemv_down(
         h,
         w2,
         scale,
+        w2_zeros if w2_zeros is not None else w2,
         w2_bias if w2_bias is not None else w2,
         topk_ids.reshape(-1),
         topk_weights.reshape(-1),
@@ -434,6 +482,8 @@ def moe_gemv_down(
         HAS_BIAS=w2_bias is not None,
         MXFP4=w2.dtype == torch.uint8,
         FP8=w2.dtype == FP8,
+        W4=w2.dtype == torch.int32,
+        HAS_ZEROS=w2_zeros is not None,
         SCALE_N=scale_n,
         SCALE_K=scale_k,
         EVEN_K=inter % block_k == 0,
@@ -462,6 +512,8 @@ def moe_gemv(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     weight_block: tuple[int, int] | None = None,
+    w13_zeros: torch.Tensor | None = None,
+    w2_zeros: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fused_moe for steps of up to MAX_PAIRS (token, expert) pairs, in two launches: x [T, H] -> [T, H], as
     moe_reference.fused_moe_ref (fp32 accumulation, the intermediate rounded to x's dtype; the top-k outputs
@@ -471,10 +523,11 @@ def moe_gemv(
     decoder layer's norm before its MoE block, whose own launch would cost as much as a tenth of the layer's experts
     at batch 1), rounded as kernels/rms_norm.py rounds.
 
-    w13_scale, w2_scale: the weights are MXFP4, w13 and w2 their packed bytes, or FP8 (float8_e4m3fn w13 and w2,
-    scales per weight_block or per row), as in fused_moe."""
+    w13_scale, w2_scale: the weights are MXFP4, w13 and w2 their packed bytes, FP8 (float8_e4m3fn w13 and w2,
+    scales per weight_block or per row) or W4 (int32 w13 and w2, w13_zeros and w2_zeros if asymmetric), as in
+    fused_moe."""
     check_moe_args(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation, w13_scale, w2_scale,
-                   weight_block)
+                   weight_block, w13_zeros, w2_zeros)
     if norm is not None and (norm[0].shape != (x.shape[1],) or not norm[0].is_contiguous()):
         raise ValueError(f"norm weight must be contiguous of shape ({x.shape[1]},), got {tuple(norm[0].shape)}")
     num_tokens, top_k = topk_ids.shape
@@ -485,6 +538,7 @@ def moe_gemv(
     # Made contiguous up front, so that no copy kernel runs between the two launches (down reads the ids before its
     # PDL wait: they must come from before gate/up).
     topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
-    h = moe_gemv_gate_up(x, w13, w13_bias, topk_ids, expert_start, activation, norm, w13_scale, weight_block)
+    h = moe_gemv_gate_up(x, w13, w13_bias, topk_ids, expert_start, activation, norm, w13_scale, weight_block,
+                         w13_zeros)
     return moe_gemv_down(h, w2, w2_bias, topk_weights, topk_ids, expert_start, after_gate_up=True, w2_scale=w2_scale,
-                         weight_block=weight_block)
+                         weight_block=weight_block, w2_zeros=w2_zeros)

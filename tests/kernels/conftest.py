@@ -18,8 +18,8 @@ if not torch.cuda.is_available():
     for _name in ("pdl", "rope_pair", "prefill.split", "prefill.tile", "kv_store", "prefill.attention", "decode_merge",
                   "decode_split", "decode_launch", "decode_attention", "decode_rope_attention", "qkv_rope_store",
                   "gemv", "silu_mul_gemv", "sampling", "decode_order", "chunk_attention", "moe_align", "mxfp4_unpack",
-                  "fused_moe", "moe_gemv", "moe_routing", "fp8_quant", "fp8_gemv", "fp8_block_gemm", "w4a16_gemv",
-                  "w4a16_gemm"):
+                  "w4_unpack", "fused_moe", "moe_gemv", "moe_routing", "fp8_quant", "fp8_gemv", "fp8_block_gemm",
+                  "w4a16_gemv", "w4a16_gemm"):
         _module = sys.modules.get(f"nanoserve.kernels.{_name}")
         if _module is not None:
             importlib.reload(_module)
