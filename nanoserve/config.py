@@ -10,7 +10,7 @@ import torch
 from nanoserve.quantization.detect import detect_quantization
 from nanoserve.quantization.mxfp4 import MXFP4Scheme
 from nanoserve.quantization.scheme import FP8Scheme, fp8_experts_fit, runs_fp8
-from nanoserve.quantization.w4_scheme import W4Scheme
+from nanoserve.quantization.w4_scheme import W4Scheme, runs_w4, w4_experts_fit
 from nanoserve.spec_decode.config import SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -447,6 +447,10 @@ class EngineConfig:
             done = "dequantized while loading" if self.quantization.serialized else "left unquantized"
             if self._keeps_fp8_experts():
                 quantized += " (routed experts kept in fp8, weight-only)"
+            elif self._keeps_w4_experts():
+                quantized += " (routed experts kept packed in 4 bits, weight-only)"
+            elif isinstance(self.quantization, W4Scheme) and self.quantization.act_order and runs_w4(self.device):
+                quantized += f" (routed experts {done}: {dtype}; act-order experts have no 4-bit MoE kernel)"
             else:
                 quantized += f" (routed experts {done}: {dtype})"
         kv_dtype = str(self.kv_dtype).removeprefix("torch.")
@@ -465,6 +469,18 @@ class EngineConfig:
         if self.args.enable_expert_parallel:
             tp = 1  # each rank holds whole experts
         return all(fp8_experts_fit(scheme.block, rank * (total // tp), total // tp, total) for rank in range(tp))
+
+    def _keeps_w4_experts(self) -> bool:
+        """Whether every rank keeps a 4-bit checkpoint's routed experts packed (quantization/model.py's prepare_model:
+        on a device that runs them, where each rank's equal share of the intermediate size is whole groups; else they
+        are dequantized while loading, with a warning)."""
+        scheme = self.quantization
+        if not (isinstance(scheme, W4Scheme) and runs_w4(self.device)):
+            return False
+        total, tp = self.model.moe.intermediate_size, self.args.tensor_parallel_size
+        if self.args.enable_expert_parallel:
+            tp = 1  # each rank holds whole experts
+        return all(w4_experts_fit(scheme, rank * (total // tp), total // tp, total) for rank in range(tp))
 
 
 def _kv_pool_text(num_kv_blocks: int, local_pool: tuple[int, int, bool] | None, block: int, kv_dtype: str) -> str:

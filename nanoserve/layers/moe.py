@@ -15,6 +15,7 @@ from torch import nn
 from nanoserve.distributed.group import TensorParallelGroup
 from nanoserve.kernels.fp8_experts import FP8, dequantize_fp8_experts
 from nanoserve.kernels.moe_reference import fused_moe_ref, topk_softmax_ref
+from nanoserve.kernels.w4_experts import dequantize_w4_experts
 from nanoserve.layers.linear import Linear
 from nanoserve.layers.norm import RMSNorm
 from nanoserve.layers.step_plan import KernelPlan
@@ -46,7 +47,9 @@ class FusedMoE(nn.Module):
         w2_scale: a subclass that keeps its experts in MXFP4 (model/gpt_oss.py) makes w13 and w2 their packed bytes
         and these their block scales (kernels/mxfp4_unpack.py's layout); quantization/moe_experts.py, keeping an FP8
         checkpoint's experts in FP8, makes w13 and w2 float8_e4m3fn and these their fp32 scales, per row or per
-        weight_block (kernels/fp8_experts.py's layout)."""
+        weight_block (kernels/fp8_experts.py's layout); keeping a 4-bit checkpoint's experts packed, it makes w13 and
+        w2 int32, these their fp32 group scales, w13_zeros and w2_zeros their zero points (asymmetric) and
+        group_size the checkpoint's (kernels/w4_experts.py's layout)."""
         super().__init__()
         self.tp, self.num_experts, self.hidden_size, self.top_k = tp, num_experts, hidden_size, top_k
         self.activation = activation
@@ -66,6 +69,9 @@ class FusedMoE(nn.Module):
         self.w13_scale: nn.Parameter | None = None
         self.w2_scale: nn.Parameter | None = None
         self.weight_block: tuple[int, int] | None = None  # FP8 weights' block of scales (None: per row)
+        self.w13_zeros: nn.Parameter | None = None  # W4 weights' zero points (None: symmetric, 8)
+        self.w2_zeros: nn.Parameter | None = None
+        self.group_size = -1  # W4 weights' (-1: one group a row)
         # False: the PyTorch reference on CUDA too (an eager reference engine in the GPU tests; it syncs the host).
         self.use_kernel = True
 
@@ -78,7 +84,8 @@ class FusedMoE(nn.Module):
         with w13's and w2's shards ('gate:3#weight_scale'), their loader checking that each came."""
         shards = {"w13": [f"{p}:{e}" for e in self.local_experts for p in ("gate", "up")],
                   "w2": [f"down:{e}" for e in self.local_experts]}
-        return shards | ({"w13_scale": [], "w2_scale": []} if self.w13_scale is not None else {})
+        scales = ("w13_scale", "w2_scale", "w13_zeros", "w2_zeros")
+        return shards | {name: [] for name in scales if getattr(self, name) is not None}
 
     def checkpoint_shapes(self, param: nn.Parameter) -> list[tuple[str, tuple[int, ...]]]:
         """(shard, shape of the whole checkpoint tensor) of each tensor `param` takes a share of (random weights)."""
@@ -107,18 +114,21 @@ class FusedMoE(nn.Module):
             param.data[e, rows].copy_(loaded[start:start + local_i])
 
     def reference_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """w13 and w2 as the PyTorch reference takes them, in dtype's form (FP8 ones dequantized; a packed subclass
-        dequantizes its own)."""
+        """w13 and w2 as the PyTorch reference takes them, in dtype's form (FP8 and W4 ones dequantized; a packed
+        subclass dequantizes its own)."""
+        if self.w13.dtype == torch.int32:
+            return (dequantize_w4_experts(self.w13, self.w13_scale, self.w13_zeros, self.group_size, dtype),
+                    dequantize_w4_experts(self.w2, self.w2_scale, self.w2_zeros, self.group_size, dtype))
         if self.w13.dtype == FP8:
             return (dequantize_fp8_experts(self.w13, self.w13_scale, self.weight_block, dtype, stacked=True),
                     dequantize_fp8_experts(self.w2, self.w2_scale, self.weight_block, dtype))
         return self.w13, self.w2
 
     def num_weights(self) -> int:
-        """This rank's expert parameters, counting weights not bytes: a packed MXFP4 byte holds two, an FP8 byte one,
-        and their scales are none."""
-        scales = [p for p in (self.w13_scale, self.w2_scale) if p is not None]
-        per_element = 2 if self.w13.dtype == torch.uint8 else 1
+        """This rank's expert parameters, counting weights not bytes: a packed MXFP4 byte holds two, a W4 int32 eight,
+        an FP8 byte one, and their scales and zero points are none."""
+        scales = [p for p in (self.w13_scale, self.w2_scale, self.w13_zeros, self.w2_zeros) if p is not None]
+        per_element = {torch.uint8: 2, torch.int32: 8}.get(self.w13.dtype, 1)
         return sum(p.numel() * (per_element if p is self.w13 or p is self.w2 else 1) for p in self.parameters()
                    if not any(p is s for s in scales))
 
@@ -139,6 +149,8 @@ class FusedMoE(nn.Module):
         scales = dict(w13_scale=self.w13_scale, w2_scale=self.w2_scale)
         if self.weight_block is not None:
             scales["weight_block"] = self.weight_block
+        if self.w13_zeros is not None:
+            scales |= dict(w13_zeros=self.w13_zeros, w2_zeros=self.w2_zeros)
         if self.takes_gemv(x):
             from nanoserve.kernels.moe_gemv import moe_gemv
 

@@ -88,7 +88,8 @@ def prepare_model(model: nn.Module, scheme: FP8Scheme | W4Scheme | MXFP4Scheme, 
     (or the dummy initialization) provides them; MXFP4 experts told to expect blocks and scales, and to keep them
     packed where runs_packed (random weights too: random blocks; elsewhere these stay in the dtype the experts run
     in); an FP8 checkpoint's experts kept in FP8 where moe_experts.runs_fp8 and this rank's share is whole blocks of
-    scales (random weights too: random fp8 values), else dequantized while loading."""
+    scales (random weights too: random fp8 values), a 4-bit one's kept packed where moe_experts.runs_w4 and fits_w4
+    (random weights too: random packed values), else dequantized while loading."""
     if isinstance(scheme, MXFP4Scheme):
         packed = mxfp4.runs_packed(device)
         if packed or not dummy:
@@ -103,18 +104,25 @@ def prepare_model(model: nn.Module, scheme: FP8Scheme | W4Scheme | MXFP4Scheme, 
     if not (scheme.serialized or dummy):
         return
     fp8 = isinstance(scheme, FP8Scheme) and scheme.serialized and moe_experts.runs_fp8(device)
+    w4 = isinstance(scheme, W4Scheme) and moe_experts.runs_w4(device)
     cut = []
     for name, experts in quantized_experts(model, scheme):
         if fp8 and moe_experts.fits_fp8(experts, scheme):
             moe_experts.keep_fp8(experts, scheme, name, device, dummy)
             continue
-        cut += [name] if fp8 else []
+        if w4 and moe_experts.fits_w4(experts, scheme):
+            moe_experts.keep_w4(experts, scheme, name, device, dummy)
+            continue
+        cut += [name] if fp8 or w4 else []
         if not dummy:  # (random experts are drawn in the model dtype they run in)
             experts.w13.weight_loader = experts.w2.weight_loader = ExpertDequantizer(experts, scheme, name)
-    if cut:
+    if cut and fp8:
         logger.warning("FP8 experts dequantized while loading (2x their bytes): this rank's share of the experts' "
                        "intermediate size is not whole %sx%s blocks of scales, or a block is not whole tiles of 16 "
                        "columns (kernels/fp8_experts.py)", *scheme.block)
+    if cut and w4:
+        logger.warning("4-bit experts dequantized while loading (about 3.8x their bytes): %s (kernels/w4_experts.py)",
+                       _w4_cut_reason(scheme))
     if isinstance(scheme, W4Scheme):
         method = W4LinearMethod(scheme)
         for _, layer in quantized_layers(model, scheme):
@@ -123,6 +131,16 @@ def prepare_model(model: nn.Module, scheme: FP8Scheme | W4Scheme | MXFP4Scheme, 
     method = Fp8LinearMethod(scheme)
     for _, layer in quantized_layers(model, scheme):
         method.create_weights(layer)
+
+
+def _w4_cut_reason(scheme: W4Scheme) -> str:
+    """Why moe_experts.fits_w4 refused a W4Scheme's experts."""
+    if scheme.act_order:
+        return "act-order (desc_act / actorder 'group') experts have no 4-bit MoE kernel"
+    if scheme.group_size != -1 and scheme.group_size % 16:
+        return f"groups of {scheme.group_size} columns are not whole tiles of 16"
+    return (f"this rank's share of the experts' intermediate size is not whole groups of {scheme.group_size} (and "
+            "int32s of 8) columns (enable_expert_parallel keeps them packed)")
 
 
 def finish_model(model: nn.Module, scheme: FP8Scheme | W4Scheme | MXFP4Scheme) -> None:

@@ -35,12 +35,15 @@ import torch
 from torch import nn
 
 from nanoserve.kernels.fp8_experts import scale_shape, stacked_scale_shape
+from nanoserve.kernels.w4_experts import w4_shapes, weight_block
 from nanoserve.layers.moe import FusedMoE
 from nanoserve.quantization.fp8_linear import DUMMY_SCALE
 from nanoserve.quantization.fp8_math import FP8, dequantize_weight
 from nanoserve.quantization.scheme import FP8Scheme, fp8_experts_fit, runs_fp8  # noqa: F401 (runs_fp8: read as moe_experts.runs_fp8)
 from nanoserve.quantization.w4_formats import W4Weights, checkpoint_tensors, param_dtype, to_w4
-from nanoserve.quantization.w4_scheme import W4Scheme
+from nanoserve.quantization.w4_linear import DUMMY_SCALE as W4_DUMMY_SCALE
+from nanoserve.quantization.w4_packing import PACK, pack
+from nanoserve.quantization.w4_scheme import W4Scheme, runs_w4, w4_experts_fit  # noqa: F401 (runs_w4: read here)
 
 # Read, and not used: experts run their inputs unquantized (module docstring).
 _DROPPED = ("input_scale",)
@@ -203,3 +206,103 @@ class Fp8ExpertLoader(ExpertDequantizer):
             first, count = start // block[0], experts.w13_scale.shape[1] // 2
             offset = 0 if proj == "gate" else count
             experts.w13_scale.data[e, offset:offset + count].copy_(scale[first:first + count])
+
+
+def fits_w4(experts: FusedMoE, scheme: W4Scheme) -> bool:
+    """Whether the MoE kernels take this rank's share of the 4-bit experts packed (w4_experts_fit): not act-order,
+    groups of whole tiles of 16 columns (or one a row), and down's columns of this rank whole groups and int32s."""
+    return w4_experts_fit(scheme, experts.inter_start, experts.local_inter, experts.intermediate_size)
+
+
+def keep_w4(experts: FusedMoE, scheme: W4Scheme, name: str, device: torch.device, dummy: bool) -> None:
+    """Makes the experts' w13 and w2 int32 (eight 4-bit values along K), w13_scale and w2_scale their fp32 group
+    scales and, asymmetric, w13_zeros and w2_zeros their zero points (kernels/w4_experts.py's layout), on `device`;
+    loaded from the checkpoint by a W4ExpertLoader, or random (random bits are valid 4-bit values; their own loader
+    takes each rank's share of them; scales DUMMY_SCALE and zero points 8, as w4_linear's random layers have)."""
+    num_experts, hidden, inter = experts.w13.shape[0], experts.hidden_size, experts.local_inter
+    group = scheme.group_size
+    w13_shape, w13_scales = w4_shapes(num_experts, 2 * inter, hidden, group)
+    w2_shape, w2_scales = w4_shapes(num_experts, hidden, inter, group)
+    shapes = {"w13": (w13_shape, torch.int32), "w2": (w2_shape, torch.int32),
+              "w13_scale": (w13_scales, torch.float32), "w2_scale": (w2_scales, torch.float32)}
+    if not scheme.symmetric:
+        shapes |= {"w13_zeros": (w13_scales, torch.uint8), "w2_zeros": (w2_scales, torch.uint8)}
+    for param_name, (shape, dtype) in shapes.items():
+        param = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+        if param_name.endswith("_scale"):
+            param.dummy_value = W4_DUMMY_SCALE
+        elif param_name.endswith("_zeros"):
+            param.dummy_value = 8
+        setattr(experts, param_name, param)
+    experts.weight_block, experts.group_size = weight_block(group), group
+    if dummy:
+        experts.w13.weight_loader = experts.w2.weight_loader = _load_random_packed(experts)
+        experts.w13.checkpoint_shapes = lambda: [(f"{p}:{e}", (experts.intermediate_size, hidden // PACK))
+                                                 for e in experts.local_experts for p in ("gate", "up")]
+        experts.w2.checkpoint_shapes = lambda: [(f"down:{e}", (hidden, experts.intermediate_size // PACK))
+                                                for e in experts.local_experts]
+    else:
+        experts.w13.weight_loader = experts.w2.weight_loader = W4ExpertLoader(experts, scheme, name)
+
+
+def _load_random_packed(experts: FusedMoE):
+    """Random int32s (whole checkpoint tensors of packed values, as keep_w4's checkpoint_shapes give them) into this
+    rank's share of w13 or w2: its rows of I, or its packed columns of I (w4_experts_fit made them whole int32s)."""
+    def load(param: nn.Parameter, loaded, shard: str) -> None:
+        proj, expert = shard.split(":")
+        e, start, size = int(expert) - experts.expert_start, experts.inter_start, experts.local_inter
+        if proj == "down":
+            param.data[e].copy_(loaded[:, start // PACK:(start + size) // PACK])
+        else:
+            offset = 0 if proj == "gate" else size
+            param.data[e, offset:offset + size].copy_(loaded[start:start + size])
+    return load
+
+
+class W4ExpertLoader(ExpertDequantizer):
+    """w13's and w2's weight_loader where keep_w4 kept the experts packed: once an expert projection's tensors have
+    all come, converts them to the W4 layout (w4_formats.to_w4, then packed along K) and copies this rank's share
+    (its rows of I for gate and up, its columns and groups of I for down) into w13 or w2, w13_scale or w2_scale and
+    w13_zeros or w2_zeros; check_complete (ExpertDequantizer's) names a projection whose tensors did not all come."""
+
+    def _take(self, param: nn.Parameter, loaded, shard: str, part: str) -> None:
+        tensors = self._pending.setdefault(shard, {})
+        tensors[part] = loaded[...]
+        if tensors.keys() != self.parts:
+            return
+        del self._pending[shard]
+        self._done.add(shard)
+        experts, scheme = self.experts, self.scheme
+        # to_w4 reads a fused layer's g_idx per stacked module; an expert projection is one module.
+        tensors = {k: (v[None] if k.endswith("g_idx") else v).to(param_dtype(k)) for k, v in tensors.items()}
+        w = to_w4(tensors, scheme, f"{self.name}:{shard}")
+        proj, expert = shard.split(":")
+        h, i = experts.hidden_size, experts.intermediate_size
+        n, k = (h, i) if proj == "down" else (i, h)
+        if tuple(w.q.shape) != (k, n):
+            raise ValueError(f"holds a weight of {tuple(w.q.shape[::-1])}, expected {(n, k)}")
+        in_order = torch.zeros(k, dtype=torch.long) if scheme.group_size == -1 else torch.arange(k) // scheme.group_size
+        if w.g_idx is not None and not torch.equal(w.g_idx.long(), in_order):
+            raise ValueError("has a g_idx out of order (act-order), but the quantization_config says none")
+        e, start, size = int(expert) - experts.expert_start, experts.inter_start, experts.local_inter
+        q, scales = w.q.t(), w.scales.t()  # [N, K], [N, G]: rows along K, as the layout has them
+        zeros = None if w.zeros is None else w.zeros.t()
+        per_row = scheme.group_size == -1
+        if proj == "down":  # this rank's columns of I: whole groups and int32s (w4_experts_fit)
+            groups = slice(0, 1) if per_row else slice(start // scheme.group_size,
+                                                       start // scheme.group_size + experts.w2_scale.shape[2])
+            target = (experts.w2.data[e], experts.w2_scale.data[e], experts.w2_zeros)
+            q, scales = q[:, start:start + size], scales[:, groups]
+            zeros = None if zeros is None else zeros[:, groups]
+            index = slice(None)
+        else:
+            offset = 0 if proj == "gate" else size
+            target = (experts.w13.data[e], experts.w13_scale.data[e], experts.w13_zeros)
+            q, scales = q[start:start + size], scales[start:start + size]
+            zeros = None if zeros is None else zeros[start:start + size]
+            index = slice(offset, offset + size)
+        packed, scale_param, zeros_param = target
+        packed[index].copy_(pack(q, 1))
+        scale_param[index].copy_(scales[:, 0] if per_row else scales)
+        if zeros_param is not None:
+            zeros_param.data[e, index].copy_(zeros[:, 0] if per_row else zeros)

@@ -12,7 +12,11 @@ columns in another order. The activations are not quantized. The formats differ 
 
 from dataclasses import dataclass, field
 
+import torch
+
+from nanoserve.kernels.w4_experts import fits_kernels
 from nanoserve.quantization.scheme import ignored
+from nanoserve.quantization.w4_packing import PACK
 
 W4_METHODS = ("gptq", "awq", "compressed-tensors")
 
@@ -59,3 +63,21 @@ class W4Scheme:
         if self.method == "compressed-tensors":
             return "quantization_config.config_groups.*.weights.group_size"
         return "quantization_config.group_size"
+
+
+def runs_w4(device: torch.device) -> bool:
+    """Whether 4-bit experts on `device` stay packed for the MoE kernels (else they are dequantized while loading): on
+    CUDA, as mxfp4.runs_packed decides (the W4 variants need nothing past what the kernels already run on)."""
+    return device.type == "cuda"
+
+
+def w4_experts_fit(scheme: W4Scheme, start: int, size: int, total: int) -> bool:
+    """Whether the MoE kernels take a rank's share [start, start + size) of the experts' intermediate size `total`
+    packed (kernels/w4_experts.py): not act-order (its groups are not runs of columns), groups of whole tiles of 16
+    columns or one a row, and down's columns of this share whole int32s of eight and (unless one group a row) whole
+    groups, the last one possibly cut at `total`. Else that rank's 4-bit experts are dequantized while loading
+    (quantization/model.py)."""
+    if scheme.act_order or not fits_kernels(scheme.group_size) or start % PACK or size % PACK:
+        return False
+    group = scheme.group_size
+    return group == -1 or (start % group == 0 and (size % group == 0 or start + size == total))
