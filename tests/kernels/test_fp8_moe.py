@@ -87,7 +87,7 @@ def test_fp8_bad_arguments_are_named(device, gen):
         fused_moe(x, w13, w2, weights, ids, **dict(kw, w13_scale=kw["w13_scale"][:, :3]))
     with pytest.raises(ValueError, match="columns a multiple of 16"):
         fused_moe(x, w13, w2, weights, ids, **dict(kw, weight_block=(16, 8)))
-    with pytest.raises(ValueError, match="only FP8 weights"):
+    with pytest.raises(ValueError, match="only FP8 and W4 weights"):
         fused_moe(x, w13.float(), w2.float(), weights, ids, weight_block=(16, 32))
 
 
