@@ -31,6 +31,7 @@ from nanoserve.kernels.rms_norm import rms_norm, rms_norm_fp8
 from nanoserve.kernels.rotary import apply_rotary
 from nanoserve.kernels.sampling import gumbel_max_sample
 from nanoserve.kernels.silu_mul_gemv import silu_mul_gemv
+from nanoserve.kernels.w4_experts import w4_shapes, weight_block
 from nanoserve.kernels.w4a16_gemm import w4a16_linear
 
 BF16, FP32, I32, I64, FP8 = torch.bfloat16, torch.float32, torch.int32, torch.int64, torch.float8_e4m3fn
@@ -140,10 +141,21 @@ def _gemv(m: int, n: int, k: int, dtype: torch.dtype = BF16, bias: bool = False,
     return call
 
 
-def _experts(e: int, h: int, i: int, mxfp4: bool,
-             fp8: str | None = None) -> tuple[tuple[torch.Tensor, torch.Tensor], dict]:
+def _experts(e: int, h: int, i: int, mxfp4: bool, fp8: str | None = None,
+             w4: str | None = None) -> tuple[tuple[torch.Tensor, torch.Tensor], dict]:
     """w13 and w2 in bf16, or (mxfp4) as kernels/mxfp4_unpack.py's bytes with their scales as keywords, or (fp8 "row"
-    or "block") as kernels/fp8_experts.py's fp8 values with fp32 scales per row or per 128 x 128 block."""
+    or "block") as kernels/fp8_experts.py's fp8 values with fp32 scales per row or per 128 x 128 block, or (w4 "row",
+    "group" or "group-asym") as kernels/w4_experts.py's int32s with fp32 scales per row or per group of 128 (and
+    uint8 zero points)."""
+    if w4 is not None:
+        group = -1 if w4 == "row" else 128
+        (w13_shape, w13_scales), (w2_shape, w2_scales) = w4_shapes(e, 2 * i, h, group), w4_shapes(e, h, i, group)
+        scales = dict(w13_scale=_zeros(*w13_scales, dtype=FP32), w2_scale=_zeros(*w2_scales, dtype=FP32),
+                      weight_block=weight_block(group))
+        if w4 == "group-asym":
+            scales.update(w13_zeros=_zeros(*w13_scales, dtype=torch.uint8), w2_zeros=_zeros(*w2_scales,
+                                                                                            dtype=torch.uint8))
+        return (_zeros(*w13_shape, dtype=I32), _zeros(*w2_shape, dtype=I32)), scales
     if fp8 is not None:
         block = (128, 128) if fp8 == "block" else None
         scales = dict(w13_scale=_zeros(*stacked_scale_shape(e, i, h, block), dtype=FP32),
@@ -157,12 +169,13 @@ def _experts(e: int, h: int, i: int, mxfp4: bool,
 
 
 def _moe(tokens: int, activation: str, bias: bool, config: MoeConfig | None = None, mxfp4: bool = False,
-         dtype: torch.dtype = BF16, fp8: str | None = None):
+         dtype: torch.dtype = BF16, fp8: str | None = None, w4: str | None = None):
     """fused_moe (its align, gate/up, down and sum launches): by default_config's rule, or with a given config;
-    mxfp4: MXFP4 weights, fp8: FP8 weights scaled per "row" or "block" (dtype: the activations')."""
+    mxfp4: MXFP4 weights, fp8: FP8 weights scaled per "row" or "block", w4: W4 weights as _experts takes them
+    (dtype: the activations')."""
     def call() -> None:
         e, h, i, top_k = 8, 256, 256, 2
-        weights, scales = _experts(e, h, i, mxfp4, fp8)
+        weights, scales = _experts(e, h, i, mxfp4, fp8, w4)
         args = (_zeros(tokens, h, dtype=dtype), *weights, _zeros(tokens, top_k, dtype=FP32),
                 _zeros(tokens, top_k, dtype=I32))
         biases = dict(w13_bias=_zeros(e, 2 * i, dtype=dtype), w2_bias=_zeros(e, h, dtype=dtype)) if bias else {}
@@ -175,12 +188,13 @@ def _moe(tokens: int, activation: str, bias: bool, config: MoeConfig | None = No
 
 
 def _moe_gemv(tokens: int, top_k: int, hidden: int, inter: int, activation: str, bias: bool, norm: bool = False,
-              mxfp4: bool = False, fp8: str | None = None):
+              mxfp4: bool = False, fp8: str | None = None, w4: str | None = None):
     """moe_gemv (gate/up and down GEMVs): dims the tiles divide or not, top_k a power of two or padded to one, with the
-    RMSNorm prologue or without; mxfp4: MXFP4 weights, fp8: FP8 weights scaled per "row" or "block"."""
+    RMSNorm prologue or without; mxfp4: MXFP4 weights, fp8: FP8 weights scaled per "row" or "block", w4: W4 weights
+    as _experts takes them."""
     def call() -> None:
         e = 8
-        weights, scales = _experts(e, hidden, inter, mxfp4, fp8)
+        weights, scales = _experts(e, hidden, inter, mxfp4, fp8, w4)
         biases = dict(w13_bias=_zeros(e, 2 * inter), w2_bias=_zeros(e, hidden), **scales) if bias else scales
         moe_gemv(_zeros(tokens, hidden), *weights,
                  _zeros(tokens, top_k, dtype=FP32), _zeros(tokens, top_k, dtype=I32), activation=activation,
@@ -292,6 +306,15 @@ VARIANTS = [
     ("fused_moe fp32 FP8 block prefill rule silu", _moe(512, "silu", False, fp8="block", dtype=FP32)),
     ("moe_gemv bf16 FP8 block top-8 silu norm", _moe_gemv(1, 8, 2048, 768, "silu", False, norm=True, fp8="block")),
     ("moe_gemv bf16 FP8 row top-8 silu", _moe_gemv(2, 8, 512, 256, "silu", False, fp8="row")),
+    # 4-bit experts (GPTQ, AWQ, compressed-tensors MoE checkpoints), weight-only: groups of 128 with zero points or
+    # without (symmetric) and per row, unpacked in registers; Qwen3-30B-A3B's shapes in the GEMVs (768: whole tiles).
+    ("fused_moe bf16 W4 group-asym decode rule silu", _moe(4, "silu", False, w4="group-asym")),
+    ("fused_moe bf16 W4 group prefill rule silu", _moe(512, "silu", False, w4="group")),
+    ("fused_moe bf16 W4 row prefill rule silu", _moe(512, "silu", False, w4="row")),
+    ("fused_moe fp32 W4 group-asym prefill rule silu", _moe(512, "silu", False, w4="group-asym", dtype=FP32)),
+    ("moe_gemv bf16 W4 group top-8 silu norm", _moe_gemv(1, 8, 2048, 768, "silu", False, norm=True, w4="group")),
+    ("moe_gemv bf16 W4 group-asym top-8 silu", _moe_gemv(2, 8, 512, 256, "silu", False, w4="group-asym")),
+    ("moe_gemv bf16 W4 row top-8 silu", _moe_gemv(2, 8, 512, 256, "silu", False, w4="row")),
     ("moe_align 8192 pairs (count/layout/scatter)", lambda: moe_align_block_size(_zeros(4096, 2, dtype=I64), 8, 64)),
     ("gemv bf16 M=1 CUDA cores", _gemv(1, 512, 1024)),
     ("gemv bf16 M=1 CUDA cores K>=3072 bias", _gemv(1, 1024, 3072, bias=True)),
