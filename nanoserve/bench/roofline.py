@@ -5,7 +5,9 @@ faster than those bytes over the measured bandwidth; prompt tokens cost 2 FLOPs 
 step reads only the experts its tokens chose, and a token runs through its top-k experts only (WeightBytes). Bytes are
 the tensors' as they are held: MXFP4 experts kept packed (gpt-oss on the GPU) count 4.25 bits a weight, while their
 parameters count as weights (two a byte); FP8 experts kept in FP8 (an FP8 MoE checkpoint on the GPU) a byte a weight
-plus 4 bytes a scale (one a row, or one a block), their parameters a weight a byte.
+plus 4 bytes a scale (one a row, or one a block), their parameters a weight a byte; 4-bit experts kept packed (a
+GPTQ, AWQ or compressed-tensors MoE checkpoint on the GPU) half a byte a weight plus 4 bytes a scale and (asymmetric)
+a byte a zero point per group, their parameters eight weights an int32.
 """
 
 from dataclasses import dataclass
@@ -50,7 +52,7 @@ class WeightBytes:
 
     dense: int
     experts: int = 0  # all routed experts' bytes on this rank, as held (packed MXFP4: half a byte a weight + scales;
-    # FP8: a byte a weight + fp32 scales)
+    # FP8: a byte a weight + fp32 scales; W4: half a byte a weight + fp32 scales and uint8 zero points)
     expert_params: int = 0  # their weights (FusedMoE.num_weights)
     num_experts: int = 1  # the model's, per layer
     top_k: int = 1

@@ -5,8 +5,8 @@ converted to it while loading (quantization/moe_experts.py's keep_w4).
 The layout ("W4 experts"): a weight [E, N, K] of unsigned 4-bit values q with a scale s and a zero point z per row
 and group of group_size columns, W[e, n, k] = (q - z) * s, is
 - `w` int32 [E, N, K / 8]: the values of columns 8j..8j+7 of a row at bits 0, 4, .., 28 of its entry j (the
-  dense W4 layout's packing, w4_packing.py, along K instead of along the rows: each row contiguous along K, as the
-  16-bit and FP8 weights' rows are, which is what the MoE kernels walk);
+  dense W4 layout's packing, quantization/w4_packing.py, along K instead of along the rows: each row contiguous
+  along K, as the 16-bit and FP8 weights' rows are, which is what the MoE kernels walk);
 - `scale` fp32 [E, N, ceil(K / group_size)]: kernels/fp8_experts.py's block scales with blocks of (1, group_size),
   or per row, [E, N], for group_size -1 (one group a row). fp32 holds any checkpoint's fp16 / bf16 scales exactly:
   4 bytes a group, 1/32 byte a weight at groups of 128;
@@ -22,7 +22,7 @@ after the reduction.
 
 import torch
 
-from nanoserve.quantization.w4_packing import PACK, unpack
+from nanoserve.kernels.w4a16_reference import PACK
 
 
 def weight_block(group_size: int) -> tuple[int, int] | None:
@@ -34,12 +34,6 @@ def w4_shapes(num_experts: int, n: int, k: int, group_size: int) -> tuple[tuple[
     """The shapes of `w` and of `scale` (and `zeros`) of a W4 weight [num_experts, n, k]."""
     scales = (num_experts, n) if group_size == -1 else (num_experts, n, -(-k // group_size))
     return (num_experts, n, k // PACK), scales
-
-
-def fits_kernels(group_size: int) -> bool:
-    """Whether the MoE kernels take W4 experts of group_size: per row, or groups of whole tiles of 16 columns (the
-    tensor cores' narrowest)."""
-    return group_size == -1 or group_size % 16 == 0
 
 
 def check_w4_experts(hidden: int, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
@@ -76,7 +70,8 @@ def dequantize_w4_experts(w: torch.Tensor, scale: torch.Tensor, zeros: torch.Ten
                           dtype: torch.dtype) -> torch.Tensor:
     """The weight [E, N, K] that W4 w, its scales and zeros stand for, in dtype (computed in fp32, exact there: q - z
     needs 5 bits and s 11 or 8 of fp32's 24; rounded once)."""
-    q = unpack(w, 2).float()
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=w.device)
+    q = ((w[..., None] >> shifts) & 0xF).flatten(2).float()
     k = q.shape[2]
     groups = torch.zeros(k, dtype=torch.long, device=w.device) if group_size == -1 else \
         torch.arange(k, device=w.device) // group_size

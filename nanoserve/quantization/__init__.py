@@ -16,12 +16,12 @@ layers.linear.LinearMethod) that its forward calls instead of the plain GEMM.
 - w4_formats.py, w4_packing.py: each 4-bit format's tensors, and the one layout they are all repacked into;
 - w4_linear.py: W4LinearMethod, a layer's 4-bit parameters, their loaders and its forward;
 - model.py: which layers are quantized (the scheme's ignore list) and the loader's two hooks;
-- moe_experts.py: the routed experts of FP8 and 4-bit mixture-of-experts checkpoints: FP8 ones kept in FP8 on CUDA
-  for the MoE kernels' weight-only FP8 variants (activations not quantized), the others (and all on the CPU)
-  dequantized while loading;
+- moe_experts.py: the routed experts of FP8 and 4-bit mixture-of-experts checkpoints: on CUDA FP8 ones kept in FP8
+  and 4-bit ones packed (kernels/w4_experts.py's layout) for the MoE kernels' weight-only variants (activations not
+  quantized); act-order 4-bit ones, and all on the CPU, dequantized while loading;
 - mxfp4.py: MXFP4Scheme, gpt-oss's experts (kept packed on CUDA for the MXFP4 MoE kernels, dequantized on the CPU).
 
-Left for later (issue 41): kernels that read 4-bit experts (moe_experts.py dequantizes them), act-order 4-bit
-weights under tensor parallelism; the MXFP4 and FP8 expert kernels are not yet measured or tuned (fused_moe takes its
-default tile rule for them).
+Left for later (issue 41): kernels for act-order 4-bit experts (moe_experts.py dequantizes them), act-order 4-bit
+weights under tensor parallelism; the MXFP4, FP8 and W4 expert kernels are not yet measured or tuned (fused_moe takes
+its default tile rule for them).
 """

@@ -1,5 +1,5 @@
-"""Quantized routed experts (Qwen3-MoE, Qwen2-MoE and Mixtral checkpoints in FP8 or 4-bit): FP8 ones kept in FP8 on
-CUDA, the others dequantized while loading.
+"""Quantized routed experts (Qwen3-MoE, Qwen2-MoE and Mixtral checkpoints in FP8 or 4-bit): kept in FP8, or packed in
+4 bits, on CUDA; dequantized while loading elsewhere.
 
 A quantized mixture-of-experts checkpoint stores each expert's gate, up and down projection as the scheme stores a
 linear layer (FP8: `weight` and its scales; GPTQ, AWQ, compressed-tensors: the packed tensors of w4_formats.py). The
@@ -16,14 +16,23 @@ experts. The MoE kernels (fused_moe, moe_gemv) convert the fp8 tiles to the acti
 the products: weight-only. Random weights (--load-format dummy) are random fp8 values with scales of
 fp8_linear.DUMMY_SCALE. So the experts take a byte a weight, plus 4 bytes a row or a block of scales.
 
-Elsewhere (the CPU: the PyTorch reference path), and for 4-bit experts everywhere, ExpertDequantizer gathers an
+4 bits on CUDA (runs_w4): keep_w4 makes w13 and w2 int32, eight 4-bit values along K an int32, with fp32 scales
+w13_scale and w2_scale per group of columns (or per row) and, for an asymmetric checkpoint, uint8 zero points
+w13_zeros and w2_zeros: kernels/w4_experts.py's layout, the one that GPTQ's, AWQ's and compressed-tensors' tensors
+are all converted to. W4ExpertLoader gathers an expert projection's tensors, converts them (w4_formats.to_w4) and
+copies this rank's share: its rows of I (w13), its columns and groups of I (w2), which must be whole groups and whole
+int32s (fits_w4; a split that cuts one dequantizes instead, prepare_model warning once). Act-order experts (g_idx:
+a column's group is not k // group_size) have no kernel and are dequantized too, with the same warning. Random
+weights are random int32s (every nibble a valid value), scales of w4_linear.DUMMY_SCALE and zero points of 8. So the
+experts take half a byte a weight, plus 4 bytes a group of scales (and a byte of zero point).
+
+Elsewhere (the CPU: the PyTorch reference path), and where the kernels cannot take them, ExpertDequantizer gathers an
 expert projection's tensors as the loader reads them and, once the last has come, turns them into the weight they
 define (fp8_math.dequantize_weight; W = (q - z) * s for 4 bits), rounded to the model's dtype, and hands it to
 FusedMoE.load_expert like an unquantized checkpoint's tensor (which takes this rank's share). That costs the
-format's memory: 2x the FP8 bytes, about 3.8x the 4-bit ones; kernels that read 4-bit experts are later work
-(issue 41).
+format's memory: 2x the FP8 bytes, about 3.8x the 4-bit ones.
 
-Both compute with exactly the checkpoint's weights (dequantized: up to the model dtype's rounding, exact for FP8
+All compute with exactly the checkpoint's weights (dequantized: up to the model dtype's rounding, exact for FP8
 values times a power-of-two scale in bf16, and on the CPU's fp32). Neither quantizes the experts' inputs: an FP8 W8A8
 checkpoint's activation scheme (static input_scale, read and dropped; dynamic per token or per token group) is not
 applied to the experts, which run W8A16: more exact than the format, not bit-equal to it. The router stays

@@ -14,9 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanoserve.kernels.w4_experts import fits_kernels
 from nanoserve.quantization.scheme import ignored
-from nanoserve.quantization.w4_packing import PACK
 
 W4_METHODS = ("gptq", "awq", "compressed-tensors")
 
@@ -77,7 +75,7 @@ def w4_experts_fit(scheme: W4Scheme, start: int, size: int, total: int) -> bool:
     columns or one a row, and down's columns of this share whole int32s of eight and (unless one group a row) whole
     groups, the last one possibly cut at `total`. Else that rank's 4-bit experts are dequantized while loading
     (quantization/model.py)."""
-    if scheme.act_order or not fits_kernels(scheme.group_size) or start % PACK or size % PACK:
-        return False
     group = scheme.group_size
+    if scheme.act_order or (group != -1 and group % 16) or start % 8 or size % 8:
+        return False
     return group == -1 or (start % group == 0 and (size % group == 0 or start + size == total))
