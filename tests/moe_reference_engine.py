@@ -1,6 +1,7 @@
 """The GPU MoE tests' reference engine and workload (tests/gpu/test_moe_gpu.py, test_mxfp4_gpu.py,
-test_fp8_moe_gpu.py): the eager PyTorch path, attention and experts both (a quantized layer's reference path
-dequantizes its weights), against which the Triton kernels in CUDA graphs must give the same greedy tokens."""
+test_fp8_moe_gpu.py, test_w4_moe_gpu.py): the eager PyTorch path, attention and experts both (a quantized layer's
+reference path dequantizes its weights), against which the Triton kernels in CUDA graphs must give the same greedy
+tokens."""
 
 from prompts import mixed_prompts
 

@@ -100,6 +100,18 @@ def test_moe_gemv_w4(device, gen, num_tokens, top_k, dtype, group, asymmetric, e
         assert torch.equal(out[0], torch.zeros_like(out[0]))
 
 
+def test_moe_gemv_w4_norm_prologue(device, gen):
+    """norm=(weight, eps), the decoder layer's fused path: the W4 experts of RMSNorm(x)."""
+    from nanoserve.kernels.rms_norm import rms_norm_ref
+
+    w13, w2, kw, values = _experts(8, 32, True, device, gen)
+    x = torch.randn(1, HIDDEN, generator=gen).to(device)
+    norm_w = (torch.rand(HIDDEN, generator=gen) + 0.5).to(device)
+    ids, weights = _routing(1, 4, 8, gen, device)
+    out = moe_gemv(x, w13, w2, weights, ids, norm=(norm_w, 1e-6), **kw)
+    _check(out, rms_norm_ref(x, norm_w, 1e-6), values, weights, ids, 0)
+
+
 def test_w4_bad_arguments_are_named(device, gen):
     w13, w2, kw, _ = _experts(4, 16, True, device, gen)
     x = torch.randn(3, HIDDEN, generator=gen).to(device)

@@ -101,6 +101,8 @@ def test_random_weights_are_random_packed_values(gptq_checkpoint, monkeypatch):
     assert torch.equal(part.w2, whole.w2[:, :, 2:4])
     w13, w2 = whole.reference_weights(torch.float32)
     assert w13.abs().max() <= 0.02 + 1e-6 and w2.abs().max() > 0
+    # The roofline counts weights, eight an int32 (the scales and zero points none): gate, up and down of 8 experts.
+    assert whole.num_weights() == 8 * 3 * 64 * 32
 
 
 def test_start_up_line_says_dequantized_where_a_split_cuts_groups(checkpoints, tmp_path, monkeypatch):
