@@ -21,6 +21,6 @@ layers.linear.LinearMethod) that its forward calls instead of the plain GEMM.
   dequantized while loading;
 - mxfp4.py: MXFP4Scheme, gpt-oss's experts (kept packed on CUDA for the MXFP4 MoE kernels, dequantized on the CPU).
 
-Left for later (issue 41): kernels that read 4-bit experts (moe_experts.py dequantizes them); the MXFP4 and FP8 expert kernels are not yet measured or tuned (fused_moe takes its
-default tile rule for them).
+Left for later (issue 41): kernels that read 4-bit experts (moe_experts.py dequantizes them); the MXFP4 and FP8
+expert kernels are not yet measured or tuned (fused_moe takes its default tile rule for them).
 """
