@@ -580,7 +580,8 @@ def _check_quantization(scheme: FP8Scheme | W4Scheme | MXFP4Scheme, model: Model
 def _check_w4(scheme: W4Scheme, model: ModelConfig, tp_size: int) -> None:
     """Refuse, naming the field, a model whose layers a 4-bit scheme cannot split (quantization/w4_linear.py): each
     stacked shard's rows (a rank's share) whole int32s of eight (AWQ and compressed-tensors pack rows), and each
-    layer's input columns (a rank's share of o_proj's and down_proj's) whole groups."""
+    layer's input columns (a rank's share of o_proj's and down_proj's) whole groups; with act-order, whole int32s of
+    eight (GPTQ and compressed-tensors pack them), the whole layer's whole groups."""
     heads = model.num_attention_heads * model.head_dim // tp_size
     kv = max(1, model.num_key_value_heads // tp_size) * model.head_dim
     ffn = model.intermediate_size // tp_size
@@ -590,16 +591,22 @@ def _check_w4(scheme: W4Scheme, model: ModelConfig, tp_size: int) -> None:
     if rows:
         raise ValueError(f"quantization_config: 4-bit weights pack eight rows an int32, which does not divide the "
                          f"model's {', '.join(rows)}{where}")
+    whole = [("o_proj columns", model.num_attention_heads * model.head_dim), ("down_proj columns",
+                                                                             model.intermediate_size)]
+    if model.moe is not None and model.moe.shared_expert_intermediate_size:  # a linear layer too (Qwen2-MoE)
+        whole.append(("shared_expert down_proj columns", model.moe.shared_expert_intermediate_size))
+    columns = [(what, n // tp_size) for what, n in whole]
     if scheme.act_order and tp_size > 1:
-        raise ValueError(f"quantization_config: act-order (desc_act / actorder 'group') with tensor_parallel_size "
-                         f"{tp_size} is not supported: a rank's input columns of o_proj and down_proj fall in every "
-                         "group")
+        # g_idx puts a rank's columns in any group, so every rank keeps every group's scales (w4_linear.py): its
+        # share need not be whole groups, only whole int32s of GPTQ's and compressed-tensors' packing along them.
+        cut = [f"{what} {n}" for what, n in columns if n % 8]
+        if cut:
+            raise ValueError(f"quantization_config: act-order 4-bit weights pack eight input columns an int32, which "
+                             f"does not divide the model's {', '.join(cut)}{where}")
+        columns, where = whole, ""
     if scheme.group_size == -1:
         return
-    columns = [("hidden_size", model.hidden_size), ("o_proj columns", heads), ("down_proj columns", ffn)]
-    if model.moe is not None and model.moe.shared_expert_intermediate_size:  # a linear layer too (Qwen2-MoE)
-        columns.append(("shared_expert down_proj columns", model.moe.shared_expert_intermediate_size // tp_size))
-    uneven = [f"{what} {n}" for what, n in columns if n % scheme.group_size]
+    uneven = [f"{what} {n}" for what, n in [("hidden_size", model.hidden_size), *columns] if n % scheme.group_size]
     if uneven:
         raise ValueError(f"{scheme.group_field}: {scheme.group_size} does not divide the model's "
                          f"{', '.join(uneven)}{where}")

@@ -101,7 +101,8 @@ def quantize(w: torch.Tensor, g_idx: torch.Tensor, fmt: W4Format) -> tuple[torch
     return q, z, s, (q - ze).float() * se
 
 
-def _tensors(q, z, s, g_idx, fmt: W4Format) -> dict[str, torch.Tensor]:
+def format_tensors(q, z, s, g_idx, fmt: W4Format) -> dict[str, torch.Tensor]:
+    """One module's checkpoint tensors (quantize's q, z, s and the g_idx it took), as the format stores them."""
     n, k = q.shape
     if fmt.method == "gptq":
         zeros = z.t() - (1 if fmt.gptq_format == "gptq" else 0)
@@ -149,7 +150,7 @@ def write_w4_checkpoint(src: Path, dst: Path, fmt: W4Format, seed: int = 0) -> t
         shared = module.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
         g_idx = orders.setdefault(shared, group_index(t.shape[1], fmt, gen))
         q, z, s, w = quantize(t.float(), g_idx, fmt)
-        tensors.update({f"{module}.{name}": v.contiguous() for name, v in _tensors(q, z, s, g_idx, fmt).items()})
+        tensors.update({f"{module}.{name}": v.contiguous() for name, v in format_tensors(q, z, s, g_idx, fmt).items()})
         dense_tensors[key] = weights[module] = w
     save_file(tensors, quantized / "model.safetensors")
     save_file(dense_tensors, dense / "model.safetensors")

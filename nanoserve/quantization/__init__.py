@@ -21,7 +21,6 @@ layers.linear.LinearMethod) that its forward calls instead of the plain GEMM.
   quantized); act-order 4-bit ones, and all on the CPU, dequantized while loading;
 - mxfp4.py: MXFP4Scheme, gpt-oss's experts (kept packed on CUDA for the MXFP4 MoE kernels, dequantized on the CPU).
 
-Left for later (issue 41): kernels for act-order 4-bit experts (moe_experts.py dequantizes them), act-order 4-bit
-weights under tensor parallelism; the MXFP4, FP8 and W4 expert kernels are not yet measured or tuned (fused_moe takes
-its default tile rule for them).
+Left for later (issue 41): kernels for act-order 4-bit experts (moe_experts.py dequantizes them); the MXFP4, FP8 and
+W4 expert kernels' tiles are not tuned (fused_moe takes its default tile rule for them).
 """

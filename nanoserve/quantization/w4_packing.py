@@ -10,7 +10,10 @@ The engine's layout ("the W4 layout"; kernels/w4a16_gemm.py runs it) is GPTQ's, 
 - scales [groups, N], in the checkpoint's dtype (or a narrower one that holds them exactly);
 - zeros uint8 [groups, N], the zero points 0..16 (GPTQ's original format can mean 16), or none: 8;
 - perm int32 [K] or none (act-order): row k of qweight is the checkpoint's input column perm[k], so the layer
-  multiplies x[:, perm]; rows are sorted by group, so row k's group is k // group_size as without act-order.
+  multiplies x[:, perm]; rows are sorted by group, so row k's group is k // group_size as without act-order. A rank's
+  share of a row-parallel layer's columns (tensor parallelism) fills its groups partly: there perm is longer than
+  K, its rows padded to whole groups with weights of q = z whose perm is K, a column of zeros appended to x
+  (quantization/w4_linear.py's _sort_by_group).
 """
 
 import torch

@@ -69,11 +69,15 @@ def test_shapes_the_scheme_cannot_split_are_refused(tmp_path, checkpoints):
     with pytest.raises(ValueError, match=r"quantization_config.group_size: 128 does not divide the model's "
                                          "hidden_size 64, o_proj columns 64"):
         EngineArgs(model=write_config(tmp_path / "a", checkpoints, "llama", GPTQ), load_format="dummy").create_config()
-    act_order = W4Format("gptq", 32, act_order=True).quantization_config()
-    model = write_config(tmp_path / "b", checkpoints, "llama", act_order)
-    EngineArgs(model=model, load_format="dummy").create_config()
-    with pytest.raises(ValueError, match=r"act-order \(desc_act / actorder 'group'\) with tensor_parallel_size 2"):
-        EngineArgs(model=model, load_format="dummy", tensor_parallel_size=2).create_config()
+    # At TP=2 a rank's 32 columns of o_proj are half a group of 64: refused in order, taken with act-order (every
+    # rank keeps every group's scales).
+    in_order = write_config(tmp_path / "b", checkpoints, "llama", W4Format("gptq", 64).quantization_config())
+    with pytest.raises(ValueError, match=r"group_size: 64 does not divide the model's o_proj columns 32 per rank at "
+                                         "tensor_parallel_size 2"):
+        EngineArgs(model=in_order, load_format="dummy", tensor_parallel_size=2).create_config()
+    act_order = W4Format("gptq", 64, act_order=True).quantization_config()
+    model = write_config(tmp_path / "c", checkpoints, "llama", act_order)
+    EngineArgs(model=model, load_format="dummy", tensor_parallel_size=2).create_config()
 
 
 def _rewrite(ckpt, change) -> None:
