@@ -175,7 +175,14 @@ def queue_verify(
             draft_of_row = [t for d in drafts for t in (*d, -1)]
             return argmax == to_device(draft_of_row, torch.int64, argmax.device)
 
-        return VerifyStep(argmax, first_row, lambda: _verify_greedy(argmax, drafts), accepted_greedy, drafts)
+        host, done = _copy_to_host(argmax)
+
+        def read_greedy() -> SamplerOutput:
+            if done is not None:
+                done.synchronize()
+            return _verify_greedy(host, drafts)
+
+        return VerifyStep(argmax, first_row, read_greedy, accepted_greedy, drafts)
     device = logits.device
     rows: list[DraftPosition] = []
     draft_of_row: list[int] = []
@@ -214,10 +221,16 @@ def queue_verify(
         tokens[picked] = replacement
     emitted = torch.where(accepted, draft_tokens, tokens)
     queued = sampler.token_logprobs(raw_logprobs, emitted, params)
+    accepted_copy, done = _copy_to_host(accepted)
+    if done is not None:
+        queued = queued.to_host()
+        done.record()  # after the logprobs' copies too
 
     def read() -> SamplerOutput:
+        if done is not None:
+            done.synchronize()
         out = queued.result()
-        accepted_host = accepted.tolist()
+        accepted_host = accepted_copy.tolist()
         keep: list[int] = []
         offsets = [0]
         for start, seq_drafts in zip(first_row, drafts, strict=True):
@@ -232,6 +245,18 @@ def queue_verify(
         return SamplerOutput([out.token_ids[r] for r in keep], [out.logprobs[r] for r in keep], seq_failed, offsets)
 
     return VerifyStep(emitted, first_row, read, lambda: accepted, drafts)
+
+
+def _copy_to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """`values` copied to the host behind the kernels queued so far, and the event that says the copy is done (None
+    on the CPU: nothing to wait for). A read of the tensor itself would wait for the whole stream, the early
+    proposal's draft passes queued after the verify step included."""
+    if values.device.type != "cuda":
+        return values, None
+    host = values.to("cpu", non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
 
 
 def _verify_greedy(argmax_rows: torch.Tensor, drafts: Sequence[list[int]]) -> SamplerOutput:

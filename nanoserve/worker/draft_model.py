@@ -300,8 +300,8 @@ class DraftModelProposer:
         for row, cap, i in zip(rows, max_tokens, at, strict=True):
             tokens = row.token_ids
             n, num_rows, k = len(tokens), len(verified.drafts[i]) + 1, min(self.k, cap)
-            common = self._num_cached(row.seq_id, tokens)
-            if common != n - 1:  # not in step with the sequence (evicted, say): a proposal catches it up in chunks
+            common = self._num_cached(row.seq_id, tokens, most=n)
+            if common < n - 1:  # not in step with the sequence (evicted, say): a proposal catches it up in chunks
                 continue
             table = self.tables.setdefault(row.seq_id, [])
             if not self._grow(table, n + num_rows + k - 1, decoding):  # all accepted: up to n + num_rows + k - 2
@@ -546,13 +546,14 @@ class DraftModelProposer:
             for w, n in chunks:
                 w[3] += n
 
-    def _num_cached(self, seq_id: int, tokens: list[int]) -> int:
+    def _num_cached(self, seq_id: int, tokens: list[int], most: int | None = None) -> int:
         """How many of `tokens` the draft's pool holds the KV of, at most all but the last (the draft must see that
-        one: its row gives the first draft). A sequence's tokens are only ever appended to, so the tokens it had at
-        its last proposal are still its first ones; of the drafts cached after them, those it went on with count.
-        Compared a draft at a time: the whole prefix, before, cost two copies and a compare of the sequence a step."""
+        one: its row gives the first draft; an early proposal's comes from a later row, so it takes most=all). A
+        sequence's tokens are only ever appended to, so the tokens it had at its last proposal are still its first
+        ones; of the drafts cached after them, those it went on with count. Compared a draft at a time: the whole
+        prefix, before, cost two copies and a compare of the sequence a step."""
         seen, drafts = self.cached.get(seq_id, (0, []))
-        most = len(tokens) - 1
+        most = len(tokens) - 1 if most is None else most
         n = min(seen, most)
         for draft in drafts:
             if n == most or tokens[n] != draft:
