@@ -19,6 +19,12 @@ the host in one read at the end (the engine's scheduler and the verify step's in
 drafts are read at once only where a row's penalties read its tokens, drafts included. At one draft pass of ~1 ms,
 a read per pass left the GPU idle while the host read the token and built the next pass's inputs.
 
+Early proposals (async scheduling, propose_early): the same passes, queued right after the target's verify step and
+before the host reads it. The catch-up runs over the verify step's row tokens, still on the device, at their known
+positions; the first draft is picked from the row after the accepted ones, and the single-token passes' positions are
+shifted by the accepted count, both on the device. The engine then takes the drafts (take_early) of the sequences
+that kept every token the device drafted from (confirm_early); the others' are dropped (docs/speculative_decoding.md).
+
 Each draft is drawn from the draft's distribution q at its position, made with the request's own parameters
 (Sampler.processed and filtered_probs, the drafts before it counted as its tokens, as verification counts them), and
 q is kept for verification (spec_decode/rejection.py: accept with min(1, p/q)); greedy requests take q's argmax.
