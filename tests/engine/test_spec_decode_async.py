@@ -135,3 +135,17 @@ def test_constrained_and_penalized_samples_beside_early_drafted_ones(dirs, plain
     assert got[3].outputs[0].text in ("alpha", "beta")
     assert llm.engine.proposer.num_early_taken > 0
     check_drained(llm, 64)
+
+
+@pytest.mark.parametrize("case", ["ngram", "cpu_tier"])
+def test_synchronous_where_early_drafts_are_not_built(dirs, reference, case, caplog):
+    """n-gram (a host lookup) and the CPU KV tier keep speculative steps synchronous under async scheduling, with a
+    warning, and decode as without it."""
+    if case == "ngram":
+        config, extra = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3}, {}
+    else:
+        config, extra = {"model": str(dirs[0]), "num_speculative_tokens": K}, dict(kv_offload_gb=0.01)
+    llm = LLM(str(dirs[0]), num_kv_blocks=64, async_scheduling=True, speculative_config=config, **extra)
+    assert not llm.engine.early_drafts and not llm.engine.async_scheduling
+    assert "speculative steps are synchronous" in caplog.text
+    assert run(llm, prompts()) == reference
