@@ -214,6 +214,7 @@ class DraftModelProposer:
         self.probs: dict[int, torch.Tensor | None] = {}
         self.early: dict[int, _Early] = {}  # seq_id -> its drafts of an early proposal, not taken yet
         self.num_early_taken = 0  # drafts lists taken from early proposals (tests read it)
+        self.taken: set[int] = set()  # the sequences whose early drafts the last take_early gave
 
     @staticmethod
     def engine_config(config: EngineConfig) -> EngineConfig:
@@ -264,7 +265,8 @@ class DraftModelProposer:
     def propose(self, rows: Sequence[DraftRow], max_tokens: Sequence[int]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in rows]
         work = []  # (index in rows, the row, its draft view, tokens it has not seen, its k)
-        decoding = {row.seq_id for row in rows}
+        # Sequences whose early drafts were taken this step keep their blocks too: their q must reach the verify step.
+        decoding = {row.seq_id for row in rows} | self.taken
         for i, (row, cap) in enumerate(zip(rows, max_tokens, strict=True)):
             tokens = row.token_ids  # not copied: only read, and nothing appends to it while the draft runs
             k = min(self.k, cap)
@@ -354,6 +356,7 @@ class DraftModelProposer:
         """The confirmed early drafts of rows[i], at most max_tokens[i] (None where it has none: it is proposed for
         as usual). Every early draft not taken is dropped here."""
         out: list[list[int] | None] = []
+        self.taken = set()
         for row, cap in zip(rows, max_tokens, strict=True):
             early = self.early.pop(row.seq_id, None)
             if early is None or not early.confirmed:
@@ -364,6 +367,7 @@ class DraftModelProposer:
             drafts = early.proposal.drafts(early.w)[:cap]
             self.probs[row.seq_id] = _stacked(early.proposal.probs[early.w], len(drafts))
             self._take_early(row, drafts)
+            self.taken.add(row.seq_id)
             self.num_early_taken += 1
             out.append(drafts)
         for seq_id, early in list(self.early.items()):

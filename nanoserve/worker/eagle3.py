@@ -195,7 +195,8 @@ class Eagle3Proposer(DraftModelProposer):
         drafts: list[list[int]] = [[] for _ in rows]
         work = []  # (index in rows, the row, its entry in the head's catch-up pass, its k)
         slots: list[int] = []  # the target's KV slots of the positions the head catches up on
-        decoding = {row.seq_id for row in rows}
+        # Sequences whose early drafts were taken this step keep their blocks too: their q must reach the verify step.
+        decoding = {row.seq_id for row in rows} | self.taken
         for i, (row, cap) in enumerate(zip(rows, max_tokens, strict=True)):
             tokens = row.token_ids
             n, k = len(tokens), min(self.k, cap)
