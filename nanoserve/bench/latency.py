@@ -80,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     params = SamplingParams(temperature=0, max_tokens=ns.output_len, ignore_eos=True)
     llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
     proposals: list[float] = []  # seconds of each proposal of a draft model or EAGLE-3 head, timed runs only
-    if cfg.speculative is not None and cfg.speculative.method != "ngram":
+    # Early drafts (async scheduling) are queued behind the verify step and read a step later: a proposal then has no
+    # wall time of its own, and only the few made on the host would be timed. --no-async-scheduling times them all.
+    if cfg.speculative is not None and cfg.speculative.method != "ngram" and not engine.early_drafts:
         engine.proposer.propose = timed(engine.proposer.propose, proposals)
     per_token, per_step, generated = [], [], []
     spec_before = copy.deepcopy(engine.spec_stats)
@@ -109,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         drafts = spec.num_drafts - spec_before.num_drafts
         accepted = spec.num_accepted_tokens - spec_before.num_accepted_tokens
         result |= {"speculative_config": cfg.args.speculative_config, "draft_every_step": ns.draft_every_step,
+                   "early_drafts": engine.early_drafts,
                    "ms_per_step": round(float(np.median(per_step)) * 1e3, 3), "spec_num_drafts": drafts,
                    "spec_draft_tokens_per_draft": round((spec.num_draft_tokens - spec_before.num_draft_tokens)
                                                         / max(drafts, 1), 2),

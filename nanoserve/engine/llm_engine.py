@@ -89,17 +89,23 @@ class LLMEngine(EngineFrontend):
         self.force_after_token_ids: set[int] = set()
         asked = config.args.async_scheduling
         self.async_scheduling = config.device.type == "cuda" if asked is None else asked
-        # Speculative decoding (spec_decode/): a proposal reads the tokens the last step sampled, so the host must
-        # have them before it schedules: its steps are synchronous.
+        # Speculative decoding (spec_decode/): the host reads each step before it schedules the next (its accepted
+        # count sets the next step's positions and blocks). With async scheduling a draft model or EAGLE-3 head
+        # drafts for the next step on the device right after the verify step is queued, from its results there
+        # (early_drafts): the host reads the verify step and appends its tokens while the device drafts.
         self.proposer: Proposer | None = None  # spec_decode/proposer.py: n-gram or a draft model
         self.spec_stats: SpecDecodeStats | None = None
+        self.early_drafts = False
         if (spec := config.speculative) is not None:
             self.proposer = draft or NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max,
                                                    spec.prompt_lookup_min)
             self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens)
-            if asked:
-                logger.warning("async_scheduling: off with speculative_config (a proposal reads the last sampled "
-                               "token on the host)")
+            why = ("the n-gram lookup runs on the host, over the tokens the last step emitted" if draft is None else
+                   "tensor parallelism" if workers is not None else
+                   "the CPU KV tier (kv_offload_gb)" if self.runner.num_cpu_blocks else None)
+            self.early_drafts = self.async_scheduling and why is None
+            if asked and why is not None:
+                logger.warning("async_scheduling: speculative steps are synchronous with %s", why)
             self.async_scheduling = False
         self.in_flight: LaunchedStep | None = None
         self.last_batch: SchedulerOutput | None = None  # the batch the last step() scheduled (the web page shows it)
@@ -203,6 +209,8 @@ class LLMEngine(EngineFrontend):
             self._propose()
         batch = self.last_batch = self.scheduler.schedule()
         launched = self._launch(batch) if batch.scheduled else None
+        if self.early_drafts and launched is not None:
+            self._propose_early(launched)
         if self.in_flight is not None:
             outputs = self._process(self.in_flight, final_only)
         self.in_flight = launched
@@ -229,9 +237,43 @@ class LLMEngine(EngineFrontend):
             if cap >= 1:
                 rows.append(seq)
                 caps.append(cap)
+        # Drafts an early proposal made on the device while the host read the last step (_propose_early).
+        found = self.proposer.take_early(rows, caps) if self.early_drafts else [None] * len(rows)
+        late = [i for i, drafts in enumerate(found) if drafts is None]
+        if late:
+            proposed = self.proposer.propose([rows[i] for i in late], [caps[i] for i in late])
+            for i, drafts in zip(late, proposed, strict=True):
+                found[i] = drafts
+        for seq, drafts in zip(rows, found, strict=True):
+            seq.spec_token_ids = drafts
+
+    def _propose_early(self, launched: LaunchedStep) -> None:
+        """Queue the draft's proposal for the step after `launched` on the device, before the host reads it: for each
+        drafted sample, from the verify step's tokens there, as many drafts as whatever that step accepts leaves
+        room for. Not for the samples whose proposal reads their tokens on the host (penalties, min_tokens) or that
+        are never drafted for (_propose). The next _propose takes the drafts of the samples whose verify step
+        emitted every token the device drafted from (_append_verified)."""
+        launched.settle()  # the verify step is queued (a deferred one waits for its structured masks)
+        if launched.verified is None:
+            return
+        rows, caps, at = [], [], []
+        sample = 0
+        for entry in launched.batch.scheduled:
+            for seq in entry.sample_seqs:
+                num_drafts = len(entry.draft_token_ids)
+                if num_drafts and seq.grammar is None and seq.params.structured_outputs is None and \
+                        not seq.params.has_penalties and not seq.params.min_tokens and seq.cpu_blocks is None:
+                    # At least one token comes of the verify step; positions reach len + num_drafts + cap - 1.
+                    known = len(seq.token_ids)
+                    cap = min(seq.request.max_tokens - (known - seq.num_prompt_tokens) - 2,
+                              self.max_model_len - known - max(num_drafts, 2))
+                    if cap >= 1:
+                        rows.append(seq)
+                        caps.append(cap)
+                        at.append(sample)
+                sample += 1
         if rows:
-            for seq, drafts in zip(rows, self.proposer.propose(rows, caps), strict=True):
-                seq.spec_token_ids = drafts
+            self.proposer.propose_early(rows, caps, launched.verified, at)
 
     def _launch(self, batch: SchedulerOutput) -> LaunchedStep:
         now = time.monotonic()
@@ -310,6 +352,7 @@ class LLMEngine(EngineFrontend):
         """A speculative step's tokens for one sample: its accepted drafts and the token after them, each through the
         stop checks (none is appended past a stop, eos or max_tokens); then its lookahead slots past them are free."""
         accepted = len(at) - 1
+        known = len(seq.token_ids)
         for n, i in enumerate(at):
             self._append_token(seq, sampled.token_ids[i], sampled.logprobs[i])
             if seq.is_finished:  # a stop, eos or max_tokens: what came after was never emitted
@@ -322,6 +365,8 @@ class LLMEngine(EngineFrontend):
             self.spec_stats.observe(len(entry.draft_token_ids), accepted)
         if seq.is_finished:
             return
+        if self.early_drafts and len(seq.token_ids) - known == len(at):
+            self.proposer.confirm_early(seq.seq_id)  # its early drafts follow the tokens it has now
         # The KV of every token but the last is in the cache now; a rejected draft's slot is written over next step.
         seq.num_computed_tokens = len(seq.token_ids) - 1
         self.block_manager.trim(seq)

@@ -5,7 +5,9 @@ the tokens; a draft model (worker/draft_model.py) runs on the device over its ow
 sequence id between steps (`release` drops it when a sequence ends), and reads each row's sampling fields too
 (layers/sampler.py's SamplingRow: the engine's Sequence has them) to draw its drafts with the request's parameters.
 An EAGLE-3 head (worker/eagle3.py) also reads the target's hidden states, which the target's runner hands it after
-every step, and a row's block table (where they are stored).
+every step, and a row's block table (where they are stored). Under async scheduling those two also draft early, on
+the device, from a verify step the host has not read (DraftModelProposer.propose_early / take_early); the n-gram
+proposer does not.
 """
 
 from collections.abc import Sequence

@@ -16,7 +16,7 @@ So a sequence emits a + 1 tokens, a the accepted count. Every draw of a seeded r
 in a fixed order, so its output is reproducible whatever shares its batch.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -101,6 +101,44 @@ def rejection_sample(
     return accepted, (remainder / noise).argmax(dim=-1)
 
 
+@dataclass(eq=False)
+class VerifyStep:
+    """A verify step queued on the device, not read yet. row_tokens [R] holds, at each of a sequence's rows, the
+    token that row emits if it is reached (row j, the token after its tokens and d_1..d_j: d_{j+1} where accepted);
+    num_accepted() the accepted count of each sequence, on the device too. A proposer drafts the next step from them
+    before the host reads this one (engine/llm_engine.py's early proposal); result() reads it."""
+
+    row_tokens: torch.Tensor
+    first_row: list[int]  # each sequence's first row in row_tokens
+    _read: Callable[[], SamplerOutput]
+    _accepted_rows: Callable[[], torch.Tensor]  # [R] bool on the device: row j's draft d_{j+1} accepted
+    drafts: Sequence[list[int]]
+    _out: SamplerOutput | None = None
+    _num_accepted: torch.Tensor | None = None
+
+    def result(self) -> SamplerOutput:
+        if self._out is None:
+            self._out = self._read()
+        return self._out
+
+    def num_accepted(self) -> torch.Tensor:
+        """[S] int64 on the device: how many of its drafts each sequence's verification accepted (a leading run)."""
+        if self._num_accepted is None:
+            accepted = self._accepted_rows()
+            most = max((len(d) for d in self.drafts), default=0)
+            if most == 0:
+                self._num_accepted = torch.zeros(len(self.drafts), dtype=torch.int64, device=accepted.device)
+            else:
+                # Each sequence's draft rows, padded with a row that is never accepted: the leading run of trues.
+                pad = accepted.shape[0]
+                index = [[start + j if j < len(d) else pad for j in range(most)]
+                         for start, d in zip(self.first_row, self.drafts, strict=True)]
+                padded = torch.cat([accepted, accepted.new_zeros(1)])
+                rows = padded[to_device(index, torch.int64, accepted.device)]
+                self._num_accepted = rows.long().cumprod(dim=1).sum(dim=1)
+        return self._num_accepted
+
+
 def verify(
     sampler: Sampler,
     logits: torch.Tensor,
@@ -113,14 +151,42 @@ def verify(
     SamplerOutput.offsets says where each sequence's tokens (accepted drafts, then one more) lie in token_ids.
     draft_probs[i]: the distributions sequence i's drafts were drawn from ([>= len(drafts[i]), V]; None: point
     masses, as when draft_probs is None); greedy rows ignore them."""
+    return queue_verify(sampler, logits, seqs, drafts, masks, draft_probs).result()
+
+
+def queue_verify(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    seqs: Sequence[SamplingRow],
+    drafts: Sequence[list[int]],
+    masks: AllowedTokens | None = None,
+    draft_probs: Sequence[torch.Tensor | None] | None = None,
+) -> VerifyStep:
+    """verify(), queued on the device and read when its result() is asked for. Every random draw is made here, in
+    the order verify() makes them."""
+    first_row, at = [], 0
+    for d in drafts:
+        first_row.append(at)
+        at += len(d) + 1
     if masks is None and all(takes_raw_argmax(s.params) and s.params.logprobs is None for s in seqs):
-        return _verify_greedy(logits, drafts)
+        argmax = logits.argmax(dim=-1)
+
+        def accepted_greedy() -> torch.Tensor:
+            draft_of_row = [t for d in drafts for t in (*d, -1)]
+            return argmax == to_device(draft_of_row, torch.int64, argmax.device)
+
+        host, done = _copy_to_host(argmax)
+
+        def read_greedy() -> SamplerOutput:
+            if done is not None:
+                done.synchronize()
+            return _verify_greedy(host, drafts)
+
+        return VerifyStep(argmax, first_row, read_greedy, accepted_greedy, drafts)
     device = logits.device
     rows: list[DraftPosition] = []
-    first_row: list[int] = []
     draft_of_row: list[int] = []
     for seq, seq_drafts in zip(seqs, drafts, strict=True):
-        first_row.append(len(rows))
         rows += [DraftPosition(seq, seq_drafts[:j]) for j in range(len(seq_drafts) + 1)]
         draft_of_row += [*seq_drafts, -1]
     seq_of_row = [i for i, d in enumerate(drafts) for _ in range(len(d) + 1)]
@@ -154,28 +220,51 @@ def verify(
         accepted[picked] = row_accepted
         tokens[picked] = replacement
     emitted = torch.where(accepted, draft_tokens, tokens)
-    out = sampler.token_logprobs(raw_logprobs, emitted, params).result()
-    accepted_host = accepted.tolist()
-    keep: list[int] = []
-    offsets = [0]
-    for start, seq_drafts in zip(first_row, drafts, strict=True):
-        count = 1
-        while count <= len(seq_drafts) and accepted_host[start + count - 1]:
-            count += 1
-        offsets.append(offsets[-1] + count)
-        keep += range(start, start + count)
-    seq_failed: dict[int, Exception] = {}
-    for r, exc in failed.items():
-        seq_failed.setdefault(seq_of_row[r], exc)
-    return SamplerOutput([out.token_ids[r] for r in keep], [out.logprobs[r] for r in keep], seq_failed, offsets)
+    queued = sampler.token_logprobs(raw_logprobs, emitted, params)
+    accepted_copy, done = _copy_to_host(accepted)
+    if done is not None:
+        queued = queued.to_host()
+        done.record()  # after the logprobs' copies too
+
+    def read() -> SamplerOutput:
+        if done is not None:
+            done.synchronize()
+        out = queued.result()
+        accepted_host = accepted_copy.tolist()
+        keep: list[int] = []
+        offsets = [0]
+        for start, seq_drafts in zip(first_row, drafts, strict=True):
+            count = 1
+            while count <= len(seq_drafts) and accepted_host[start + count - 1]:
+                count += 1
+            offsets.append(offsets[-1] + count)
+            keep += range(start, start + count)
+        seq_failed: dict[int, Exception] = {}
+        for r, exc in failed.items():
+            seq_failed.setdefault(seq_of_row[r], exc)
+        return SamplerOutput([out.token_ids[r] for r in keep], [out.logprobs[r] for r in keep], seq_failed, offsets)
+
+    return VerifyStep(emitted, first_row, read, lambda: accepted, drafts)
 
 
-def _verify_greedy(logits: torch.Tensor, drafts: Sequence[list[int]]) -> SamplerOutput:
+def _copy_to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """`values` copied to the host behind the kernels queued so far, and the event that says the copy is done (None
+    on the CPU: nothing to wait for). A read of the tensor itself would wait for the whole stream, the early
+    proposal's draft passes queued after the verify step included."""
+    if values.device.type != "cuda":
+        return values, None
+    host = values.to("cpu", non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
+def _verify_greedy(argmax_rows: torch.Tensor, drafts: Sequence[list[int]]) -> SamplerOutput:
     """verify() where every row emits the argmax of its raw logits (takes_raw_argmax, no logprobs, no masks): a draft
     is accepted while it is its row's argmax, so the argmaxes are the tokens to emit, read in one go and the drafts
     checked against them on the host. (Checked on the device, it took seven more small tensor ops and a second read a
     step: the host's step time is the step time of a small model, issue #43.)"""
-    argmax = logits.argmax(dim=-1).tolist()
+    argmax = argmax_rows.tolist()
     token_ids: list[int] = []
     offsets = [0]
     row = 0

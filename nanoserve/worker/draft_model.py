@@ -19,6 +19,12 @@ the host in one read at the end (the engine's scheduler and the verify step's in
 drafts are read at once only where a row's penalties read its tokens, drafts included. At one draft pass of ~1 ms,
 a read per pass left the GPU idle while the host read the token and built the next pass's inputs.
 
+Early proposals (async scheduling, propose_early): the same passes, queued right after the target's verify step and
+before the host reads it. The catch-up runs over the verify step's row tokens, still on the device, at their known
+positions; the first draft is picked from the row after the accepted ones, and the single-token passes' positions are
+shifted by the accepted count, both on the device. The engine then takes the drafts (take_early) of the sequences
+that kept every token the device drafted from (confirm_early); the others' are dropped (docs/speculative_decoding.md).
+
 Each draft is drawn from the draft's distribution q at its position, made with the request's own parameters
 (Sampler.processed and filtered_probs, the drafts before it counted as its tokens, as verification counts them), and
 q is kept for verification (spec_decode/rejection.py: accept with min(1, p/q)); greedy requests take q's argmax.
@@ -45,7 +51,7 @@ from nanoserve.config import EngineConfig, read_config_json
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.model.registry import check_architecture
 from nanoserve.spec_decode.proposer import DraftRow
-from nanoserve.spec_decode.rejection import DraftPosition, takes_raw_argmax
+from nanoserve.spec_decode.rejection import DraftPosition, VerifyStep, takes_raw_argmax
 from nanoserve.utils import to_device
 from nanoserve.worker.cuda_graphs import CUDAGraphRunner, PrefillGraphRunner
 from nanoserve.worker.kv_cache import allocate_kv_cache, bytes_per_block
@@ -102,6 +108,49 @@ class _DecodeState:
         self.seq_lens, self.block_tables = self.seq_lens[:, keep], self.block_tables[keep]
         if self.hidden is not None:
             self.hidden = self.hidden[keep]
+
+
+def _read_drafts(passes: list[tuple[torch.Tensor, list[tuple[int, int]]]], num_rows: int) -> list[list[int]]:
+    """_draft_passes' drafts on the host, each row's in order: one read (the proposal's one wait for the device)."""
+    values = torch.cat([tokens for tokens, _ in passes]).tolist()
+    drafts: list[list[int]] = [[] for _ in range(num_rows)]
+    at_pass = 0
+    for tokens, kept in passes:
+        for w, at in kept:
+            drafts[w].append(values[at_pass + at])
+        at_pass += tokens.shape[0]
+    return drafts
+
+
+def _stacked(probs: list[torch.Tensor], num_drafts: int) -> torch.Tensor | None:
+    """A row's q of its first num_drafts drafts ([n, V]), or None (greedy, or some draft came without one)."""
+    return torch.stack(probs[:num_drafts]) if num_drafts and len(probs) >= num_drafts else None
+
+
+@dataclass(eq=False)
+class _EarlyProposal:
+    """Drafts queued on the device from a verify step the host had not read yet (propose_early): still there until
+    the first take_early reads them all."""
+
+    passes: list[tuple[torch.Tensor, list[tuple[int, int]]]]
+    probs: list[list[torch.Tensor]]
+    values: list[list[int]] | None = None
+
+    def drafts(self, w: int) -> list[int]:
+        if self.values is None:
+            self.values = _read_drafts(self.passes, len(self.probs))
+        return self.values[w]
+
+
+@dataclass(eq=False)
+class _Early:
+    """One sequence's share of an early proposal: its row w, its token count when it was queued, and whether the
+    engine confirmed that the verify step emitted the tokens the device drafted from (confirm_early)."""
+
+    proposal: _EarlyProposal
+    w: int
+    num_tokens: int
+    confirmed: bool = False
 
 
 # A draft or head runs whole on the engine's device (rank 0's under tensor parallelism): split over the ranks, a small
@@ -163,6 +212,9 @@ class DraftModelProposer:
         # seq_id -> q of its latest drafts ([n, V]; None: greedy), replaced with them: drafts a step did not schedule
         # are kept by the sequence until its next proposal, and must still find their own q.
         self.probs: dict[int, torch.Tensor | None] = {}
+        self.early: dict[int, _Early] = {}  # seq_id -> its drafts of an early proposal, not taken yet
+        self.num_early_taken = 0  # drafts lists taken from early proposals (tests read it)
+        self.taken: set[int] = set()  # the sequences whose early drafts the last take_early gave
 
     @staticmethod
     def engine_config(config: EngineConfig) -> EngineConfig:
@@ -203,6 +255,7 @@ class DraftModelProposer:
         self.free += self.tables.pop(seq_id, [])
         self.cached.pop(seq_id, None)
         self.probs.pop(seq_id, None)
+        self.early.pop(seq_id, None)
 
     def evict(self, seq_id: int) -> None:
         """Give a sequence's blocks back while it lives on (it is caught up again at its next proposal)."""
@@ -212,7 +265,8 @@ class DraftModelProposer:
     def propose(self, rows: Sequence[DraftRow], max_tokens: Sequence[int]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in rows]
         work = []  # (index in rows, the row, its draft view, tokens it has not seen, its k)
-        decoding = {row.seq_id for row in rows}
+        # Sequences whose early drafts were taken this step keep their blocks too: their q must reach the verify step.
+        decoding = {row.seq_id for row in rows} | self.taken
         for i, (row, cap) in enumerate(zip(rows, max_tokens, strict=True)):
             tokens = row.token_ids  # not copied: only read, and nothing appends to it while the draft runs
             k = min(self.k, cap)
@@ -238,12 +292,110 @@ class DraftModelProposer:
             self.cached[row.seq_id] = (len(row.token_ids), d[:-1]) if d else (len(row.token_ids) - 1, [])
         return drafts
 
+    # -- early proposals (async scheduling): drafted on the device from a verify step the host has not read ----------
+    @torch.inference_mode()
+    def propose_early(
+        self, rows: Sequence[DraftRow], max_tokens: Sequence[int], verified: VerifyStep, at: Sequence[int]
+    ) -> None:
+        """Queue drafts for the step after `verified`, before the host reads it: rows[i] is its sample at[i], whose
+        verify entry had drafts; max_tokens[i] caps its drafts whatever that step accepts. The draft catches up on
+        the sequence's unseen tokens and on all of the verify step's row tokens (still on the device; those past
+        the accepted ones are written over later), and draws its first draft from the row after the accepted ones,
+        picked on the device by the accepted count; its single-token passes go on from there. take_early then gives
+        the drafts of the sequences whose verify step emitted just those tokens (confirm_early)."""
+        decoding = {row.seq_id for row in rows}
+        work = []  # (the row, its entry, its k, the catch-up row of its position L, its sample in `verified`)
+        for row, cap, i in zip(rows, max_tokens, at, strict=True):
+            tokens = row.token_ids
+            n, num_rows, k = len(tokens), len(verified.drafts[i]) + 1, min(self.k, cap)
+            common = self._num_cached(row.seq_id, tokens, most=n)
+            if common < n - 1:  # not in step with the sequence (evicted, say): a proposal catches it up in chunks
+                continue
+            table = self.tables.setdefault(row.seq_id, [])
+            if not self._grow(table, n + num_rows + k - 1, decoding):  # all accepted: up to n + num_rows + k - 2
+                self.evict(row.seq_id)
+                continue
+            self.cached[row.seq_id] = (common, [])  # until the verify step is read: see _drop_early
+            view = _DraftSeq(row.seq_id, tokens, table)
+            work.append((row, _Entry(view, common, n + num_rows - common), k, n - common, i))
+        if work:
+            hidden, first = self._forward_early([w[1] for w in work], verified, [w[4] for w in work])
+            accepted = verified.num_accepted()[to_device([w[4] for w in work], torch.int64, self.config.device)]
+            # Position n + a: the verify step's token after its a accepted drafts.
+            picked = to_device([f + w[3] for f, w in zip(first, work, strict=True)], torch.int64, self.config.device)
+            logits = self.runner.model.compute_logits(hidden[picked + accepted])
+            state = self._decode_state([len(w[0].token_ids) for w in work], [w[1].seq.block_table for w in work],
+                                       shift=accepted)
+            self._queue_early([w[0] for w in work], [w[2] for w in work], logits, state)
+
+    def _forward_early(
+        self, entries: list[_Entry], verified: VerifyStep, at: list[int]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """One pass over `entries` (each a chunk of two tokens or more, whose tokens past the sequence's known ones
+        are its rows of verified.row_tokens, sample at[i] there): its hidden states (valid until the next pass) and
+        each entry's first row."""
+        assert all(e.num_new_tokens > 1 for e in entries)
+        prev_rows = {e.seq.seq_id: verified.first_row[i] for e, i in zip(entries, at, strict=True)}
+        step = StepInputs.build(_Batch(entries, 0), prev_rows, self.block_size, [])
+        hidden, _ = self.runner.forward(step, verified.row_tokens)
+        return hidden, step.cu_seqlens_q_cpu[:-1]
+
+    def _queue_early(self, rows: list[DraftRow], ks: list[int], logits: torch.Tensor, state: _DecodeState) -> None:
+        passes, probs = self._draft_passes(logits, rows, ks, state)
+        proposal = _EarlyProposal(passes, probs)
+        for w, row in enumerate(rows):
+            self.early[row.seq_id] = _Early(proposal, w, len(row.token_ids))
+
+    def confirm_early(self, seq_id: int) -> None:
+        """The verify step the sequence's early drafts were drawn after emitted every token its rows gave (no stop,
+        nothing forced): they continue its tokens as a proposal now would."""
+        if (early := self.early.get(seq_id)) is not None:
+            early.confirmed = True
+
+    def take_early(self, rows: Sequence[DraftRow], max_tokens: Sequence[int]) -> list[list[int] | None]:
+        """The confirmed early drafts of rows[i], at most max_tokens[i] (None where it has none: it is proposed for
+        as usual). Every early draft not taken is dropped here."""
+        out: list[list[int] | None] = []
+        self.taken = set()
+        for row, cap in zip(rows, max_tokens, strict=True):
+            early = self.early.pop(row.seq_id, None)
+            if early is None or not early.confirmed:
+                if early is not None:
+                    self._drop_early(row.seq_id, early)
+                out.append(None)
+                continue
+            drafts = early.proposal.drafts(early.w)[:cap]
+            self.probs[row.seq_id] = _stacked(early.proposal.probs[early.w], len(drafts))
+            self._take_early(row, drafts)
+            self.taken.add(row.seq_id)
+            self.num_early_taken += 1
+            out.append(drafts)
+        for seq_id, early in list(self.early.items()):
+            self._drop_early(seq_id, early)
+        self.early.clear()
+        return out
+
+    def _take_early(self, row: DraftRow, drafts: list[int]) -> None:
+        # The pool holds the sequence's tokens (the verify step's accepted ones and the one after) and the drafts.
+        self.cached[row.seq_id] = (len(row.token_ids), drafts[:-1])
+
+    def _drop_early(self, seq_id: int, early: _Early) -> None:
+        """What the pool surely holds when a sequence's early drafts go unused: its tokens from before the verify
+        step (the catch-up wrote those as they are; what came after may not be the sequence's tokens)."""
+        self.cached[seq_id] = (early.num_tokens, [])
+
     def _decode_state(
-        self, positions: list[int], tables: list[list[int]], hidden: torch.Tensor | None = None
+        self,
+        positions: list[int],
+        tables: list[list[int]],
+        hidden: torch.Tensor | None = None,
+        shift: torch.Tensor | None = None,
     ) -> _DecodeState:
         """The single-token passes' inputs (k - 1 passes), from each sequence's position at its sampling catch-up
         pass and its table: one int64 array (positions, slots, then int32 seq_lens, cu_seqlens_q and tables two to a
-        slot), one copy a proposal. Each pass made them on the device before, a dozen small kernels a pass."""
+        slot), one copy a proposal. Each pass made them on the device before, a dozen small kernels a pass.
+        shift: [rows] on the device, added to each row's positions there (an early proposal: the accepted counts of
+        a verify step the host has not read), its slots then looked up on the device."""
         rows, width, passes, bs = len(tables), max(len(t) for t in tables), self.k - 1, self.block_size
         # Python lists, not numpy: a proposal has few rows, and numpy's fixed cost per call would be most of it.
         pos = [p + j for j in range(1, passes + 1) for p in positions]  # pass by pass
@@ -259,7 +411,7 @@ class DraftModelProposer:
             row[: len(table)] = table
         dev = to_device(host, torch.int64, self.config.device)
         dev_ints = dev[num_longs:].view(torch.int32)
-        return _DecodeState(
+        state = _DecodeState(
             positions=dev[: passes * rows].view(passes, rows),
             slots=dev[passes * rows : num_longs].view(passes, rows),
             seq_lens=dev_ints[: passes * rows].view(passes, rows),
@@ -267,15 +419,34 @@ class DraftModelProposer:
             block_tables=dev_ints[passes * rows + rows + 1 : num_ints].view(rows, width),
             hidden=hidden,
         )
+        if shift is not None:
+            state.positions = state.positions + shift
+            state.seq_lens = state.seq_lens + shift.to(torch.int32)
+            # The table was grown for the largest shift; a row that stops early clamps as the host's lookup does.
+            lengths = to_device([len(t) for t in tables], torch.int64, self.config.device)
+            pages = torch.minimum(state.positions // bs, lengths - 1)
+            state.slots = state.block_tables.long().gather(1, pages.t()).t() * bs + state.positions % bs
+        return state
 
     def _draft_loop(
         self, logits: torch.Tensor, rows: list[DraftRow], ks: list[int], state: _DecodeState
     ) -> list[list[int]]:
+        """Up to ks[w] drafts for rows[w] (_draft_passes), read to the host in one go. Sets each row's q
+        (self.probs)."""
+        passes, probs = self._draft_passes(logits, rows, ks, state)
+        drafts = _read_drafts(passes, len(rows))
+        for w, row in enumerate(rows):
+            self.probs[row.seq_id] = _stacked(probs[w], len(drafts[w]))
+        return drafts
+
+    def _draft_passes(
+        self, logits: torch.Tensor, rows: list[DraftRow], ks: list[int], state: _DecodeState
+    ) -> tuple[list[tuple[torch.Tensor, list[tuple[int, int]]]], list[list[torch.Tensor]]]:
         """Up to ks[w] drafts for rows[w]: the first drawn from `logits` (its catch-up's last row), each next one
         from a single-token pass over the draft before it (_decode_pass, inputs built on the device). The drafts stay
-        on the device until all are drawn, then come to the host in one read; so the host queues every pass without
-        waiting for the one before, save where a row's penalties read its drafts (then each pass's are read).
-        Sets each row's q (self.probs)."""
+        on the device: the host queues every pass without waiting for the one before, save where a row's penalties
+        read its drafts (then each pass's are read). Returns each pass's drawn tokens with (row, index in them) of
+        each draft it kept, and each row's q of its drafts."""
         argmax_only = self._argmax_only(rows)
         history = any(row.params.has_penalties for row in rows)
         drafted: list[list[int]] = [[] for _ in rows]  # on the host, kept only for penalties
@@ -305,16 +476,7 @@ class DraftModelProposer:
             keep = None if len(going) == len(live) else to_device(going, torch.int64, self.config.device)
             logits = self._decode_pass(state, tokens, keep)
             live = [live[at] for at in going]
-        values = torch.cat([tokens for tokens, _ in passes]).tolist()  # the proposal's one wait for the device
-        drafts: list[list[int]] = [[] for _ in rows]
-        at_pass = 0
-        for tokens, kept in passes:
-            for w, at in kept:
-                drafts[w].append(values[at_pass + at])
-            at_pass += tokens.shape[0]
-        for w, row in enumerate(rows):
-            self.probs[row.seq_id] = torch.stack(probs[w]) if probs[w] and len(probs[w]) == len(drafts[w]) else None
-        return drafts
+        return passes, probs
 
     @staticmethod
     def _argmax_only(rows: Sequence[DraftRow]) -> bool:
@@ -394,13 +556,14 @@ class DraftModelProposer:
             for w, n in chunks:
                 w[3] += n
 
-    def _num_cached(self, seq_id: int, tokens: list[int]) -> int:
+    def _num_cached(self, seq_id: int, tokens: list[int], most: int | None = None) -> int:
         """How many of `tokens` the draft's pool holds the KV of, at most all but the last (the draft must see that
-        one: its row gives the first draft). A sequence's tokens are only ever appended to, so the tokens it had at
-        its last proposal are still its first ones; of the drafts cached after them, those it went on with count.
-        Compared a draft at a time: the whole prefix, before, cost two copies and a compare of the sequence a step."""
+        one: its row gives the first draft; an early proposal's comes from a later row, so it takes most=all). A
+        sequence's tokens are only ever appended to, so the tokens it had at its last proposal are still its first
+        ones; of the drafts cached after them, those it went on with count. Compared a draft at a time: the whole
+        prefix, before, cost two copies and a compare of the sequence a step."""
         seen, drafts = self.cached.get(seq_id, (0, []))
-        most = len(tokens) - 1
+        most = len(tokens) - 1 if most is None else most
         n = min(seen, most)
         for draft in drafts:
             if n == most or tokens[n] != draft:

@@ -34,6 +34,7 @@ from nanoserve.model.llama_eagle3 import aux_hidden_state_layers
 from nanoserve.model.loader import load_whole_parameter
 from nanoserve.model.registry import DRAFT_HEADS
 from nanoserve.spec_decode.proposer import DraftRow
+from nanoserve.spec_decode.rejection import VerifyStep
 from nanoserve.utils import to_device
 from nanoserve.worker.draft_model import (
     WHOLE_ON_ONE_DEVICE,
@@ -41,6 +42,7 @@ from nanoserve.worker.draft_model import (
     _Batch,
     _DecodeState,
     _DraftSeq,
+    _Early,
     _Entry,
 )
 from nanoserve.worker.model_runner import ModelRunner
@@ -193,7 +195,8 @@ class Eagle3Proposer(DraftModelProposer):
         drafts: list[list[int]] = [[] for _ in rows]
         work = []  # (index in rows, the row, its entry in the head's catch-up pass, its k)
         slots: list[int] = []  # the target's KV slots of the positions the head catches up on
-        decoding = {row.seq_id for row in rows}
+        # Sequences whose early drafts were taken this step keep their blocks too: their q must reach the verify step.
+        decoding = {row.seq_id for row in rows} | self.taken
         for i, (row, cap) in enumerate(zip(rows, max_tokens, strict=True)):
             tokens = row.token_ids
             n, k = len(tokens), min(self.k, cap)
@@ -227,6 +230,56 @@ class Eagle3Proposer(DraftModelProposer):
         for (i, _, _, _), d in zip(work, found, strict=True):
             drafts[i] = d
         return drafts
+
+    @torch.inference_mode()
+    def propose_early(
+        self, rows: Sequence[HeadRow], max_tokens: Sequence[int], verified: VerifyStep, at: Sequence[int]
+    ) -> None:
+        """DraftModelProposer.propose_early for the head: it catches up on the positions up to the verify step's last
+        (their hidden states stored by the verify step, their next tokens its rows, still on the device), and draws
+        its first draft from the row of the position before the token after the accepted drafts."""
+        decoding = {row.seq_id for row in rows}
+        work = []  # (the row, its entry, its k, the catch-up row of position L - 1, its sample in `verified`)
+        slots: list[int] = []
+        for row, cap, i in zip(rows, max_tokens, at, strict=True):
+            tokens = row.token_ids
+            n, num_rows, k = len(tokens), len(verified.drafts[i]) + 1, min(self.k, cap)
+            if self.done.get(row.seq_id, 0) != n - 1:  # not in step (evicted, say): a proposal catches it up in chunks
+                continue
+            table = self.tables.setdefault(row.seq_id, [])
+            if not self._grow(table, n + num_rows + k - 2, decoding):  # all accepted: up to n + num_rows + k - 3
+                self.evict(row.seq_id)
+                continue
+            start = n - 1
+            view = _DraftSeq(row.seq_id, list(tokens[1:]), table)
+            # Positions start .. n + num_rows - 2: the verify step ran up to there (its hidden states are stored).
+            entry = _HeadEntry(view, start, n + num_rows - 1 - start)
+            work.append((row, entry, k, n - 1 - start, i))
+            slots += chunk_slots(row.block_table, start, entry.num_new_tokens, self.block_size)
+            self.done[row.seq_id] = n - 1  # until the verify step is read: see _drop_early
+        if not work:
+            return
+        if self.ids_increasing is None:
+            ids = self.head.target_ids()
+            self.ids_increasing = bool((ids[1:] > ids[:-1]).all())
+        self.draft_vocab = self.ids_increasing and self._argmax_only([w[0] for w in work])
+        entries = [w[1] for w in work]
+        self.head.hidden_in[: len(slots)].copy_(self.hidden_pool[to_device(slots, torch.int64, self.config.device)])
+        hidden, first = self._forward_early(entries, verified, [w[4] for w in work])
+        accepted = verified.num_accepted()[to_device([w[4] for w in work], torch.int64, self.config.device)]
+        picked = to_device([f + w[3] for f, w in zip(first, work, strict=True)], torch.int64, self.config.device)
+        out = hidden[picked + accepted]  # a copy: the next pass writes over a graph's output buffer
+        state = self._decode_state([len(w[0].token_ids) - 1 for w in work], [e.seq.block_table for e in entries],
+                                   hidden=out, shift=accepted)
+        self._queue_early([w[0] for w in work], [w[2] for w in work], self._logits(out), state)
+
+    def _take_early(self, row: DraftRow, drafts: list[int]) -> None:
+        super()._take_early(row, drafts)
+        self.done[row.seq_id] = len(row.token_ids) - 1
+
+    def _drop_early(self, seq_id: int, early: _Early) -> None:
+        super()._drop_early(seq_id, early)
+        self.done[seq_id] = min(self.done.get(seq_id, 0), early.num_tokens - 1)
 
     def _catch_up_head(self, entries: list[_HeadEntry]) -> list[_HeadEntry]:
         """Runs the rows beyond one step's token budget first, in chunks, without sampling (no head pass is larger

@@ -14,7 +14,7 @@ from nanoserve.layers.attention import Attention, AttentionMetadata, TritonBacke
 from nanoserve.layers.sampler import AllowedTokens, SampledTokens, Sampler, SamplerOutput
 from nanoserve.layers.step_plan import KernelPlanner
 from nanoserve.model.loader import load_model
-from nanoserve.spec_decode.rejection import verify
+from nanoserve.spec_decode.rejection import VerifyStep, queue_verify
 from nanoserve.worker.batch import ScheduledBatch
 from nanoserve.worker.cuda_graphs import CUDAGraphRunner, PrefillGraphRunner, eager_tile_map
 from nanoserve.worker.kv_cache import (
@@ -43,7 +43,8 @@ class LaunchedStep:
     done: torch.cuda.Event | None
     prompt_logprobs: dict
     deferred_sample: Callable[[], None] | None = None  # queues the sampling, deferred until its token masks are filled
-    verified: SamplerOutput | None = None  # a speculative verify step's tokens, read already (spec_decode/)
+    # A speculative verify step's tokens (spec_decode/rejection.py): queued on the device, read by result().
+    verified: VerifyStep | None = None
 
     def settle(self) -> None:
         """Queue the deferred sampling, if any (it waits for the masks): before anything reads `sampled`."""
@@ -54,7 +55,7 @@ class LaunchedStep:
     def result(self) -> SamplerOutput:
         self.settle()
         if self.verified is not None:
-            return self.verified
+            return self.verified.result()
         if self.host is None:
             return SamplerOutput([], [])
         if self.done is not None:
@@ -288,8 +289,8 @@ class ModelRunner:
         launched = LaunchedStep(batch, None, {s.seq_id: i for i, s in enumerate(seqs)}, None, None, prompt_logprobs)
 
         def sample() -> None:
-            if drafts is not None:  # reads back to the host: speculative steps are synchronous
-                launched.verified = verify(self.sampler, logits, seqs, drafts, masks, draft_probs)
+            if drafts is not None:  # read by result(); a draft proposer may draft from it on the device first
+                launched.verified = queue_verify(self.sampler, logits, seqs, drafts, masks, draft_probs)
                 return
             sampled = self.sampler.sample(logits, seqs, masks)
             assert step.replica_call <= 0 or self.sampler.num_calls == step.replica_call, "the ranks' keys differ"

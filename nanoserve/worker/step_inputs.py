@@ -131,10 +131,15 @@ class StepInputs:
             else:
                 # Speculative decoding: the last tokens are drafts to verify, which follow the known ones.
                 drafts = entry.draft_token_ids
-                known = n - len(drafts)
-                # Only a decode's one new token can still be on the device (async scheduling).
-                assert start + known <= len(seq.token_ids)
+                known = min(n - len(drafts), len(seq.token_ids) - start)
                 input_ids += seq.token_ids[start:start + known]
+                if known < n - len(drafts):
+                    # A draft proposer's early catch-up (worker/draft_model.py): its last tokens are a verify step's
+                    # rows, not read yet, from row prev_rows[seq_id] of the tokens passed to to_device.
+                    unread = n - len(drafts) - known
+                    pending_at += range(len(input_ids), len(input_ids) + unread)
+                    pending_rows += range(prev_rows[seq.seq_id], prev_rows[seq.seq_id] + unread)
+                    input_ids += [0] * unread
                 if drafts:
                     input_ids += drafts
                 positions += range(start, start + n)

@@ -10,7 +10,7 @@ from nanoserve.layers.sampler import Sampler
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.spec_decode.config import SpeculativeConfig
 from nanoserve.spec_decode.ngram import NgramProposer, ngram_lookup
-from nanoserve.spec_decode.rejection import rejection_sample, verify
+from nanoserve.spec_decode.rejection import queue_verify, rejection_sample, verify
 
 VOCAB = 6
 # The 99.9 % quantile of chi-square with VOCAB - 1 = 5 degrees of freedom.
@@ -151,6 +151,25 @@ def test_verify_greedy_fast_path_matches_the_general_path():
             for n in (None, 0)]
     assert outs[0].offsets == outs[1].offsets and outs[0].counts[:2] == [3, 4]
     assert outs[0].token_ids == outs[1].token_ids
+
+
+def test_queued_verify_gives_accepted_counts_and_row_tokens_on_the_device():
+    """What an early proposal drafts from before the host reads the step: each sequence's accepted count, and at its
+    rows the tokens it emits (accepted drafts, then the token after them), on both paths."""
+    g = torch.Generator().manual_seed(7)
+    drafts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 3, 1, 0, 2)]
+    logits = torch.randn(sum(len(d) + 1 for d in drafts), VOCAB, generator=g)
+    best = logits.argmax(-1).tolist()
+    drafts[0] = best[0:2] + [(best[2] + 1) % VOCAB]
+    drafts[1] = best[4:7]
+    for logprobs in (None, 0):  # the host's greedy check, the device's general path
+        step = queue_verify(Sampler(torch.device("cpu"), eos_token_ids=[0], seed=0), logits,
+                            [fake_seq(SamplingParams(temperature=0, logprobs=logprobs)) for _ in drafts], drafts)
+        out = step.result()
+        assert step.num_accepted().tolist() == [c - 1 for c in out.counts]
+        rows = step.row_tokens.tolist()
+        for i, start in enumerate(step.first_row):
+            assert rows[start:start + out.counts[i]] == out.token_ids[out.offsets[i]:out.offsets[i + 1]]
 
 
 def test_ngram_lookup():

@@ -39,12 +39,15 @@ def plain() -> list[list[int]]:
     return chat(LLM())
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("name", list(SPECS))
-def test_shipped_draft_is_accepted_and_changes_no_greedy_token(name, plain):
-    llm = LLM(speculative_config=SPECS[name])
+def test_shipped_draft_is_accepted_and_changes_no_greedy_token(name, async_scheduling, plain):
+    """async_scheduling: the next step's drafts are made on the device before the host reads the verify step."""
+    llm = LLM(speculative_config=SPECS[name], async_scheduling=async_scheduling)
     if name == "eagle3":  # the layers it was trained on, not the engine's default for 4 layers
         assert llm.engine.proposer.aux_layers == (1, 2, 3)
     assert chat(llm) == plain
     stats = llm.engine.spec_stats
     assert stats.num_drafts > 0
     assert stats.mean_acceptance_length > MIN_MEAN_ACCEPTANCE_LENGTH, stats
+    assert (llm.engine.proposer.num_early_taken > 0) == async_scheduling
