@@ -170,12 +170,13 @@ class Fp8LinearMethod:
         layer.weight_scale = nn.Parameter(scale.contiguous(), requires_grad=False)
         if s.activations == "tensor":
             layer.input_scale = nn.Parameter(layer.input_scale.data.float().amax().reshape(1), requires_grad=False)
-        if ONE_ROW_FP8_DOT and s.activations in ("token", "tensor") and layer.weight.is_cuda:
+        # The split-K kernels' arrival counters (fp8_gemv at one row, fp8_block_linear at decode sizes), allocated
+        # once before any CUDA graph is captured; a buffer, not a parameter: the loader and state_dict ignore it.
+        if layer.weight.is_cuda and (s.activations == "group" or (ONE_ROW_FP8_DOT and s.activations in ("token",
+                                                                                                        "tensor"))):
             from nanoserve.kernels.fp8_gemv import split_counters
 
-            # fp8_gemv's arrival counters where it splits K, allocated once before any CUDA graph is captured (a
-            # buffer, not a parameter: the loader and state_dict ignore it)
-            layer.register_buffer("fp8_gemv_counters", split_counters(layer.weight.shape[0], layer.weight.device),
+            layer.register_buffer("split_counters", split_counters(layer.weight.shape[0], layer.weight.device),
                                   persistent=False)
         layer.quant_method = self
 
@@ -211,7 +212,7 @@ class Fp8LinearMethod:
 
             if q.shape[0] <= MAX_M:
                 return fp8_gemv(q, x_scale, layer.weight, layer.weight_scale, layer.bias,
-                                counters=getattr(layer, "fp8_gemv_counters", None))
+                                counters=getattr(layer, "split_counters", None))
         y = torch._scaled_mm(q, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale.view(1, -1),
                              out_dtype=torch.bfloat16)
         return y if layer.bias is None else y + layer.bias
@@ -232,7 +233,8 @@ class Fp8LinearMethod:
         if s.activations == "group":
             from nanoserve.kernels.fp8_block_gemm import fp8_block_linear
 
-            return fp8_block_linear(x, layer.weight, layer.weight_scale, s.block, layer.bias)
+            return fp8_block_linear(x, layer.weight, layer.weight_scale, s.block, layer.bias,
+                                    counters=getattr(layer, "split_counters", None))
         if s.activations is None:
             w = fp8_math.dequantize_weight(layer.weight, layer.weight_scale, s.block).to(x.dtype)
             return F.linear(x, w, layer.bias)

@@ -215,12 +215,12 @@ def _tuned_moe_configs() -> list[tuple[str, int, MoeConfig]]:
     return picked
 
 
-def _fp8_linear(m: int, block: tuple[int, int]):
+def _fp8_linear(m: int, block: tuple[int, int], split: int | None = None):
     def call() -> None:
         n, k = 256, 512
         w = _zeros(n, k, dtype=FP32).to(torch.float8_e4m3fn)
         fp8_block_linear(_zeros(m, k), w, _zeros(-(-n // block[0]), -(-k // block[1]), dtype=FP32), block,
-                         _zeros(n))
+                         _zeros(n), split=split)
     return call
 
 
@@ -334,6 +334,7 @@ VARIANTS = [
     ("silu_mul_gemv bf16", lambda: silu_mul_gemv(_zeros(1, 2048), _zeros(512, 1024))),
     ("silu_mul_gemv bf16 gelu_tanh", lambda: silu_mul_gemv(_zeros(1, 2048), _zeros(512, 1024), "gelu_tanh")),
     ("fp8_block_linear M=1 FP8 dot", _fp8_linear(1, (128, 128))),
+    ("fp8_block_linear M=1 FP8 dot split K", _fp8_linear(1, (128, 128), split=4)),
     ("fp8_block_linear M=200 FP8 dot", _fp8_linear(200, (128, 128))),
     ("fp8_block_linear M=32 upcast (16-wide K blocks)", _fp8_linear(32, (16, 16))),
     # One row: kernels/w4a16_gemv.py at its rule's tiles.

@@ -27,17 +27,22 @@ def test_quantize_rows(dtype, static, device, gen):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("m, n, k, block", [(1, 64, 64, (16, 16)), (3, 48, 80, (16, 32)), (40, 96, 128, (32, 64)),
-                                            (70, 160, 64, (32, 32))])
-def test_block_gemm(dtype, m, n, k, block, device, gen):
-    """Shapes with partial tiles and partial blocks (N, K not multiples of the block) at each tile size."""
+@pytest.mark.parametrize("m, n, k, block, split", [(1, 64, 64, (16, 16), None), (3, 48, 80, (16, 32), None),
+                                                   (40, 96, 128, (32, 64), None), (70, 160, 64, (32, 32), None),
+                                                   (1, 80, 144, (16, 16), 4), (5, 48, 80, (16, 32), 2)])
+def test_block_gemm(dtype, m, n, k, block, split, device, gen):
+    """Shapes with partial tiles and partial blocks (N, K not multiples of the block) at each tile size; K split
+    (ragged: 9 blocks in 4 splits of 3, 3, 3, 0 -> 3 splits) at decode sizes, summed by the last program, the
+    counters left zero."""
     w = torch.randn(n, k, generator=gen) * 0.05
     q, scale = fp8_math.quantize_weight(w, "block", block)
     x = torch.randn(m, k, generator=gen).to(dtype)
     x[0, :block[1]] = 0  # an all-zero group
     bias = torch.randn(n, generator=gen).to(dtype)
     args = [t.to(device) for t in (x, q, scale)]
-    got = fp8_block_linear(*args, block, bias.to(device))
+    counters = torch.zeros(16, dtype=torch.int32, device=device)
+    got = fp8_block_linear(*args, block, bias.to(device), counters=counters, split=split)
+    assert not counters.any()
     want = fp8_block_linear_ref(*args, block, bias.to(device))
     assert got.dtype == dtype
     # Hopper's FP8 tensor cores accumulate with fewer bits than fp32 (0.2 % off in a few elements on an H200).
