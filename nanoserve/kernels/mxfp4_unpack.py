@@ -19,12 +19,16 @@ import triton.language as tl
 
 @triton.jit
 def e2m1_to_fp32(code):
-    """E2M1 codes (0..15, an integer tensor) -> their values in fp32, built as fp32 bits: a magnitude code
-    2e + m with e > 0 is 2^(e - 1) * (1 + m / 2), exponent field e + 126; code 1 is the subnormal 0.5; 0 is zero."""
-    code = code.to(tl.uint32)
-    mag = code & 7
-    bits = tl.where(mag >= 2, ((mag >> 1) + 126) << 23 | (mag & 1) << 22, tl.where(mag == 1, 126 << 23, 0))
-    return (bits | (code & 8) << 28).to(tl.float32, bitcast=True)
+    """E2M1 codes (0..15, an integer tensor) -> their values in fp32. The code's sign bit and its 2 exponent and 1
+    mantissa bits are moved to fp16's sign, lowest exponent bits and top mantissa bit: an fp16 of exponent field e and
+    mantissa m, 2^(e - 15) (1 + m / 2), or for e = 0 the subnormal m 2^-15, which is the E2M1 value 2^(e - 1) (1 + m /
+    2) (e > 0) or m / 2 (e = 0) times 2^-14, exactly; the conversion to fp32 keeps it (fp16's subnormals included), and
+    2^14 undoes the factor. Two shifts, two ANDs, an OR, a conversion and a multiply a value: the magnitude's case
+    analysis this replaced (selects and compares) kept gpt-oss-20b's MXFP4 experts compute-bound on an H200 (1496ef1:
+    a batch-1 step 4.5 ms against bf16's 2.75)."""
+    code = code.to(tl.uint16)
+    bits = (code & 8) << 12 | (code & 7) << 9
+    return bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
 
 
 @triton.jit
