@@ -151,7 +151,7 @@ def main() -> None:
         again, result = run([plain_llm, llm], items)
         for i, (want, got) in enumerate(zip(plain.token_ids, result.token_ids, strict=True)):
             assert got == want, f"greedy output differs with {spec} on {items[i][0]!r}: {got} != {want}"
-        entry = {"speculative_config": spec, "async_scheduling": llm.engine.async_scheduling, **result.summary(),
+        entry = {"speculative_config": spec, "early_drafts": llm.engine.early_drafts, **result.summary(),
                  "speedup": round(again.seconds / result.seconds, 3)}
         print(json.dumps(entry), flush=True)
         summary["speculative"].append(entry)
