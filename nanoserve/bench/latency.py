@@ -80,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     params = SamplingParams(temperature=0, max_tokens=ns.output_len, ignore_eos=True)
     llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
     proposals: list[float] = []  # seconds of each proposal of a draft model or EAGLE-3 head, timed runs only
-    # Early drafts (async scheduling) are queued behind the verify step and read a step later: a proposal then has no
-    # wall time of its own, and only the few made on the host would be timed. --no-async-scheduling times them all.
+    # Early drafts (--async-scheduling) are queued behind the verify step and read a step later: a proposal then has
+    # no wall time of its own, and only the few made on the host would be timed. Synchronous steps (the default) time
+    # them all.
     if cfg.speculative is not None and cfg.speculative.method != "ngram" and not engine.early_drafts:
         engine.proposer.propose = timed(engine.proposer.propose, proposals)
     per_token, per_step, generated = [], [], []

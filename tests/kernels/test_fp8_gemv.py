@@ -27,8 +27,9 @@ def test_fp8_gemv_matches_reference(m, n, k, bias, out_dtype, split):
     assert not counters.any()
     want = fp8_gemv_ref(*args, out_dtype=torch.float32)
     assert got.dtype == out_dtype and got.shape == (m, n)
-    # fp8 products are exact in fp32; only the order of the K sum differs, and the rounding to out_dtype.
-    tol = 1e-5 if out_dtype == torch.float32 else 2e-3
+    # fp8 products are exact in fp32; only the order of the K sum differs, and the rounding to out_dtype. Hopper's FP8
+    # tensor cores accumulate with fewer bits than fp32 (as kernels/fp8_block_gemm.py's test notes).
+    tol = 1e-5 if out_dtype == torch.float32 and DEVICE == "cpu" else 2e-3
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
 
 
@@ -58,12 +59,13 @@ def test_w8a8_layers_take_it(monkeypatch):
         layer.weight.data = (torch.randn(48, 64, generator=g) * 40).to(torch.float8_e4m3fn)
         layer.weight_scale.data = torch.rand(48, 1, generator=g) * 0.01 + 0.001
         layer.bias.data = torch.randn(48, generator=g)
+        layer.to(DEVICE)
         method.process_weights(layer)
         layers[acts] = layer
     assert layers["token"].quant_method.skinny_weight(layers["token"]) is None
     assert layers[None].quant_method.skinny_weight(layers[None]) is not None
     layer = layers["token"]
-    q, x_scale = quantize_rows_ref(torch.randn(2, 64, generator=g))
+    q, x_scale = (t.to(DEVICE) for t in quantize_rows_ref(torch.randn(2, 64, generator=g)))
     got = layer.quant_method.apply_fp8(layer, q, x_scale)
     want = fp8_gemv_ref(q, x_scale, layer.weight, layer.weight_scale, layer.bias, out_dtype=torch.float32)
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
