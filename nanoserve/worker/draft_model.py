@@ -336,7 +336,7 @@ class DraftModelProposer:
         each entry's first row."""
         assert all(e.num_new_tokens > 1 for e in entries)
         prev_rows = {e.seq.seq_id: verified.first_row[i] for e, i in zip(entries, at, strict=True)}
-        step = StepInputs.build(_Batch(entries, 0), prev_rows, self.block_size, [])
+        step = StepInputs.build(_Batch(entries, 0), prev_rows, self.block_size, [], unread_chunks=True)
         hidden, _ = self.runner.forward(step, verified.row_tokens)
         return hidden, step.cu_seqlens_q_cpu[:-1]
 

@@ -102,10 +102,13 @@ class StepInputs:
 
     @classmethod
     def build(cls, batch: ScheduledBatch, prev_rows: dict[int, int], block_size: int,
-              prompt_logprob_rows: list[tuple[int, int]], local: bool = False) -> "StepInputs":
+              prompt_logprob_rows: list[tuple[int, int]], local: bool = False,
+              unread_chunks: bool = False) -> "StepInputs":
         """The step of `batch`. A token that the previous step sampled and the host has not read yet is taken on
         the device from that step's samples, at its row in prev_rows (seq_id -> row). local: the sequences'
-        local_table and the batch's local_block_copies go in too."""
+        local_table and the batch's local_block_copies go in too. unread_chunks: a chunk of several tokens may end
+        in tokens not read yet (a draft proposer's early catch-up over a verify step's rows); otherwise only a
+        decode's one token may be, as async scheduling leaves it."""
         input_ids, positions, slots, cu, lens, tables, logit_rows = [], [], [], [0], [], [], []
         local_slots, local_tables = [], []
         pending_at, pending_rows, long_context = [], [], []
@@ -132,6 +135,7 @@ class StepInputs:
                 # Speculative decoding: the last tokens are drafts to verify, which follow the known ones.
                 drafts = entry.draft_token_ids
                 known = min(n - len(drafts), len(seq.token_ids) - start)
+                assert unread_chunks or known == n - len(drafts), "only a decode's token can be unread"
                 input_ids += seq.token_ids[start:start + known]
                 if known < n - len(drafts):
                     # A draft proposer's early catch-up (worker/draft_model.py): its last tokens are a verify step's

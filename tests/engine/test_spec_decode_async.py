@@ -129,7 +129,18 @@ def test_constrained_and_penalized_samples_beside_early_drafted_ones(dirs, plain
     penalized = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1.2)
     batch, params = [*prompts(), "Hello"], [GREEDY, GREEDY, penalized, choice]
     llm = spec(dirs, "self", num_kv_blocks=64)
+    llm.generate(["Hi"], choice, use_tqdm=False)  # the grammar compiled (and cached) before the batch comes
+    beside = []  # steps that verified drafts beside the constrained sample
+
+    def record(outputs):
+        entries = llm.engine.last_batch.scheduled
+        if any(e.seq.params.structured_outputs is not None for e in entries):
+            beside.append(any(e.draft_token_ids for e in entries))
+        return outputs
+
+    llm.engine.add_step_hook(record)
     got = llm.generate(batch, params, use_tqdm=False)
+    assert any(beside), "the constrained sample never ran in a step with drafts"
     want = plain.generate(batch, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert got[3].outputs[0].text in ("alpha", "beta")
