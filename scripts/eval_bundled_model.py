@@ -128,8 +128,8 @@ def main() -> None:
         help="a speculative_config JSON object to compare with plain decoding (repeatable)",
     )
     p.add_argument("--workload", choices=["eval", "copy"], default="eval")
-    p.add_argument("--no-async-scheduling", action="store_true",
-                   help="speculative engines run synchronous steps (async scheduling is on by default on a GPU)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="speculative engines draft early (async_scheduling=True); by default steps are synchronous")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -146,7 +146,7 @@ def main() -> None:
     print(json.dumps({k: v for k, v in summary.items() if k != "speculative"}), flush=True)
     for spec in args.speculative_config:
         llm = LLM(speculative_config=spec, num_kv_blocks=2048,
-                  **({"async_scheduling": False} if args.no_async_scheduling else {}))
+                  **({"async_scheduling": True} if args.async_scheduling else {}))
         # Timed against plain decoding again, prompt by prompt, for a speed-up measured under the same load.
         again, result = run([plain_llm, llm], items)
         for i, (want, got) in enumerate(zip(plain.token_ids, result.token_ids, strict=True)):
