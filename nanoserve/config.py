@@ -445,10 +445,11 @@ class EngineConfig:
                 not isinstance(self.quantization, MXFP4Scheme):
             # quantization/moe_experts.py
             done = "dequantized while loading" if self.quantization.serialized else "left unquantized"
-            if self._keeps_fp8_experts():
-                quantized += " (routed experts kept in fp8, weight-only)"
-            elif self._keeps_w4_experts():
-                quantized += " (routed experts kept packed in 4 bits, weight-only)"
+            kept, ranks, form = self._ranks_keeping_experts()
+            if kept == ranks:
+                quantized += f" (routed experts kept {form}, weight-only)"
+            elif kept:  # a TP share that cuts blocks or groups on some ranks (prepare_model warns on each)
+                quantized += f" (routed experts kept {form} on {kept} of {ranks} ranks, {done} on the others)"
             elif isinstance(self.quantization, W4Scheme) and self.quantization.act_order and runs_w4(self.device):
                 quantized += f" (routed experts {done}: {dtype}; act-order experts have no 4-bit MoE kernel)"
             else:
@@ -458,29 +459,25 @@ class EngineConfig:
                 f"{quantized}; {_kv_pool_text(num_kv_blocks, local_pool, self.args.block_size, kv_dtype)}; "
                 f"max_model_len {self.max_model_len} ({self.max_model_len_source})")
 
-    def _keeps_fp8_experts(self) -> bool:
-        """Whether every rank keeps an FP8 checkpoint's routed experts in FP8 (quantization/model.py's prepare_model:
-        on a device that runs them, where each rank's equal share of the intermediate size is whole blocks of
-        scales; else they are dequantized while loading, with a warning)."""
+    def _ranks_keeping_experts(self) -> tuple[int, int, str]:
+        """(ranks, of how many, that keep an FP8 or 4-bit checkpoint's routed experts in their quantized form, that
+        form): quantization/model.py's prepare_model keeps them on a device that runs them, on each rank whose equal
+        share of the intermediate size is whole blocks of scales (FP8) or whole groups (4-bit); the others dequantize
+        while loading, with a warning."""
         scheme = self.quantization
-        if not (isinstance(scheme, FP8Scheme) and scheme.serialized and runs_fp8(self.device)):
-            return False
         total, tp = self.model.moe.intermediate_size, self.args.tensor_parallel_size
+        ranks = tp
         if self.args.enable_expert_parallel:
             tp = 1  # each rank holds whole experts
-        return all(fp8_experts_fit(scheme.block, rank * (total // tp), total // tp, total) for rank in range(tp))
-
-    def _keeps_w4_experts(self) -> bool:
-        """Whether every rank keeps a 4-bit checkpoint's routed experts packed (quantization/model.py's prepare_model:
-        on a device that runs them, where each rank's equal share of the intermediate size is whole groups; else they
-        are dequantized while loading, with a warning)."""
-        scheme = self.quantization
-        if not (isinstance(scheme, W4Scheme) and runs_w4(self.device)):
-            return False
-        total, tp = self.model.moe.intermediate_size, self.args.tensor_parallel_size
-        if self.args.enable_expert_parallel:
-            tp = 1  # each rank holds whole experts
-        return all(w4_experts_fit(scheme, rank * (total // tp), total // tp, total) for rank in range(tp))
+        if isinstance(scheme, FP8Scheme) and scheme.serialized and runs_fp8(self.device):
+            form = "in fp8"
+            kept = sum(fp8_experts_fit(scheme.block, r * (total // tp), total // tp, total) for r in range(tp))
+        elif isinstance(scheme, W4Scheme) and runs_w4(self.device):
+            form = "packed in 4 bits"
+            kept = sum(w4_experts_fit(scheme, r * (total // tp), total // tp, total) for r in range(tp))
+        else:
+            return 0, ranks, ""
+        return (ranks if kept == tp else kept), ranks, form
 
 
 def _kv_pool_text(num_kv_blocks: int, local_pool: tuple[int, int, bool] | None, block: int, kv_dtype: str) -> str:

@@ -112,3 +112,13 @@ def test_start_up_line_says_dequantized_where_a_split_cuts_groups(checkpoints, t
                        ({"tensor_parallel_size": 2, "enable_expert_parallel": True}, True)):
         line = EngineArgs(model=str(ckpt), **args).create_config().summary(32)
         assert ("(routed experts kept packed in 4 bits, weight-only)" in line) == kept, args
+
+
+def test_start_up_line_says_which_ranks_keep_them(checkpoints, tmp_path, monkeypatch):
+    """A TP split whose shares cut groups on some ranks only (e.g. I = 576 in groups of 128 at TP=3: the last rank's
+    share starts on a group and ends the experts): the line says how many keep them packed."""
+    monkeypatch.setattr(config_module, "runs_w4", lambda device: True)
+    monkeypatch.setattr(config_module, "w4_experts_fit", lambda scheme, start, size, total: start > 0)
+    ckpt = write_w4_checkpoint(checkpoints["qwen3_moe"], tmp_path, W4Format("gptq", 32, symmetric=False))[0]
+    line = EngineArgs(model=str(ckpt), tensor_parallel_size=2).create_config().summary(32)
+    assert "(routed experts kept packed in 4 bits on 1 of 2 ranks, dequantized while loading on the others)" in line
