@@ -146,6 +146,10 @@ def test_constrained_and_penalized_samples_beside_early_drafted_ones(dirs, plain
     assert got[3].outputs[0].text in ("alpha", "beta")
     assert llm.engine.proposer.num_early_taken > 0
     check_drained(llm, 64)
+    # The hook closes a cycle through the engine, which would keep its mask thread (and the process's lowered switch
+    # interval, structured/manager.py) alive until a garbage collection: later tests read that interval.
+    llm.engine.step_hooks.remove(record)
+    llm.shutdown()
 
 
 @pytest.mark.parametrize("case", ["ngram", "cpu_tier"])
