@@ -7,7 +7,7 @@ the reference on the dequantized weights."""
 import pytest
 import torch
 from checkpoints import write_checkpoint
-from moe_reference_engine import eager_torch, run
+from moe_reference_engine import check_kept_experts, run
 from w4_checkpoints import W4Format, write_w4_checkpoint
 
 from nanoserve import LLM
@@ -31,23 +31,11 @@ def ckpt(request, tmp_path_factory):
 
 
 def test_w4_experts_match_eager_torch_and_dequantized(ckpt, monkeypatch):
-    from nanoserve.kernels import moe_gemv
     from nanoserve.quantization import moe_experts
 
-    calls = []
-    original = moe_gemv.moe_gemv
-    monkeypatch.setattr(moe_gemv, "moe_gemv", lambda *a, **kw: calls.append(kw["w13_scale"]) or original(*a, **kw))
-    reference = eager_torch(ckpt)
-    fast = LLM(str(ckpt), device="cuda", dtype="float32", num_kv_blocks=60, max_num_batched_tokens=512)
-    experts = fast.engine.runner.model.model.layers[0].mlp.experts
+    experts, want = check_kept_experts(ckpt, monkeypatch)
     assert experts.w13.dtype == torch.int32 and experts.w13_scale.dtype == torch.float32
-    want = run(reference)
-    assert run(fast) == want
-    assert fast.engine.scheduler.num_preemptions > 0 and fast.engine.block_manager.prefix_hits > 0
-    # A sequence alone decodes through the GEMVs, handed the scales.
-    assert run(fast, num=1) == run(reference, num=1)
-    assert calls and all(scale is not None for scale in calls)
-    del fast
+    del experts
     monkeypatch.setattr(moe_experts, "runs_w4", lambda device: False)
     dequantized = LLM(str(ckpt), device="cuda", dtype="float32", num_kv_blocks=60, max_num_batched_tokens=512)
     assert dequantized.engine.runner.model.model.layers[0].mlp.experts.w13.dtype == torch.float32
