@@ -5,22 +5,16 @@ parallelism too."""
 
 import pytest
 import torch
+from moe_cases import MOE_TOL, check_against_reference, routing
 
 from nanoserve.kernels.fused_moe import fused_moe
 from nanoserve.kernels.moe_gemv import moe_gemv, moe_gemv_down, moe_gemv_gate_up
-from nanoserve.kernels.moe_reference import fused_moe_ref
 
 # I = 40 cuts its last block of 16 rows or 32 columns (gate's partial block of scales, then up's); H = 96 is 3
 # blocks of 32 columns and takes masked tails of the default tiles.
 HIDDEN, INTER = 96, 40
-MOE_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2)}
 
 
-def _routing(num_tokens, top_k, num_experts, gen, device):
-    """Distinct experts per token, as a router's top-k picks them, and positive weights."""
-    ids = torch.rand(num_tokens, num_experts, generator=gen).topk(top_k, dim=-1).indices
-    weights = torch.rand(num_tokens, top_k, generator=gen) + 0.1
-    return ids.to(device), weights.to(device)
 
 
 def _element_scales(scale, n, k, block):
@@ -52,12 +46,8 @@ def _experts(num_experts, block, device, gen, hidden=HIDDEN, inter=INTER):
 
 
 def _check(out, x, values, weights, ids, kw):
-    """Against fused_moe_ref in fp32 on the dequantized weights and the same (rounded) activations."""
-    upcast = {k: v for k, v in kw.items() if k in ("expert_start", "activation")}
-    ref = fused_moe_ref(x.float(), *values, weights, ids, **upcast)
-    assert out.dtype == x.dtype and out.shape == x.shape
-    top = ref.abs().max()
-    torch.testing.assert_close(out.float() / top, ref / top, **MOE_TOL[x.dtype])
+    check_against_reference(out, x, values, weights, ids,
+                            **{k: v for k, v in kw.items() if k in ("expert_start", "activation")})
 
 
 # 16-row blocks (T * k <= 16 E) and 64-row ones; fp32 and fp16; per-row scales, 16 x 32 blocks and 16 x 16 blocks
@@ -69,7 +59,7 @@ def test_fused_moe_fp8(device, gen, num_tokens, top_k, dtype, block, expert_star
     w13, w2, kw, values = _experts(4, block, device, gen)
     kw.update(expert_start=expert_start)
     x = torch.randn(num_tokens, HIDDEN, generator=gen).to(device, dtype)
-    ids, weights = _routing(num_tokens, top_k, 4 + 2 * expert_start, gen, device)
+    ids, weights = routing(num_tokens, top_k, 4 + 2 * expert_start, gen, device)
     if expert_start:
         ids[0] = torch.tensor([0, 11, 1, 10][:top_k])  # routed only to other ranks' experts: zeros
     out = fused_moe(x, w13, w2, weights, ids, **kw)
@@ -82,7 +72,7 @@ def test_fused_moe_fp8(device, gen, num_tokens, top_k, dtype, block, expert_star
 def test_fp8_bad_arguments_are_named(device, gen):
     w13, w2, kw, _ = _experts(4, (16, 32), device, gen)
     x = torch.randn(3, HIDDEN, generator=gen).to(device)
-    ids, weights = _routing(3, 2, 4, gen, device)
+    ids, weights = routing(3, 2, 4, gen, device)
     with pytest.raises(ValueError, match=r"w13_scale must be fp32 \(4, 6, 3\) \(per \(16, 32\) block\)"):
         fused_moe(x, w13, w2, weights, ids, **dict(kw, w13_scale=kw["w13_scale"][:, :3]))
     with pytest.raises(ValueError, match="columns a multiple of 16"):
@@ -100,7 +90,7 @@ def test_moe_gemv_fp8(device, gen, num_tokens, top_k, dtype, block, expert_start
     w13, w2, kw, values = _experts(4 if expert_start else 8, block, device, gen, hidden)
     kw.update(expert_start=expert_start)
     x = torch.randn(num_tokens, hidden, generator=gen).to(device, dtype)
-    ids, weights = _routing(num_tokens, top_k, 12 if expert_start else 8, gen, device)
+    ids, weights = routing(num_tokens, top_k, 12 if expert_start else 8, gen, device)
     if expert_start:
         ids[0] = torch.tensor([0, 11])  # routed only to other ranks' experts: zeros
         ids[1] = torch.tensor([4, 9])  # one local pair and one remote
@@ -134,7 +124,7 @@ def test_kept_fp8_experts_hand_their_scales_to_the_kernels(gen, monkeypatch, blo
     for name, value in dict(w13=w13, w2=w2, w13_scale=kw["w13_scale"], w2_scale=kw["w2_scale"]).items():
         getattr(experts, name).data.copy_(value)
     x = torch.randn(1, HIDDEN, generator=gen)
-    ids, weights = _routing(1, 4, 8, gen, "cpu")
+    ids, weights = routing(1, 4, 8, gen, "cpu")
     want = experts(x, weights, ids)
     calls = []
     monkeypatch.setattr(moe.FusedMoE, "takes_gemv", lambda self, x: calls.append(1) or True)

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from moe_cases import MOE_TOL, routing
 
 from nanoserve.kernels import fused_moe as fm
 from nanoserve.kernels import moe_align
@@ -12,14 +13,8 @@ from nanoserve.kernels.moe_align import moe_align_block_size, moe_align_block_si
 from nanoserve.kernels.moe_reference import fused_moe_ref
 
 HIDDEN, INTER = 48, 40  # neither a multiple of the tiles, so the tails are exercised
-MOE_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2)}
 
 
-def _routing(num_tokens, top_k, num_experts, gen, device, dtype=torch.int64):
-    """Distinct experts per token, as a router's top-k picks them, and positive weights."""
-    ids = torch.rand(num_tokens, num_experts, generator=gen).topk(top_k, dim=-1).indices
-    weights = torch.rand(num_tokens, top_k, generator=gen) + 0.1
-    return ids.to(device, dtype), weights.to(device)
 
 
 def _weights(num_experts, dtype, device, gen, bias=False):
@@ -52,7 +47,7 @@ def _check(x, w13, w2, weights, ids, **kw):
 def test_fused_moe(device, gen, num_tokens, top_k, num_experts, dtype, ids_dtype):
     x = torch.randn(num_tokens, HIDDEN, generator=gen).to(device, dtype)
     w13, w2, _, _ = _weights(num_experts, dtype, device, gen)
-    ids, weights = _routing(num_tokens, top_k, num_experts, gen, device, ids_dtype)
+    ids, weights = routing(num_tokens, top_k, num_experts, gen, device, ids_dtype)
     _check(x, w13, w2, weights, ids)
 
 
@@ -63,7 +58,7 @@ def test_biases_and_activations(device, gen, dtype, activation, bias):
     # Inputs scaled up so that swigluoai's clamps (at +-7) cut into gate and up.
     x = (torch.randn(17, HIDDEN, generator=gen) * (4 if activation == "swigluoai" else 1)).to(device, dtype)
     w13, w2, b13, b2 = _weights(8, dtype, device, gen, bias=bias)
-    ids, weights = _routing(17, 2, 8, gen, device)
+    ids, weights = routing(17, 2, 8, gen, device)
     _check(x, w13, w2, weights, ids, w13_bias=b13, w2_bias=b2, activation=activation)
 
 
@@ -73,7 +68,7 @@ def test_expert_parallel(device, gen, num_tokens):
     routed only elsewhere gets zeros."""
     w13, w2, b13, b2 = _weights(4, torch.float32, device, gen, bias=True)
     x = torch.randn(num_tokens, HIDDEN, generator=gen).to(device)
-    ids, weights = _routing(num_tokens, 2, 12, gen, device)
+    ids, weights = routing(num_tokens, 2, 12, gen, device)
     ids[0] = torch.tensor([0, 11])
     ids[1] = torch.tensor([4, 9])  # one local pair and one remote
     out = _check(x, w13, w2, weights, ids, expert_start=4, w13_bias=b13, w2_bias=b2)
@@ -83,7 +78,7 @@ def test_expert_parallel(device, gen, num_tokens):
 
 def test_sum_skips_rows_of_other_ranks_pairs(device, gen):
     """The down GEMM never writes the rows of pairs routed to other ranks: the sum must not read them (NaN here)."""
-    ids, _ = _routing(9, 3, 12, gen, device)
+    ids, _ = routing(9, 3, 12, gen, device)
     y = torch.randn(27, HIDDEN, generator=gen).to(device)
     local = ((ids >= 4) & (ids < 8)).reshape(-1)
     y[~local] = float("nan")
@@ -97,7 +92,7 @@ def test_expert_no_token_chose_is_never_read(device, gen):
     for t in (w13, w2, b13, b2):
         t[2] = float("nan")
     x = torch.randn(40, HIDDEN, generator=gen).to(device)
-    ids, weights = _routing(40, 4, 7, gen, device)
+    ids, weights = routing(40, 4, 7, gen, device)
     ids[ids >= 2] += 1  # experts 0, 1, 3..7
     out = _check(x, w13, w2, weights, ids, w13_bias=b13, w2_bias=b2)
     assert torch.isfinite(out).all()
@@ -107,7 +102,7 @@ def test_given_config_and_no_tokens(device, gen):
     """A config as the tuner hands it (32-row blocks, tiles narrower than the dims, grouped ordering), and T = 0."""
     w13, w2, _, _ = _weights(4, torch.float32, device, gen)
     x = torch.randn(40, HIDDEN, generator=gen).to(device)
-    ids, weights = _routing(40, 2, 4, gen, device)
+    ids, weights = routing(40, 2, 4, gen, device)
     config = MoeConfig(32, GemmConfig(16, 16, 4, 4, 2), GemmConfig(32, 32, 2, 4, 2))
     out = fused_moe_with_config(x, w13, w2, weights, ids, config)
     torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, weights, ids), **MOE_TOL[torch.float32])
@@ -117,7 +112,7 @@ def test_given_config_and_no_tokens(device, gen):
 def test_bad_arguments_are_named(device, gen):
     w13, w2, _, _ = _weights(4, torch.float32, device, gen)
     x = torch.randn(3, HIDDEN, generator=gen).to(device)
-    ids, weights = _routing(3, 2, 4, gen, device)
+    ids, weights = routing(3, 2, 4, gen, device)
     with pytest.raises(ValueError, match="activation"):
         fused_moe(x, w13, w2, weights, ids, activation="gelu")
     with pytest.raises(ValueError, match="w2"):
@@ -155,7 +150,7 @@ def test_align_layout(device, gen, monkeypatch, chunked, num_tokens, top_k, num_
     if chunked:  # the launches for many pairs, with programs of 16 pairs
         monkeypatch.setattr(moe_align, "ONE_PROGRAM_MAX_PAIRS", 0)
         monkeypatch.setattr(moe_align, "CHUNK", 16)
-    ids, _ = _routing(num_tokens, top_k, global_experts, gen, device)
+    ids, _ = routing(num_tokens, top_k, global_experts, gen, device)
     if num_tokens == 50:
         ids[ids == 2] = 1  # an expert nobody chose
     align = moe_align_block_size(ids, num_experts, block_m, expert_start)

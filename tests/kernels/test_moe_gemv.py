@@ -2,18 +2,10 @@
 
 import pytest
 import torch
+from moe_cases import MOE_TOL, routing
 
 from nanoserve.kernels.moe_gemv import MAX_PAIRS, moe_gemv, moe_gemv_down, moe_gemv_gate_up, takes_gemv
 from nanoserve.kernels.moe_reference import fused_moe_ref
-
-MOE_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2)}
-
-
-def _routing(num_tokens, top_k, num_experts, gen, device, dtype=torch.int64):
-    """Distinct experts per token, as a router's top-k picks them, and positive weights."""
-    ids = torch.rand(num_tokens, num_experts, generator=gen).topk(top_k, dim=-1).indices
-    weights = torch.rand(num_tokens, top_k, generator=gen) + 0.1
-    return ids.to(device, dtype), weights.to(device)
 
 
 def _weights(num_experts, hidden, inter, dtype, device, gen, bias=False):
@@ -53,7 +45,7 @@ def _check(x, w13, w2, weights, ids, **kw):
 def test_moe_gemv(device, gen, num_tokens, top_k, num_experts, hidden, inter, dtype, ids_dtype):
     x = torch.randn(num_tokens, hidden, generator=gen).to(device, dtype)
     w13, w2, _, _ = _weights(num_experts, hidden, inter, dtype, device, gen)
-    ids, weights = _routing(num_tokens, top_k, num_experts, gen, device, ids_dtype)
+    ids, weights = routing(num_tokens, top_k, num_experts, gen, device, ids_dtype)
     _check(x, w13, w2, weights, ids)
 
 
@@ -70,7 +62,7 @@ def test_biases_and_activations(device, gen, dtype, activation, bias):
     # Inputs scaled up so that swigluoai's clamps (at +-7) cut into gate and up.
     x = (torch.randn(2, 48, generator=gen) * (4 if activation == "swigluoai" else 1)).to(device, dtype)
     w13, w2, b13, b2 = _weights(8, 48, 40, dtype, device, gen, bias=bias)
-    ids, weights = _routing(2, 4, 8, gen, device)
+    ids, weights = routing(2, 4, 8, gen, device)
     _check(x, w13, w2, weights, ids, w13_bias=b13, w2_bias=b2, activation=activation)
 
 
@@ -79,7 +71,7 @@ def test_expert_parallel(device, gen):
     elsewhere gets zeros, and down never reads the rows of h that gate/up left unwritten for them (NaN here)."""
     w13, w2, b13, b2 = _weights(4, 48, 40, torch.float32, device, gen, bias=True)
     x = torch.randn(4, 48, generator=gen).to(device)
-    ids, weights = _routing(4, 2, 12, gen, device)
+    ids, weights = routing(4, 2, 12, gen, device)
     ids[0] = torch.tensor([0, 11])
     ids[1] = torch.tensor([4, 9])  # one local pair and one remote
     ids[2] = torch.tensor([7, 5])
@@ -96,7 +88,7 @@ def test_expert_parallel(device, gen):
 def test_experts_no_pair_chose_are_never_read(device, gen):
     """Every expert but the chosen ones has NaN weights and biases: a kernel that read them would return NaN."""
     w13, w2, b13, b2 = _weights(8, 64, 32, torch.float32, device, gen, bias=True)
-    ids, weights = _routing(2, 4, 8, gen, device)
+    ids, weights = routing(2, 4, 8, gen, device)
     unused = torch.ones(8, dtype=torch.bool)
     unused[ids.flatten().cpu()] = False
     assert unused.any()
@@ -112,7 +104,7 @@ def test_size_rule_and_bad_arguments(device, gen):
     assert takes_gemv(MAX_PAIRS // 2, 2) and not takes_gemv(MAX_PAIRS // 2 + 1, 2)
     w13, w2, _, _ = _weights(4, 48, 40, torch.float32, device, gen)
     x = torch.randn(9, 48, generator=gen).to(device)
-    ids, weights = _routing(9, 2, 4, gen, device)
+    ids, weights = routing(9, 2, 4, gen, device)
     with pytest.raises(ValueError, match="pairs"):
         moe_gemv(x, w13, w2, weights, ids)
     with pytest.raises(ValueError, match="activation"):
@@ -128,7 +120,7 @@ def test_norm_prologue(device, gen, dtype):
     x = (torch.randn(2, 48, generator=gen) * 3).to(device, dtype)
     norm_w = (torch.rand(48, generator=gen) + 0.5).to(device, dtype)
     w13, w2, b13, b2 = _weights(8, 48, 40, dtype, device, gen, bias=True)
-    ids, weights = _routing(2, 2, 8, gen, device)
+    ids, weights = routing(2, 2, 8, gen, device)
     kw = dict(w13_bias=b13, w2_bias=b2)
     out = moe_gemv(x, w13, w2, weights, ids, norm=(norm_w, 1e-6), **kw)
     normed = rms_norm_ref(x, norm_w, 1e-6).to(dtype)

@@ -4,24 +4,18 @@ gpt-oss's biases and activation and under expert parallelism."""
 
 import pytest
 import torch
+from moe_cases import MOE_TOL, check_against_reference, routing
 from mxfp4_layout import random_mxfp4
 
 from nanoserve.kernels.fused_moe import GemmConfig, MoeConfig, fused_moe, fused_moe_with_config
 from nanoserve.kernels.moe_gemv import moe_gemv, moe_gemv_down, moe_gemv_gate_up
-from nanoserve.kernels.moe_reference import fused_moe_ref
 from nanoserve.kernels.rms_norm import rms_norm_ref
 
 # Multiples of the 32-value block that the default tiles do not all divide (gate/up's 64- and 128-column tiles over
 # 96 are masked, down's over 64 are not).
 HIDDEN, INTER = 96, 64
-MOE_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2)}
 
 
-def _routing(num_tokens, top_k, num_experts, gen, device):
-    """Distinct experts per token, as a router's top-k picks them, and positive weights."""
-    ids = torch.rand(num_tokens, num_experts, generator=gen).topk(top_k, dim=-1).indices
-    weights = torch.rand(num_tokens, top_k, generator=gen) + 0.1
-    return ids.to(device), weights.to(device)
 
 
 def _experts(num_experts, dtype, device, gen, bias, hidden=HIDDEN, inter=INTER):
@@ -40,14 +34,9 @@ def _input(num_tokens, dtype, device, gen, hidden=HIDDEN):
 
 
 def _check(out, x, values, weights, ids, kw, x_ref=None):
-    """Against fused_moe_ref in fp32 on the dequantized weights and the same (rounded) activations and biases,
-    relative to the largest output: the scales' range (2^-7..2^3) spreads the outputs over magnitudes. x_ref: the
-    reference's input where the kernel normalizes x itself."""
-    upcast = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in kw.items() if not k.endswith("_scale")}
-    ref = fused_moe_ref((x if x_ref is None else x_ref).float(), *values, weights, ids, **upcast)
-    assert out.dtype == x.dtype and out.shape == x.shape
-    top = ref.abs().max()
-    torch.testing.assert_close(out.float() / top, ref / top, **MOE_TOL[x.dtype])
+    """The same (rounded) biases too; the scales' range (2^-7..2^3) spreads the outputs over magnitudes."""
+    check_against_reference(out, x, values, weights, ids, x_ref, **{k: v for k, v in kw.items()
+                                                                     if not k.endswith("_scale")})
 
 
 # 16-row blocks (T * k <= 16 E) and 64-row ones; fp32 and fp16; gpt-oss's activation with biases and SiLU without;
@@ -59,7 +48,7 @@ def test_fused_moe_mxfp4(device, gen, num_tokens, top_k, dtype, activation, bias
     w13, w2, kw, values = _experts(4, dtype, device, gen, bias)
     kw.update(expert_start=expert_start, activation=activation)
     x = _input(num_tokens, dtype, device, gen)
-    ids, weights = _routing(num_tokens, top_k, 4 + 2 * expert_start, gen, device)
+    ids, weights = routing(num_tokens, top_k, 4 + 2 * expert_start, gen, device)
     if expert_start:
         ids[0] = torch.tensor([0, 11, 1, 10][:top_k])  # routed only to other ranks' experts: zeros
     out = fused_moe(x, w13, w2, weights, ids, **kw)
@@ -73,7 +62,7 @@ def test_fused_moe_mxfp4_given_config(device, gen):
     """The tuner's narrow tiles: a 16-column K tile is widened to one 32-value block."""
     w13, w2, kw, values = _experts(4, torch.float32, device, gen, bias=True)
     x = _input(20, torch.float32, device, gen)
-    ids, weights = _routing(20, 2, 4, gen, device)
+    ids, weights = routing(20, 2, 4, gen, device)
     config = MoeConfig(32, GemmConfig(16, 16, 4, 4, 2), GemmConfig(32, 32, 2, 4, 2))
     _check(fused_moe_with_config(x, w13, w2, weights, ids, config, **kw), x, values, weights, ids, kw)
 
@@ -81,7 +70,7 @@ def test_fused_moe_mxfp4_given_config(device, gen):
 def test_mxfp4_bad_arguments_are_named(device, gen):
     w13, w2, kw, _ = _experts(4, torch.float32, device, gen, bias=False)
     x = _input(3, torch.float32, device, gen)
-    ids, weights = _routing(3, 2, 4, gen, device)
+    ids, weights = routing(3, 2, 4, gen, device)
     with pytest.raises(ValueError, match="w13_scale and w2_scale"):
         fused_moe(x, w13, w2, weights, ids, w13_scale=kw["w13_scale"])
     with pytest.raises(ValueError, match="w2_scale must be MXFP4"):
@@ -102,7 +91,7 @@ def test_moe_gemv_mxfp4(device, gen, num_tokens, top_k, dtype, activation, bias,
     w13, w2, kw, values = _experts(4 if expert_start else 8, dtype, device, gen, bias, hidden, inter)
     kw.update(expert_start=expert_start, activation=activation)
     x = _input(num_tokens, dtype, device, gen, hidden)
-    ids, weights = _routing(num_tokens, top_k, 12 if expert_start else 8, gen, device)
+    ids, weights = routing(num_tokens, top_k, 12 if expert_start else 8, gen, device)
     if expert_start:
         ids[0] = torch.tensor([0, 11])  # routed only to other ranks' experts: zeros
         ids[1] = torch.tensor([4, 9])  # one local pair and one remote
@@ -123,7 +112,7 @@ def test_moe_gemv_mxfp4_norm_prologue(device, gen):
     x = (torch.randn(1, HIDDEN, generator=gen) * 3).to(device, torch.float16)
     norm_w = ((torch.rand(HIDDEN, generator=gen) + 0.5) * 0.5 / HIDDEN**0.5).to(device, torch.float16)
     w13, w2, kw, values = _experts(8, torch.float16, device, gen, bias=True)
-    ids, weights = _routing(1, 4, 8, gen, device)
+    ids, weights = routing(1, 4, 8, gen, device)
     out = moe_gemv(x, w13, w2, weights, ids, norm=(norm_w, 1e-6), activation="swigluoai", **kw)
     normed = rms_norm_ref(x, norm_w, 1e-6).to(torch.float16)
     _check(out, x, values, weights, ids, dict(kw, activation="swigluoai"), x_ref=normed)
@@ -143,7 +132,7 @@ def test_packed_gpt_oss_experts_hand_their_scales_to_the_kernels(gen, monkeypatc
     for name, value in dict(kw, w13=w13, w2=w2).items():
         getattr(experts, name).data.copy_(value)
     x = _input(1, torch.float32, "cpu", gen)
-    ids, weights = _routing(1, 4, 8, gen, "cpu")
+    ids, weights = routing(1, 4, 8, gen, "cpu")
     want = experts(x, weights, ids)
     calls = []
     monkeypatch.setattr(moe.FusedMoE, "takes_gemv", lambda self, x: calls.append(1) or True)

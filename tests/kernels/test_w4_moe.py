@@ -5,15 +5,14 @@ GEMVs, asymmetric and symmetric, groups of 16 and 32 and per row, under expert p
 
 import pytest
 import torch
+from moe_cases import check_against_reference, routing
 
 from nanoserve.kernels.fused_moe import fused_moe
 from nanoserve.kernels.moe_gemv import moe_gemv
-from nanoserve.kernels.moe_reference import fused_moe_ref
 from nanoserve.kernels.w4_experts import dequantize_w4_experts
 
 # H = 96: 3 groups of 32 and masked tails of the default tiles; I = 48: 3 groups of 16, 1.5 of 32 (a cut last group).
 HIDDEN, INTER = 96, 48
-MOE_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2)}
 
 
 def _w4(num_experts, n, k, group, asymmetric, gen):
@@ -45,16 +44,10 @@ def _experts(num_experts, group, asymmetric, device, gen, hidden=HIDDEN, inter=I
     return torch.cat([gate[0], up[0]], dim=1).to(device), w2.to(device), kw, values
 
 
-def _routing(num_tokens, top_k, num_experts, gen, device):
-    ids = torch.rand(num_tokens, num_experts, generator=gen).topk(top_k, dim=-1).indices
-    return ids.to(device), (torch.rand(num_tokens, top_k, generator=gen) + 0.1).to(device)
 
 
 def _check(out, x, values, weights, ids, expert_start):
-    ref = fused_moe_ref(x.float(), *values, weights, ids, expert_start=expert_start)
-    assert out.dtype == x.dtype and out.shape == x.shape
-    top = ref.abs().max()
-    torch.testing.assert_close(out.float() / top, ref / top, **MOE_TOL[x.dtype])
+    check_against_reference(out, x, values, weights, ids, expert_start=expert_start)
 
 
 def test_reference_dequantization_is_the_layouts(gen):
@@ -71,7 +64,7 @@ def test_reference_dequantization_is_the_layouts(gen):
 def test_fused_moe_w4(device, gen, num_tokens, top_k, dtype, group, asymmetric, expert_start):
     w13, w2, kw, values = _experts(4, group, asymmetric, device, gen)
     x = torch.randn(num_tokens, HIDDEN, generator=gen).to(device, dtype)
-    ids, weights = _routing(num_tokens, top_k, 4 + 2 * expert_start, gen, device)
+    ids, weights = routing(num_tokens, top_k, 4 + 2 * expert_start, gen, device)
     if expert_start:
         ids[0] = torch.tensor([0, 11])  # routed only to other ranks' experts: zeros
     out = fused_moe(x, w13, w2, weights, ids, expert_start=expert_start, **kw)
@@ -89,7 +82,7 @@ def test_fused_moe_w4(device, gen, num_tokens, top_k, dtype, group, asymmetric, 
 def test_moe_gemv_w4(device, gen, num_tokens, top_k, dtype, group, asymmetric, expert_start, hidden):
     w13, w2, kw, values = _experts(4 if expert_start else 8, group, asymmetric, device, gen, hidden)
     x = torch.randn(num_tokens, hidden, generator=gen).to(device, dtype)
-    ids, weights = _routing(num_tokens, top_k, 12 if expert_start else 8, gen, device)
+    ids, weights = routing(num_tokens, top_k, 12 if expert_start else 8, gen, device)
     if expert_start:
         ids[0] = torch.tensor([0, 11])  # routed only to other ranks' experts: zeros
         ids[1] = torch.tensor([4, 9])  # one local pair and one remote
@@ -107,7 +100,7 @@ def test_moe_gemv_w4_norm_prologue(device, gen):
     w13, w2, kw, values = _experts(8, 32, True, device, gen)
     x = torch.randn(1, HIDDEN, generator=gen).to(device)
     norm_w = (torch.rand(HIDDEN, generator=gen) + 0.5).to(device)
-    ids, weights = _routing(1, 4, 8, gen, device)
+    ids, weights = routing(1, 4, 8, gen, device)
     out = moe_gemv(x, w13, w2, weights, ids, norm=(norm_w, 1e-6), **kw)
     _check(out, rms_norm_ref(x, norm_w, 1e-6), values, weights, ids, 0)
 
@@ -115,7 +108,7 @@ def test_moe_gemv_w4_norm_prologue(device, gen):
 def test_w4_bad_arguments_are_named(device, gen):
     w13, w2, kw, _ = _experts(4, 16, True, device, gen)
     x = torch.randn(3, HIDDEN, generator=gen).to(device)
-    ids, weights = _routing(3, 2, 4, gen, device)
+    ids, weights = routing(3, 2, 4, gen, device)
     with pytest.raises(ValueError, match=r"w13_scale must be contiguous fp32 \(4, 96, 6\)"):
         fused_moe(x, w13, w2, weights, ids, **dict(kw, w13_scale=kw["w13_scale"][:, :, :3].contiguous()))
     with pytest.raises(ValueError, match="group_size a multiple of 16"):
